@@ -1,0 +1,1 @@
+"""Pure jnp functions the modules call: routing math, expert dispatch, attention."""

@@ -1,0 +1,418 @@
+"""ModelConfig: every DeepSeek-V3 architecture field, presets, validation, HF config.json I/O.
+
+The config is data: one frozen dataclass, variants are named constructors, features are explicit
+fields. It is validated once at construction and every error names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+_DTYPES = ("float32", "bfloat16", "float16")
+MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+ATTENTION_IMPLS = ("xla", "pallas")
+
+
+class ConfigError(ValueError):
+    """A config field has a value the model cannot be built with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig:
+    """YaRN context extension (DeepSeek-V3 ships factor 40 over a 4096 original context)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # scale on cos/sin; derived from mscale* when None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            raise ConfigError(f"yarn.factor must be > 0, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError(
+                "yarn.original_max_position_embeddings must be > 0, "
+                f"got {self.original_max_position_embeddings}"
+            )
+        if self.beta_fast <= self.beta_slow:
+            raise ConfigError(f"yarn.beta_fast ({self.beta_fast}) must exceed yarn.beta_slow ({self.beta_slow})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V3 architecture plus the dtype and implementation policy.
+
+    Defaults are the 671B release; `tiny()` is the test-sized variant.
+    """
+
+    # Sizes.
+    vocab_size: int = 129280
+    hidden_size: int = 7168  # D
+    intermediate_size: int = 18432  # dense-layer SwiGLU hidden size
+    moe_intermediate_size: int = 2048  # F, per routed/shared expert
+    num_layers: int = 61
+    num_dense_layers: int = 3  # the first layers use a dense MLP instead of MoE
+    # Multi-head latent attention.
+    num_heads: int = 128  # H
+    q_lora_rank: int | None = 1536  # None: a single q projection (HF `q_proj`)
+    kv_lora_rank: int = 512  # C, the cached latent
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64  # R, one roped key head shared by all heads
+    v_head_dim: int = 128
+    # DeepSeekMoE.
+    num_routed_experts: int = 256  # E
+    num_shared_experts: int = 1
+    num_experts_per_token: int = 8  # top-k
+    num_expert_groups: int = 8
+    num_groups_per_token: int = 4  # groups kept before top-k (HF `topk_group`)
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    # Norms and positions.
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True  # rotate adjacent pairs (DeepSeek layout); False: rotate_half
+    max_position_embeddings: int = 163840
+    yarn: YarnConfig | None = YarnConfig(
+        factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    )
+    # Multi-token prediction.
+    num_mtp_layers: int = 1
+    # Initialisation and numerics policy.
+    initializer_range: float = 0.006
+    param_dtype: str = "float32"  # master weights
+    compute_dtype: str = "bfloat16"  # matmuls; router, softmax and norms always run in fp32
+    # Implementation switches (each fast path has a reference twin held equal by tests).
+    moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU
+    moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
+    attention_impl: str = "xla"
+    remat: bool = False  # rematerialise each layer in the backward pass
+
+    def __post_init__(self):
+        self._validate()
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> "ModelConfig":
+        """The released DeepSeek-V3 / V3.1 (671B) architecture."""
+        return dataclasses.replace(cls(), **overrides) if overrides else cls()
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """A few-MB model with every feature switched on: q LoRA, groups, YaRN, 1 dense layer, MTP."""
+        base = cls(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_layers=3,
+            num_dense_layers=1,
+            num_heads=4,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_routed_experts=16,
+            num_shared_experts=1,
+            num_experts_per_token=4,
+            num_expert_groups=4,
+            num_groups_per_token=2,
+            max_position_embeddings=1024,
+            yarn=YarnConfig(factor=4.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=1.0),
+            num_mtp_layers=1,
+            initializer_range=0.02,
+            compute_dtype="float32",
+        )
+        return base.replace(**overrides) if overrides else base
+
+    def replace(self, **overrides) -> "ModelConfig":
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; valid fields: {self.field_names()}")
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Inverse of `to_dict`; unknown keys are an error that lists the valid ones."""
+        d = dict(d)
+        unknown = sorted(set(d) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; valid fields: {cls.field_names()}")
+        if isinstance(d.get("yarn"), Mapping):
+            d["yarn"] = YarnConfig(**d["yarn"])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -------------------------------------------------------------- validation
+    def _validate(self):
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
+            "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "num_routed_experts", "num_experts_per_token", "num_expert_groups", "num_groups_per_token",
+            "max_position_embeddings", "moe_tile_size",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ConfigError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
+        if self.num_dense_layers > self.num_layers:
+            raise ConfigError(
+                f"num_dense_layers ({self.num_dense_layers}) exceeds num_layers ({self.num_layers})"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even (pairs are rotated), got {self.qk_rope_head_dim}")
+        if self.num_routed_experts % self.num_expert_groups:
+            raise ConfigError(
+                f"num_routed_experts ({self.num_routed_experts}) is not divisible into "
+                f"num_expert_groups ({self.num_expert_groups})"
+            )
+        if self.experts_per_group < 2:
+            raise ConfigError(
+                f"each expert group needs at least 2 experts (groups are scored by their top-2), got "
+                f"num_routed_experts={self.num_routed_experts} / num_expert_groups={self.num_expert_groups}"
+            )
+        if self.num_groups_per_token > self.num_expert_groups:
+            raise ConfigError(
+                f"num_groups_per_token ({self.num_groups_per_token}) exceeds "
+                f"num_expert_groups ({self.num_expert_groups})"
+            )
+        if self.num_experts_per_token > self.num_groups_per_token * self.experts_per_group:
+            raise ConfigError(
+                f"num_experts_per_token ({self.num_experts_per_token}) is larger than the kept groups hold: "
+                f"num_groups_per_token ({self.num_groups_per_token}) x experts_per_group "
+                f"({self.experts_per_group})"
+            )
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 1:
+            raise ConfigError(f"rope_theta must be > 1, got {self.rope_theta}")
+        if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
+            raise ConfigError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ConfigError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+
+    # ---------------------------------------------------------- derived sizes
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_routed_experts // self.num_expert_groups
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        if self.yarn is not None and self.yarn.mscale_all_dim and self.yarn.factor > 1:
+            m = 0.1 * self.yarn.mscale_all_dim * math.log(self.yarn.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    # ------------------------------------------------------- parameter counts
+    def _attention_params(self) -> int:
+        d, h = self.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            q = d * h * self.qk_head_dim
+        else:
+            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d
+
+    def _moe_params(self, activated: bool) -> int:
+        d, f = self.hidden_size, self.moe_intermediate_size
+        experts = self.num_experts_per_token if activated else self.num_routed_experts
+        router = self.num_routed_experts * d + self.num_routed_experts  # weight + correction bias
+        return router + (experts + self.num_shared_experts) * 3 * d * f
+
+    def _layer_params(self, moe: bool, activated: bool = False) -> int:
+        ffn = self._moe_params(activated) if moe else 3 * self.hidden_size * self.intermediate_size
+        return self._attention_params() + ffn + 2 * self.hidden_size  # + attention and ffn norms
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts from the config alone.
+
+        total: the main model (embedding, layers, final norm, head); activated: what one token
+        touches (top-k routed + shared experts, every router); mtp: the MTP modules' own weights
+        (their embedding and output head are the main model's).
+        """
+        d, v = self.hidden_size, self.vocab_size
+        outer = 2 * v * d + d
+        dense = self.num_dense_layers * self._layer_params(moe=False)
+        total = outer + dense + self.num_moe_layers * self._layer_params(moe=True)
+        activated = outer + dense + self.num_moe_layers * self._layer_params(moe=True, activated=True)
+        mtp_one = 2 * d + 2 * d * d + self._layer_params(moe=True) + d  # enorm, hnorm, eh_proj, block, norm
+        return {"total": total, "activated": activated, "mtp": self.num_mtp_layers * mtp_one}
+
+    # ------------------------------------------------------- HF config.json
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
+        """Reads an HF DeepSeek-V3 `config.json` (a path, its folder, or the parsed dict).
+
+        Accepts the released `rope_scaling` and the transformers-5 `rope_parameters` spellings.
+        Unknown keys are ignored (HF configs carry many); unsupported architecture values raise.
+        """
+        source = "config dict"
+        if isinstance(path_or_dict, Mapping):
+            hf = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            source = path
+            try:
+                with open(path) as f:
+                    hf = json.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"no HF config at {path}") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls(**_hf_to_fields(hf, source), **overrides)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` dict HF transformers loads as `DeepseekV3ForCausalLM`."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.yarn is not None:
+            y = self.yarn
+            rope = {
+                "rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
+                "original_max_position_embeddings": y.original_max_position_embeddings,
+                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
+                "mscale_all_dim": y.mscale_all_dim, "truncate": y.truncate,
+            }
+            if y.attention_factor is not None:
+                rope["attention_factor"] = y.attention_factor
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "first_k_dense_replace": self.num_dense_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "n_routed_experts": self.num_routed_experts,
+            "n_shared_experts": self.num_shared_experts,
+            "num_experts_per_tok": self.num_experts_per_token,
+            "n_group": self.num_expert_groups,
+            "topk_group": self.num_groups_per_token,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "norm_topk_prob": self.norm_topk_prob,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_interleave": self.rope_interleave,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_nextn_predict_layers": self.num_mtp_layers,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": "bfloat16" if self.param_dtype == "bfloat16" else "float32",
+        }
+
+
+def _hf_to_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    def need(key):
+        if key not in hf:
+            raise ConfigError(f"{source}: missing required field {key!r}")
+        return hf[key]
+
+    unsupported = {
+        "hidden_act": ("silu",), "scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",),
+        "tie_word_embeddings": (False,), "attention_bias": (False,),
+    }
+    for key, allowed in unsupported.items():
+        if key in hf and hf[key] not in allowed:
+            raise ConfigError(f"{source}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {allowed[0]!r})")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    yarn = None
+    if rope_type == "yarn":
+        yarn = YarnConfig(
+            factor=float(rope["factor"]),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings") or need("max_position_embeddings")
+            ),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(rope.get("mscale") or 0.0),
+            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
+        )
+    elif rope_type != "default":
+        raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (use 'yarn' or 'default')")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fields = dict(
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        intermediate_size=need("intermediate_size"),
+        moe_intermediate_size=need("moe_intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_dense_layers=hf.get("first_k_dense_replace", 0),
+        num_heads=need("num_attention_heads"),
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+        num_routed_experts=need("n_routed_experts"),
+        num_shared_experts=hf.get("n_shared_experts") or 0,
+        num_experts_per_token=need("num_experts_per_tok"),
+        num_expert_groups=hf.get("n_group") or 1,
+        num_groups_per_token=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        max_position_embeddings=need("max_position_embeddings"),
+        yarn=yarn,
+        num_mtp_layers=hf.get("num_nextn_predict_layers") or 0,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+    if hf.get("num_key_value_heads", fields["num_heads"]) != fields["num_heads"]:
+        raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads in MLA")
+    return fields

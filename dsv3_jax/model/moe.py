@@ -1,0 +1,68 @@
+"""DeepSeekMoE: shared expert(s) plus routed experts chosen by the bias-corrected sigmoid router."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import params
+from dsv3_jax.model.mlp import MLP
+from dsv3_jax.ops import dispatch, routing
+
+
+class RouterStats(NamedTuple):
+    expert_counts: jax.Array  # float32 [E]: valid tokens routed to each expert (for the bias update)
+    balance_loss: jax.Array  # float32 []: sequence-wise balance loss before its weight alpha
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.weight = params.normal(rngs, (cfg.num_routed_experts, cfg.hidden_size), ("expert", "embed"),
+                                    std=cfg.initializer_range, dtype=cfg.param_dtype)
+        self.bias = params.RouterBias(jnp.zeros((cfg.num_routed_experts,), jnp.float32), logical_axes=("expert",))
+
+    def __call__(self, x_NxD: jax.Array) -> routing.Routing:
+        """Router logits in fp32 (x W_g^T), then group-limited top-k."""
+        cfg = self.cfg
+        logits = jnp.einsum("ND,ED->NE", x_NxD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        return routing.route(logits, self.bias[...], top_k=cfg.num_experts_per_token,
+                             num_groups=cfg.num_expert_groups, groups_kept=cfg.num_groups_per_token,
+                             routed_scale=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, d, f, std, pd = (cfg.num_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                            cfg.initializer_range, cfg.param_dtype)
+        self.gate = Router(cfg, rngs=rngs)
+        self.w1 = params.normal(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w3 = params.normal(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w2 = params.normal(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pd)
+        if cfg.num_shared_experts:
+            self.shared_experts = MLP(d, f * cfg.num_shared_experts, std=std, param_dtype=pd,
+                                      compute_dtype=cfg.compute_dtype, rngs=rngs)
+        else:
+            self.shared_experts = None
+
+    def __call__(self, x_BxTxD: jax.Array, token_mask_BxT: jax.Array | None = None
+                 ) -> tuple[jax.Array, RouterStats]:
+        """x [B, T, D] -> (routed + shared output [B, T, D], router statistics)."""
+        cfg, (b, t, d) = self.cfg, x_BxTxD.shape
+        x_NxD = x_BxTxD.reshape(b * t, d)
+        route = self.gate(x_NxD)
+        dt = cfg.compute_dtype
+        y = dispatch.routed_experts(x_NxD.astype(dt), route.experts_NxK, route.weights_NxK,
+                                    self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt),
+                                    impl=cfg.moe_impl, max_tile=cfg.moe_tile_size).reshape(b, t, d)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_BxTxD)
+        mask_N = None if token_mask_BxT is None else token_mask_BxT.reshape(-1)
+        stats = RouterStats(routing.expert_counts(route.experts_NxK, cfg.num_routed_experts, mask_N),
+                            routing.sequence_balance_loss(route, b, token_mask_BxT))
+        return y, stats

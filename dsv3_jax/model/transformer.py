@@ -1,0 +1,97 @@
+"""DeepSeekV3: embedding, dense-then-MoE layer stacks (scanned), final norm, head, MTP."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import params
+from dsv3_jax.model.block import Block, Context, run_stack
+from dsv3_jax.model.moe import RouterStats
+from dsv3_jax.model.mtp import MTPLayer, run_mtp
+from dsv3_jax.model.norm import RMSNorm
+from dsv3_jax.model.rope import rope_angles
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # float32 [B, T, V], main head
+    hidden: jax.Array  # [B, T, D] after the final norm
+    router_stats: RouterStats | None  # leaves stacked [L_moe, ...]
+    mtp_logits: jax.Array | None  # float32 [M, B, T, V]; depth k at i predicts t_{i+k+1}
+    mtp_router_stats: RouterStats | None  # leaves stacked [M, ...]
+
+
+def check_tokens(tokens, vocab_size: int) -> None:
+    """Clear errors for bad token input; value checks only when the array is concrete."""
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+        raise ValueError(f"tokens must be an int array [batch, length], got shape {np.shape(tokens)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+        return
+    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if lo < 0 or hi >= vocab_size:
+        bad = np.argwhere((np.asarray(tokens) < 0) | (np.asarray(tokens) >= vocab_size))[0]
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {int(tokens[tuple(bad)])} "
+                         f"at [batch={bad[0]}, position={bad[1]}]")
+
+
+class DeepSeekV3(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = cfg
+        d, v, std, pd = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range, cfg.param_dtype
+        self.embed = params.normal(rngs, (v, d), ("vocab", "embed"), std=std, dtype=pd)
+        self.dense_layers = (params.stack_layers(lambda r: Block(cfg, moe=False, rngs=r), cfg.num_dense_layers, rngs)
+                             if cfg.num_dense_layers else None)
+        self.moe_layers = (params.stack_layers(lambda r: Block(cfg, moe=True, rngs=r), cfg.num_moe_layers, rngs)
+                           if cfg.num_moe_layers else None)
+        self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd)
+        self.head = params.normal(rngs, (d, v), ("embed", "vocab"), std=std, dtype=pd)
+        self.mtp = (params.stack_layers(lambda r: MTPLayer(cfg, rngs=r), cfg.num_mtp_layers, rngs)
+                    if cfg.num_mtp_layers else None)
+
+    def _logits(self, h: jax.Array) -> jax.Array:
+        dt = self.config.compute_dtype
+        return jnp.einsum("...D,DV->...V", h.astype(dt), self.head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def forward(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
+                segment_ids: jax.Array | None = None, with_mtp: bool = True) -> ModelOutput:
+        """Everything training needs from one pass.
+
+        tokens int [B, T]; positions int [B, T] (default 0..T-1; packed rows restart them per
+        document); segment_ids int [B, T] (documents of a packed row, 0 = padding) make attention
+        document-aware and keep padding out of router statistics.
+        """
+        cfg = self.config
+        check_tokens(tokens_BxT, cfg.vocab_size)
+        b, t = tokens_BxT.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos, sin = rope_angles(positions, cfg)
+        mask = None if segment_ids is None else segment_ids > 0
+        ctx = Context(cos, sin, segment_ids, mask)
+        emb = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+        x = emb
+        if self.dense_layers is not None:
+            x, _ = run_stack(self.dense_layers, x, ctx, remat=cfg.remat)
+        stats = None
+        if self.moe_layers is not None:
+            x, stats = run_stack(self.moe_layers, x, ctx, remat=cfg.remat)
+        h = self.norm(x)
+        mtp_logits = mtp_stats = None
+        if with_mtp and self.mtp is not None:
+            mtp_h, mtp_stats = run_mtp(self.mtp, h, emb, ctx, remat=cfg.remat)
+            mtp_logits = self._logits(mtp_h)
+        return ModelOutput(self._logits(h), h, stats, mtp_logits, mtp_stats)
+
+    def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """int [B, T] -> float32 logits [B, T, vocab] of the main head."""
+        return self.forward(tokens_BxT, positions=positions, segment_ids=segment_ids, with_mtp=False).logits
