@@ -1,0 +1,23 @@
+"""Data for dsv3-jax: the bundled corpus and tokenizer, document sources, grain pipelines.
+
+Batches are dicts of int32 [batch_size, seq_len] arrays `tokens`, `segment_ids`, `positions`
+(see `pipeline`). Bundled tokenizer ids: pad 0, bos 1, eos 2; vocab 2048.
+"""
+
+from dsv3_jax.data.corpus import fortune_documents
+from dsv3_jax.data.pipeline import (
+    DataConfig,
+    checkpoint_restore_args,
+    checkpoint_save_args,
+    make_dataset,
+    make_train_and_eval,
+    split_indices,
+)
+from dsv3_jax.data.sources import DataError, TextSource, TokenSource, open_source
+from dsv3_jax.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "DataConfig", "DataError", "TextSource", "TokenSource", "Tokenizer", "checkpoint_restore_args",
+    "checkpoint_save_args", "fortune_documents", "load_tokenizer", "make_dataset",
+    "make_train_and_eval", "open_source", "split_indices",
+]

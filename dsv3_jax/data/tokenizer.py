@@ -36,7 +36,7 @@ class Tokenizer:
     path: the file it was loaded from.
   """
 
-  hf: tokenizers.Tokenizer
+  hf: tokenizers.Tokenizer = dataclasses.field(repr=False)
   bos_id: int
   eos_id: int
   pad_id: int
