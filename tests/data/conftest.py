@@ -7,11 +7,9 @@ import pytest
 from dsv3_jax.data import corpus
 from dsv3_jax.data import tokenizer as tokenizer_lib
 
-SEQ_LEN = 64
-
 
 def unique_documents(n: int = 240, num_long: int = 6) -> list[str]:
-  """`n` distinct documents; the last `num_long` are several fortunes long (> 3 rows each)."""
+  """`n` distinct documents; the last `num_long` are ten fortunes long (hundreds of tokens)."""
   fortunes = list(dict.fromkeys(corpus.fortune_documents()))
   docs = [f"Document {i}. {fortunes[i]}" for i in range(n - num_long)]
   for j in range(num_long):
