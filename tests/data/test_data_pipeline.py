@@ -154,7 +154,7 @@ def test_get_state_set_state_resumes_exactly(jsonl_path, skip):
 
 
 def test_orbax_composite_checkpoint(jsonl_path, tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")  # A hard dependency; always present here.
+  import orbax.checkpoint as ocp
   it = iter(make_dataset(_config(jsonl_path), process_index=0, process_count=1))
   for _ in range(5):
     next(it)
