@@ -1,0 +1,156 @@
+"""The one table between HF DeepSeek-V3 tensor names and this model's parameter paths.
+
+Each `Leaf` says which HF tensors make one slice of one of our parameters, and how to turn them
+into that slice (`to_ours`) and back (`to_hf`). Stacked parameters ([layers, ...]) have one slice
+per HF layer; MoE expert weights gather E per-expert HF tensors into one [E, ...] slice.
+
+HF linear weights are [out, in]; ours are [in, out] with the heads axis split out where it helps
+(wq_b [Q, H, K], wkv_b [C, H, N+V], wo [H, V, D]). The rope rows need no permutation: our rope
+rotates the same adjacent pairs HF's interleaved rope does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import numpy as np
+
+from dsv3_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: tuple[str, ...]  # our parameter path, e.g. ("moe_layers", "attn", "wq_a")
+    hf: Callable[[int | None], list[str]]  # HF names of one slice, given the HF layer index
+    hf_layers: tuple[int, ...] | None  # HF layer of each stacked slice; None: not stacked
+    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+    hf_shapes: Callable[[], list[tuple[int, ...]]]  # expected HF shapes of one slice
+
+
+def _t(shape_ours: tuple[int, ...]):
+    """HF [out, in] <-> ours [in, *split(out)] for a matrix whose out dim splits into `shape_ours[1:]`."""
+    fan_in = shape_ours[0]
+
+    def to_ours(xs):
+        return xs[0].T.reshape(shape_ours)
+
+    def to_hf(x):
+        return [x.reshape(fan_in, -1).T]
+
+    return to_ours, to_hf, lambda: [(int(np.prod(shape_ours[1:])), fan_in)]
+
+
+def _wo(h: int, v: int, d: int):
+    def to_ours(xs):
+        return xs[0].T.reshape(h, v, d)
+
+    def to_hf(x):
+        return [x.reshape(h * v, d).T]
+
+    return to_ours, to_hf, lambda: [(d, h * v)]
+
+
+def _same(shape: tuple[int, ...]):
+    return (lambda xs: xs[0]), (lambda x: [x]), lambda: [shape]
+
+
+def _experts(e: int, shape_ours: tuple[int, int]):
+    """E HF [out, in] matrices <-> ours [E, in, out]."""
+
+    def to_ours(xs):
+        return np.stack([x.T for x in xs])
+
+    def to_hf(x):
+        return [x[i].T for i in range(e)]
+
+    return to_ours, to_hf, lambda: [(shape_ours[1], shape_ours[0])] * e
+
+
+def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...], Callable, tuple]]:
+    """(our sub-path, HF suffix names for layer L, converters) for one transformer block."""
+    d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    k, nv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+
+    def one(name):
+        return lambda layer: [f"model.layers.{layer}.{name}"]
+
+    yield ("attn_norm", "weight"), one("input_layernorm.weight"), _same((d,))
+    yield ("ffn_norm", "weight"), one("post_attention_layernorm.weight"), _same((d,))
+    if cfg.q_lora_rank is None:
+        yield ("attn", "wq"), one("self_attn.q_proj.weight"), _t((d, h, k))
+    else:
+        q = cfg.q_lora_rank
+        yield ("attn", "wq_a"), one("self_attn.q_a_proj.weight"), _t((d, q))
+        yield ("attn", "q_norm", "weight"), one("self_attn.q_a_layernorm.weight"), _same((q,))
+        yield ("attn", "wq_b"), one("self_attn.q_b_proj.weight"), _t((q, h, k))
+    yield ("attn", "wkv_a"), one("self_attn.kv_a_proj_with_mqa.weight"), _t((d, c + r))
+    yield ("attn", "kv_norm", "weight"), one("self_attn.kv_a_layernorm.weight"), _same((c,))
+    yield ("attn", "wkv_b"), one("self_attn.kv_b_proj.weight"), _t((c, h, nv))
+    yield ("attn", "wo"), one("self_attn.o_proj.weight"), _wo(h, cfg.v_head_dim, d)
+    if not moe:
+        i = cfg.intermediate_size
+        yield ("ffn", "w1"), one("mlp.gate_proj.weight"), _t((d, i))
+        yield ("ffn", "w3"), one("mlp.up_proj.weight"), _t((d, i))
+        yield ("ffn", "w2"), one("mlp.down_proj.weight"), _t((i, d))
+        return
+    e, f = cfg.num_routed_experts, cfg.moe_intermediate_size
+    yield ("ffn", "gate", "weight"), one("mlp.gate.weight"), _same((e, d))
+    yield ("ffn", "gate", "bias"), one("mlp.gate.e_score_correction_bias"), _same((e,))
+
+    def experts(proj):
+        return lambda layer: [f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight" for j in range(e)]
+
+    yield ("ffn", "w1"), experts("gate_proj"), _experts(e, (d, f))
+    yield ("ffn", "w3"), experts("up_proj"), _experts(e, (d, f))
+    yield ("ffn", "w2"), experts("down_proj"), _experts(e, (f, d))
+    if cfg.num_shared_experts:
+        fs = f * cfg.num_shared_experts
+        yield ("ffn", "shared_experts", "w1"), one("mlp.shared_experts.gate_proj.weight"), _t((d, fs))
+        yield ("ffn", "shared_experts", "w3"), one("mlp.shared_experts.up_proj.weight"), _t((d, fs))
+        yield ("ffn", "shared_experts", "w2"), one("mlp.shared_experts.down_proj.weight"), _t((fs, d))
+
+
+def _mtp_leaves(cfg: ModelConfig):
+    d = cfg.hidden_size
+
+    def one(name):
+        return lambda layer: [f"model.layers.{layer}.{name}"]
+
+    yield ("enorm", "weight"), one("enorm.weight"), _same((d,))
+    yield ("hnorm", "weight"), one("hnorm.weight"), _same((d,))
+    yield ("eh_proj",), one("eh_proj.weight"), _t((2 * d, d))
+    yield ("norm", "weight"), one("shared_head.norm.weight"), _same((d,))
+    for sub, names, conv in _block_leaves(cfg, moe=True):
+        yield ("block",) + sub, names, conv
+
+
+def leaves(cfg: ModelConfig) -> list[Leaf]:
+    """Every parameter of `DeepSeekV3(cfg)` with its HF source."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    out = [
+        Leaf(("embed",), lambda _: ["model.embed_tokens.weight"], None, *_same((v, d))),
+        Leaf(("norm", "weight"), lambda _: ["model.norm.weight"], None, *_same((d,))),
+        Leaf(("head",), lambda _: ["lm_head.weight"], None, *_t((d, v))),
+    ]
+    stacks = [
+        ("dense_layers", tuple(range(cfg.num_dense_layers)), _block_leaves(cfg, moe=False)),
+        ("moe_layers", tuple(range(cfg.num_dense_layers, cfg.num_layers)), _block_leaves(cfg, moe=True)),
+        ("mtp", tuple(range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers)), _mtp_leaves(cfg)),
+    ]
+    for stack, hf_layers, block in stacks:
+        if not hf_layers:
+            continue
+        for sub, names, (to_ours, to_hf, shapes) in block:
+            out.append(Leaf((stack,) + sub, names, hf_layers, to_ours, to_hf, shapes))
+    return out
+
+
+def mtp_shared_copies(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(HF MTP-layer copy, main tensor) pairs: each MTP layer stores the embedding and head again."""
+    pairs = []
+    for layer in range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers):
+        pairs.append((f"model.layers.{layer}.embed_tokens.weight", "model.embed_tokens.weight"))
+        pairs.append((f"model.layers.{layer}.shared_head.head.weight", "lm_head.weight"))
+    return pairs
