@@ -10,6 +10,8 @@ from pallas_kernels.fp8_matmul import BlockSizes as BlockSizesFp8
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.mla_decode import BlockSizes as BlockSizesMlaDecode
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+from pallas_kernels.mla_prefill import BlockSizes as BlockSizesMlaPrefill
+from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
 from pallas_kernels.quantize import (dequantize_1x128, dequantize_128x128, quantize_1x128,
                                      quantize_128x128)
 
@@ -17,5 +19,6 @@ __all__ = [
     "Backend", "resolve_backend",
     "BlockSizesFp8", "fp8_matmul", "fp8_matmul_reference",
     "BlockSizesMlaDecode", "mla_decode", "mla_decode_reference",
+    "BlockSizesMlaPrefill", "mla_prefill", "mla_prefill_reference",
     "quantize_1x128", "quantize_128x128", "dequantize_1x128", "dequantize_128x128",
 ]
