@@ -60,9 +60,11 @@ def scaled_block_dot(x_blk, w_blk, xs_col, ws_row, dot_dtype):
   return part * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
 
 
-def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype, k_axis):
-  """Grid (..., K/bk) with K last: accumulate in VMEM scratch, write on the last K step."""
-  k = pl.program_id(k_axis)
+def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype, k, num_k):
+  """Grid (..., K/bk) with K last: accumulate in VMEM scratch, write on the last K step.
+
+  `k`, `num_k`: the K grid index and extent, read by the caller (the interpreter cannot
+  evaluate `pl.program_id` inside a `pl.when`)."""
 
   @pl.when(k == 0)
   def _():
@@ -74,14 +76,21 @@ def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype,
     acc += scaled_block_dot(x_ref[:, sl], w_ref[:, sl], xs_ref[s], ws_ref[s], dot_dtype)
   acc_ref[...] = acc
 
-  @pl.when(k == pl.num_programs(k_axis) - 1)
+  @pl.when(k == num_k - 1)
   def _():
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
+def _dense_tpu_kernel(*refs, **kw):
+  tpu_kernel(*refs, k=pl.program_id(2), num_k=pl.num_programs(2), **kw)
+
+
 def triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, w_row0, *, num_k, subs, dot_dtype,
                       block_n):
-  """In-kernel K loop over full-K refs (Triton: no scratch); returns the fp32 [bm,bn] tile."""
+  """In-kernel K loop over full-K refs (Triton: no scratch); returns the fp32 [bm,bn] tile.
+
+  `w_row0` is the first weight row (and per-row scale) of this tile inside `w_ref`/`ws_ref`;
+  `num_k` may be traced (0 skips the tile)."""
   def body(k, acc):
     for s in range(subs):
       kb = k * subs + s
@@ -138,7 +147,7 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
   kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
   if be.style == "tpu":
     grid = (mp // bm, np_ // bn, kp // bk)
-    kernel = functools.partial(tpu_kernel, k_axis=2, **kw)
+    kernel = functools.partial(_dense_tpu_kernel, **kw)
     in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
                 pl.BlockSpec((subs, bm, 1), lambda i, j, k: (k, i, 0)),
                 pl.BlockSpec((bn, bk), lambda i, j, k: (j, k)),

@@ -4,29 +4,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_kernels import (BlockSizesFp8, fp8_matmul, fp8_matmul_reference, quantize_1x128,
                             quantize_128x128)
-from pallas_test_utils import LOWERINGS, lowers
-
-
-def numpy_promoted_matmul(x_q, x_s, w_q, w_s):
-  """out = sum_kb (x[:, kb] @ w[:, kb].T in fp32) * xs[:, kb] * ws[n//128, kb], fp32 throughout."""
-  x = np.asarray(x_q).astype(np.float32)
-  w = np.asarray(w_q).astype(np.float32)
-  x_s, w_s = np.asarray(x_s, np.float32), np.asarray(w_s, np.float32)
-  m, k = x.shape
-  n = w.shape[0]
-  out = np.zeros((m, n), np.float32)
-  row_block = np.arange(n) // 128
-  for kb in range(-(-k // 128)):
-    cols = slice(kb * 128, (kb + 1) * 128)
-    part = x[:, cols] @ w[:, cols].T
-    out += part * x_s[:, kb:kb + 1] * w_s[row_block, kb][None, :]
-  return out
+from pallas_test_utils import LOWERINGS, lowers, numpy_promoted_matmul
 
 
 def _operands(m, n, k, pow2=False, seed=0):
