@@ -63,7 +63,7 @@ def _experts(e: int, shape_ours: tuple[int, int]):
         return np.stack([x.T for x in xs])
 
     def to_hf(x):
-        return [x[i].T for i in range(e)]
+        return [xi.T for xi in x]  # any number of experts: export goes one expert at a time
 
     return to_ours, to_hf, lambda: [(shape_ours[1], shape_ours[0])] * e
 

@@ -61,6 +61,37 @@ class SafetensorsFile:
             raise CheckpointError(f"tensor {name} in {self.path} has unsupported dtype {code}")
         return DTYPES[code]
 
+    def nbytes(self, name: str) -> int:
+        start, end = self.entries[name]["data_offsets"]
+        return end - start
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` through a memory map of its own byte range only.
+
+        The map is released when the returned array (and every view of it) is dropped, so a
+        streaming reader's resident memory stays at the tensors in use, however large the file.
+        """
+        if name not in self.entries:
+            raise CheckpointError(f"tensor {name} is not in {self.path}")
+        start, end = self.entries[name]["data_offsets"]
+        dtype, shape = self.dtype(name), self.shape(name)
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - start != dtype.itemsize * count or self._base + end > os.path.getsize(self.path):
+            raise CheckpointError(f"tensor {name} in {self.path} is truncated or its offsets are corrupt")
+        if count == 0:
+            return np.zeros(shape, dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._base + start, shape=tuple(shape))
+
+    def read_rows(self, name: str, start_row: int, end_row: int) -> np.ndarray:
+        """Rows [start_row, end_row) of tensor `name`, mapping only their bytes."""
+        full = self.shape(name)
+        dtype = self.dtype(name)
+        row_bytes = dtype.itemsize * int(np.prod(full[1:], dtype=np.int64))
+        self.read(name)  # validates the offsets; maps nothing that stays resident
+        begin = self._base + self.entries[name]["data_offsets"][0] + start_row * row_bytes
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=begin,
+                         shape=(end_row - start_row, *full[1:]))
+
     def get(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of tensor `name`."""
         if name not in self.entries:
@@ -73,6 +104,42 @@ class SafetensorsFile:
         if raw.size != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
             raise CheckpointError(f"tensor {name} in {self.path} is truncated or its offsets are corrupt")
         return raw.view(dtype).reshape(shape)
+
+
+class ShardWriter:
+    """Writes one safetensors file whose header (names, dtypes, shapes) is known up front and
+    whose tensors arrive one at a time, in header order: memory stays at one tensor."""
+
+    def __init__(self, path: str | os.PathLike, specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None):
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for name, dtype, shape in specs:
+            dtype = np.dtype(dtype)
+            if dtype not in NAMES:
+                raise CheckpointError(f"cannot write tensor {name} of dtype {dtype} to safetensors")
+            nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.path, self.nbytes = os.fspath(path), 8 + len(blob) + offset
+        self._pending = [(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in specs]
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(blob)))
+        self._f.write(blob)
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        want = self._pending.pop(0)
+        if (name, arr.dtype, tuple(arr.shape)) != want:
+            raise CheckpointError(f"{self.path}: got {name} {arr.dtype} {tuple(arr.shape)}, the header says {want}")
+        self._f.write(np.ascontiguousarray(arr).tobytes())
+
+    def close(self, check: bool = True) -> None:
+        self._f.close()
+        if check and self._pending:
+            raise CheckpointError(f"{self.path}: {len(self._pending)} tensor(s) never written, "
+                                  f"first {self._pending[0][0]}")
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]] | Mapping[str, np.ndarray],
@@ -135,6 +202,26 @@ class HFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(self.weight_map[name]).shape(name)
+
+    def header(self, name: str) -> tuple[tuple[int, ...], np.dtype, int]:
+        """(shape, dtype, nbytes) from the shard header, without touching the data."""
+        shard = self._shard_of(name)
+        return shard.shape(name), shard.dtype(name), shard.nbytes(name)
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` mapped on its own (see `SafetensorsFile.read`)."""
+        return self._shard_of(name).read(name)
+
+    def read_rows(self, name: str, start_row: int, end_row: int) -> np.ndarray:
+        return self._shard_of(name).read_rows(name, start_row, end_row)
+
+    def _shard_of(self, name: str) -> SafetensorsFile:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name} is missing from {self.folder}")
+        shard = self._file(self.weight_map[name])
+        if name not in shard:
+            raise CheckpointError(f"{self.folder}: the index puts {name} in {shard.path}, which lacks it")
+        return shard
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.weight_map:

@@ -1,0 +1,47 @@
+"""FP8 (e4m3) 128x128 block scales as the released DeepSeek-V3 weights store them (numpy, host side).
+
+`weight_scale_inv` is fp32 [ceil(out/128), ceil(in/128)] and multiplies: w = fp32(q) * s[i//128, j//128],
+rounded once to the target dtype. Edge blocks may be partial (576 rows -> 5 blocks).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BLOCK = 128
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-4
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    return tuple(-(-n // block) for n in shape)
+
+
+def dequantize(q: np.ndarray, scale_inv: np.ndarray, *, block: int = BLOCK) -> np.ndarray:
+    """fp32(q) * s[i // 128, j // 128] (partial edge blocks allowed), in float32."""
+    rows, cols = q.shape
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)[:rows, :cols]
+    return q.astype(np.float32) * s
+
+
+def quantize(w: np.ndarray, *, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] -> (e4m3 [out, in], fp32 scale_inv [ceil(out/128), ceil(in/128)]), DeepSeek recipe:
+    scale = max(amax over the block's valid elements, 1e-4) / 448."""
+    rows, cols = w.shape
+    rb, cb = scale_shape(w.shape, block)
+    padded = np.zeros((rb * block, cb * block), np.float32)
+    padded[:rows, :cols] = w
+    amax = np.abs(padded.reshape(rb, block, cb, block)).max(axis=(1, 3))
+    scale = (np.maximum(amax, MIN_AMAX) / E4M3_MAX).astype(np.float32)
+    s = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:rows, :cols]
+    q = np.clip(w.astype(np.float32) / s, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q, scale
+
+
+def quantizable(hf_name: str) -> bool:
+    """Which HF tensors the released checkpoint stores in FP8: attention and MLP/expert projections.
+    Norms, router, bias, embeddings, head and `eh_proj` stay in bf16."""
+    return hf_name.endswith("_proj.weight") and "eh_proj" not in hf_name and (
+        ".self_attn." in hf_name or ".mlp." in hf_name)

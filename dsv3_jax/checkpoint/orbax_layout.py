@@ -1,0 +1,172 @@
+"""Our Orbax checkpoint layout, written array by array (slice by slice) with tensorstore.
+
+    CKPT/
+      _CHECKPOINT_METADATA   Orbax composite metadata: items `params`, `config` (and `fp8`)
+      config/metadata        JSON: {"format", "version", "model": ModelConfig.to_dict(), "source": {...}}
+      params/                StandardCheckpointHandler item: the pure dict of the model's `nnx.Param`
+                             and `RouterBias` state, stacked layers included ([L, ...])
+      fp8/                   only with --keep-fp8: {param path: {"qvalue": e4m3 [.., out, in],
+                             "scale_inv": f32 [.., ceil(out/128), ceil(in/128)]}}, HF orientation
+                             (the [N, K] / [NB, KB] layout of `pallas_kernels.fp8_matmul`)
+
+`params` and `fp8` are what Orbax's StandardCheckpointHandler itself writes (OCDBT + zarr), so
+`ocp.StandardCheckpointer().restore(CKPT / "params", abstract)` and an Orbax `Composite` restore
+read them, with any target sharding. We write them ourselves because Orbax saves whole arrays and
+one stacked expert tensor of the real model is 436 GB: tensorstore lets us write a zarr array into
+the same OCDBT database one [layer, expert] slice at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
+
+PARAMS, FP8, CONFIG = "params", "fp8", "config"
+FORMAT, VERSION = "dsv3_jax", 1
+CHUNK_BYTES = 64 << 20
+_HANDLERS = {
+    PARAMS: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
+    FP8: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
+    CONFIG: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
+}
+_TS_DTYPES = {np.dtype(ml_dtypes.bfloat16): ts.bfloat16, np.dtype(ml_dtypes.float8_e4m3fn): ts.float8_e4m3fn}
+
+
+def _context() -> ts.Context:
+    # No tensorstore cache: written chunks must not accumulate in memory.
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 16}})
+
+
+def _kvstore(item_dir: str, name: str) -> dict:
+    return {"driver": "ocdbt", "base": f"file://{os.path.abspath(item_dir)}/", "path": name}
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES) -> list[int]:
+    """Leading dims cut to 1 (then partially) until a chunk is at most `target` bytes, so a
+    stacked [L, E, in, out] array is chunked per layer and expert."""
+    chunk = [max(1, n) for n in shape]
+    for i in range(len(chunk)):
+        if math.prod(chunk) * itemsize <= target:
+            break
+        rest = math.prod(chunk[i + 1:]) * itemsize
+        chunk[i] = max(1, min(chunk[i], target // max(rest, 1)))
+    return chunk
+
+
+class ItemWriter:
+    """Writes one Orbax StandardCheckpointHandler item (a nested dict of arrays) with tensorstore.
+
+    `create` returns a tensorstore array to write slices into; `write` keeps a bounded number of
+    bytes in flight so reading, converting and writing overlap without memory growing.
+    """
+
+    def __init__(self, item_dir: str, max_in_flight: int = 256 << 20):
+        self.dir = item_dir
+        os.makedirs(item_dir, exist_ok=True)
+        self._ctx = _context()
+        self._keys: list[tuple[str, ...]] = []
+        self._pending: list[tuple[Any, int]] = []
+        self._max_in_flight = max_in_flight
+
+    def create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype) -> ts.TensorStore:
+        dtype = np.dtype(dtype)
+        self._keys.append(tuple(path))
+        spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path)),
+                "metadata": {"compressor": None, "chunks": chunk_shape(shape, dtype.itemsize)}}
+        return ts.open(spec, create=True, dtype=_TS_DTYPES.get(dtype, ts.dtype(dtype.name)),
+                       shape=list(shape), context=self._ctx).result()
+
+    def write(self, target, value: np.ndarray) -> None:
+        """`target[...] = value` asynchronously, waiting first if too many bytes are in flight."""
+        fut = target.write(np.ascontiguousarray(value))
+        self._pending.append((fut, value.nbytes))
+        while sum(n for _, n in self._pending) > self._max_in_flight:
+            self._pending.pop(0)[0].result()
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.pop(0)[0].result()
+
+    def finish(self) -> None:
+        self.flush()
+        tree = {str(k): {"key_metadata": [{"key": p, "key_type": 2} for p in k],
+                         "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False}}
+                for k in self._keys}
+        _write_json(os.path.join(self.dir, "_METADATA"),
+                    {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": False,
+                     "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_config(root: str, meta: dict[str, Any], items: list[str]) -> None:
+    """Written last: a folder without these files is not a checkpoint (see `is_orbax_checkpoint`)."""
+    os.makedirs(os.path.join(root, CONFIG), exist_ok=True)
+    _write_json(os.path.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
+    now = time.time_ns()
+    _write_json(os.path.join(root, "_CHECKPOINT_METADATA"),
+                {"item_handlers": {k: _HANDLERS[k] for k in [*items, CONFIG]}, "metrics": {},
+                 "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
+                 "custom_metadata": {}})
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+    return all(os.path.exists(os.path.join(path, *p)) for p in
+               [("_CHECKPOINT_METADATA",), (CONFIG, "metadata"), (PARAMS, "_METADATA")])
+
+
+def read_meta(root: str) -> dict[str, Any]:
+    path = os.path.join(root, CONFIG, "metadata")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{root} is not a dsv3_jax Orbax checkpoint: cannot read {path} ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def item_keys(root: str, item: str) -> set[tuple[str, ...]]:
+    path = os.path.join(root, item, "_METADATA")
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        tree = json.load(f)["tree_metadata"]
+    return {tuple(k["key"] for k in v["key_metadata"]) for v in tree.values()}
+
+
+class ItemReader:
+    """Reads slices of the arrays of one item without restoring whole arrays."""
+
+    def __init__(self, root: str, item: str):
+        self.dir = os.path.join(root, item)
+        self._ctx = _context()
+        self._open: dict[tuple[str, ...], ts.TensorStore] = {}
+
+    def array(self, path: tuple[str, ...]) -> ts.TensorStore:
+        if path not in self._open:
+            spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path))}
+            try:
+                self._open[path] = ts.open(spec, open=True, context=self._ctx).result()
+            except ValueError as e:
+                raise CheckpointError(f"{self.dir}: cannot open array {'.'.join(path)} ({e})") from None
+        return self._open[path]
+
+    def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
+        arr = self.array(path)
+        return np.asarray(arr[index].read().result() if index != () else arr.read().result())

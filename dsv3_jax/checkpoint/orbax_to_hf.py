@@ -1,0 +1,201 @@
+"""Our Orbax checkpoint -> an HF DeepSeek-V3 folder (shards, index, config.json), streamed.
+
+Tensors come out under the hub's names (per-expert `mlp.experts.J.*`, MTP as layer
+`num_hidden_layers + k` with its `embed_tokens` / `shared_head.head` copies when the source had
+them), each read from the Orbax arrays one [layer] or [layer, expert] slice at a time.
+
+dtype: per parameter, the dtype the HF source had (recorded at conversion; so bf16 and fp32 round
+trips are bit-exact) unless `dtype` is given. `fp8=True` writes the quantisable projections as
+e4m3 + `weight_scale_inv`: the stored bytes and scales where the checkpoint kept them
+(`--keep-fp8`), otherwise block-quantised here (`fp8.quantize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from typing import Callable
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
+from dsv3_jax.checkpoint.hf_to_orbax import _tmp_path, commit, leaf_slices, slice_to_hf
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter
+from dsv3_jax.config import ModelConfig
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+@dataclasses.dataclass
+class _Tensor:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+    layer: int  # for ordering: -1 before the layers, 10**9 after
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return int(m.group(1))
+    return -1 if name.startswith("model.embed_tokens") else 10**9
+
+
+class _Source:
+    """Reads HF-oriented slices from the checkpoint: from `params`, or dequantised / raw from `fp8`."""
+
+    def __init__(self, root: str, meta: dict):
+        self.params = orbax_layout.ItemReader(root, orbax_layout.PARAMS)
+        self.fp8 = orbax_layout.ItemReader(root, orbax_layout.FP8)
+        self.fp8_leaves = set(meta.get("fp8_leaves", []))
+        self._last: tuple = (None, None)
+
+    def raw_fp8(self, leaf: hf_names.Leaf, index) -> tuple[np.ndarray, np.ndarray]:
+        return (self.fp8.read(leaf.path + ("qvalue",), index), self.fp8.read(leaf.path + ("scale_inv",), index))
+
+    def quantized(self, leaf: hf_names.Leaf, index, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block-quantised HF tensor; the last one is cached since its scale is written right after."""
+        key = (leaf.path, index, k)
+        if self._last[0] != key:
+            self._last = (key, fp8.quantize(self.hf_float(leaf, index, k)))
+        return self._last[1]
+
+    def hf_float(self, leaf: hf_names.Leaf, index, k: int) -> np.ndarray:
+        """HF tensor `k` of the slice at `index`, as float (fp32 for FP8-kept leaves)."""
+        if ".".join(leaf.path) in self.fp8_leaves:
+            return fp8.dequantize(*self.raw_fp8(leaf, index))
+        return slice_to_hf(leaf, index, self.params.read(leaf.path, index))[k]
+
+
+def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.dtype | None) -> list[_Tensor]:
+    source = meta.get("source", {})
+    dtypes, exceptions = source.get("dtypes", {}), source.get("dtype_exceptions", {})
+    stored = np.dtype(jnp.dtype(cfg.param_dtype))
+    out = []
+    for leaf in hf_names.leaves(cfg):
+        key = ".".join(leaf.path)
+        kept = key in src.fp8_leaves
+        for index, names in leaf_slices(leaf):
+            for k, name in enumerate(names):
+                shape = leaf.hf_shapes()[k if len(index) < 2 else 0]
+                if want_fp8 and fp8.quantizable(name):
+                    out += _fp8_pair(src, leaf, index, k, name, shape, kept)
+                    continue
+                recorded = exceptions.get(name, dtypes.get(key))
+                if dtype is not None:
+                    dt = dtype
+                elif recorded == "float8_e4m3fn":  # an FP8 source written out unquantised
+                    dt = np.dtype(ml_dtypes.bfloat16)
+                else:
+                    dt = np.dtype(jnp.dtype(recorded)) if recorded else stored
+                out.append(_Tensor(name, dt, tuple(shape),
+                                   lambda leaf=leaf, index=index, k=k, dt=dt: src.hf_float(leaf, index, k).astype(dt),
+                                   _layer_of(name)))
+    if source.get("mtp_shared_copies", True):
+        out += _mtp_copies(cfg, src, out)
+    return out
+
+
+def _fp8_pair(src: _Source, leaf, index, k, name, shape, kept) -> list[_Tensor]:
+    if kept:
+        q = lambda: src.raw_fp8(leaf, index)[0]  # noqa: E731
+        s = lambda: src.raw_fp8(leaf, index)[1]  # noqa: E731
+    else:
+        q = lambda: src.quantized(leaf, index, k)[0]  # noqa: E731
+        s = lambda: src.quantized(leaf, index, k)[1]  # noqa: E731
+    scale = name[: -len(".weight")] + ".weight_scale_inv"
+    return [_Tensor(name, fp8.E4M3, tuple(shape), q, _layer_of(name)),
+            _Tensor(scale, np.dtype(np.float32), fp8.scale_shape(shape), s, _layer_of(name))]
+
+
+def _mtp_copies(cfg: ModelConfig, src: _Source, main: list[_Tensor]) -> list[_Tensor]:
+    by_name = {t.name: t for t in main}
+    return [dataclasses.replace(by_name[m], name=c, layer=_layer_of(c))
+            for c, m in hf_names.mtp_shared_copies(cfg) if m in by_name]
+
+
+def _assign_shards(tensors: list[_Tensor], recorded: dict[str, str] | None, shard_bytes: int) -> dict[str, str]:
+    """The source's own shard names when the tensor names are the same, else greedy by size."""
+    names = {t.name for t in tensors}
+    if recorded and set(recorded) == names:
+        return dict(recorded)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.dtype.itemsize * int(np.prod(t.shape, dtype=np.int64))
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t.name)
+        size += nbytes
+    if len(groups) == 1:
+        return {n: "model.safetensors" for n in groups[0]}
+    n = len(groups)
+    return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups) for name in g}
+
+
+def hf_config(cfg: ModelConfig, dtype: np.dtype, fp8_out: bool) -> dict:
+    out = cfg.to_hf_config()
+    out["torch_dtype"] = out["dtype"] = {"float32": "float32", "float16": "float16"}.get(dtype.name, "bfloat16")
+    if fp8_out:
+        out["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    return out
+
+
+def convert_orbax_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, fp8_out: bool = False, dtype=None,
+                        shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+                        overwrite: bool = False) -> dict:
+    """Writes HF folder `out` from our Orbax checkpoint `ckpt`. Returns a summary dict."""
+    root, out = os.path.abspath(os.fspath(ckpt)), os.path.abspath(os.fspath(out))
+    if not orbax_layout.is_orbax_checkpoint(root):
+        raise CheckpointError(f"{root} is not an Orbax checkpoint written by `python -m dsv3_jax.convert`")
+    if os.path.exists(out) and not overwrite:
+        raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
+    meta = orbax_layout.read_meta(root)
+    cfg = ModelConfig.from_dict(meta["model"])
+    want = np.dtype(jnp.dtype(dtype)) if dtype is not None else None
+    src = _Source(root, meta)
+    tensors = sorted(_plan(cfg, meta, src, fp8_out, want), key=lambda t: t.layer)  # stable: table order within a layer
+    source = meta.get("source", {})
+    weight_map = _assign_shards(tensors, source.get("weight_map"), shard_bytes)
+    by_shard: dict[str, list[_Tensor]] = {}
+    for t in tensors:
+        by_shard.setdefault(weight_map[t.name], []).append(t)
+    total = sum(t.dtype.itemsize * int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+    main_dtype = want or np.dtype(jnp.dtype(source.get("dtypes", {}).get("embed", cfg.param_dtype)))
+    tmp = _tmp_path(out)
+    try:
+        os.makedirs(tmp)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Orbax -> {os.path.basename(out)}",
+                  disable=not progress, smoothing=0.1) as bar:
+            for shard in sorted(by_shard):
+                group = by_shard[shard]
+                writer = ShardWriter(os.path.join(tmp, shard), [(t.name, t.dtype, t.shape) for t in group],
+                                     metadata={"format": "pt"})
+                try:
+                    for t in group:
+                        value = t.make()
+                        writer.write(t.name, np.asarray(value, t.dtype).reshape(t.shape))
+                        bar.update(value.nbytes)
+                except BaseException:
+                    writer.close(check=False)
+                    raise
+                writer.close()
+        if len(by_shard) > 1 or "model.safetensors" not in by_shard:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(cfg, main_dtype, fp8_out), f, indent=2)
+        commit(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": out, "tensors": len(tensors), "shards": len(by_shard), "bytes": total}

@@ -1,0 +1,81 @@
+"""HF DeepSeek-V3 safetensors <-> our Orbax checkpoint.
+
+    python -m dsv3_jax.convert --hf-dir HF --out CKPT [--dtype bfloat16|float32] [--keep-fp8] [--verify [N]]
+    python -m dsv3_jax.convert --to-hf --ckpt CKPT --out HF [--fp8] [--dtype ...] [--shard-size 5GB]
+
+Streams: resident memory is about one layer slice whatever the checkpoint size. Output goes to a
+temporary folder renamed into place only when complete. Exit code 0 on success, 2 on a checkpoint
+or config error (the message names the tensor and file), 1 on anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTB")
+    return int(float(num) * units[t[len(num):]])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dsv3_jax.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", help="HF folder to read (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help="parameter dtype (default: as stored; bfloat16 for FP8 sources)")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="store FP8 projections as e4m3 + block scales (the `fp8` item) instead of dequantising")
+    p.add_argument("--verify", nargs="?", type=int, const=16, default=0, metavar="N",
+                   help="re-read N sampled slices (default 16) and compare them with the source before committing")
+    p.add_argument("--to-hf", action="store_true", help="export an Orbax checkpoint to an HF folder")
+    p.add_argument("--ckpt", help="Orbax checkpoint to export (with --to-hf)")
+    p.add_argument("--fp8", action="store_true", help="with --to-hf: write e4m3 projections + weight_scale_inv")
+    p.add_argument("--shard-size", type=_size, default="5GB", help="with --to-hf: max bytes per shard")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only once complete)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.to_hf and not args.ckpt:
+        p.error("--to-hf needs --ckpt")
+    if not args.to_hf and not args.hf_dir:
+        p.error("--hf-dir is required (or --to-hf --ckpt CKPT)")
+    if args.to_hf and (args.keep_fp8 or args.verify):
+        p.error("--keep-fp8 and --verify apply to HF -> Orbax only")
+    if not args.to_hf and args.fp8:
+        p.error("--fp8 applies to --to-hf; for HF -> Orbax use --keep-fp8")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    from dsv3_jax.checkpoint import CheckpointError
+    from dsv3_jax.config import ConfigError
+
+    try:
+        if args.to_hf:
+            from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
+
+            summary = convert_orbax_to_hf(args.ckpt, args.out, fp8_out=args.fp8, dtype=args.dtype,
+                                          shard_bytes=args.shard_size, progress=not args.no_progress,
+                                          overwrite=args.overwrite)
+        else:
+            from dsv3_jax.checkpoint.hf_to_orbax import convert_hf_to_orbax
+
+            summary = convert_hf_to_orbax(args.hf_dir, args.out, dtype=args.dtype, keep_fp8=args.keep_fp8,
+                                          verify=args.verify, progress=not args.no_progress,
+                                          overwrite=args.overwrite)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.info("wrote %s", summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
