@@ -1,0 +1,58 @@
+"""Greedy generation over the latent cache against the full-sequence forward; compilation reuse; errors."""
+
+import numpy as np
+import pytest
+
+from dsv3_jax.inference import generate
+from dsv3_jax.inference.decode import TRACE_COUNTS
+from tests.inference.conftest import MAX_NEW, VOCAB
+
+
+def test_greedy_equals_full_forward_argmax_ragged(model, ragged_batch, greedy_reference):
+    prompts, lengths = ragged_batch
+    expected, gap = greedy_reference
+    assert gap > 1e-2, f"reference argmax is a near-tie (gap {gap}); the comparison would prove little"
+    out = np.asarray(generate(model, prompts, MAX_NEW, lengths=lengths, pad_id=0))
+    assert out.shape == (3, 7 + MAX_NEW) and out.dtype == np.int32
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(out[b, :n + MAX_NEW], expected[b, :n + MAX_NEW], err_msg=f"row {b}")
+        assert (out[b, n + MAX_NEW:] == 0).all(), "slots past a row's generated tokens hold pad_id"
+
+
+def test_one_compiled_decode_step_for_every_token_and_length(model, ragged_batch, greedy_reference):
+    prompts, lengths = ragged_batch
+    generate(model, prompts, MAX_NEW, lengths=lengths)  # compiled (or already compiled by another test)
+    before = dict(TRACE_COUNTS)
+    short = np.asarray(generate(model, prompts, 3, lengths=lengths))  # same cache bucket, fewer steps
+    generate(model, np.abs(prompts), MAX_NEW, lengths=np.array([2, 6, 3], np.int32))  # other cache lengths
+    assert dict(TRACE_COUNTS) == before, "decode or prefill was traced again"
+    assert TRACE_COUNTS["plain_decode"] == 1
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(short[b, :n + 3], greedy_reference[0][b, :n + 3])
+
+
+def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
+    prompts, lengths = ragged_batch
+    expected = greedy_reference[0]
+    stop = int(expected[0, lengths[0] + 2])  # row 0's third generated token
+    out = np.asarray(generate(model, prompts, MAX_NEW, lengths=lengths, stop_tokens=(stop,), pad_id=VOCAB - 1))
+    for b, n in enumerate(lengths):
+        gen = expected[b, n:n + MAX_NEW].tolist()
+        keep = gen.index(stop) + 1 if stop in gen else MAX_NEW
+        np.testing.assert_array_equal(out[b, n:n + keep], gen[:keep])
+        assert (out[b, n + keep:] == VOCAB - 1).all()
+    assert keep <= MAX_NEW and expected[0, lengths[0] + 2] == stop
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=np.array([[1, VOCAB]], np.int32)), r"vocab_size=64.*position=1"),
+    (dict(max_new_tokens=2000), "max_position_embeddings"),
+    (dict(lengths=np.array([0], np.int32)), "lengths"),
+    (dict(stop_tokens=(VOCAB,)), "stop_tokens"),
+    (dict(cache_dtype="int8"), "cache_dtype"),
+    (dict(prompts=np.array([1, 2], np.int32)), r"\[batch, length\]"),
+])
+def test_errors_name_the_problem(model, kwargs, match):
+    args = dict(prompts=np.array([[1, 2]], np.int32), max_new_tokens=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(model, args.pop("prompts"), args.pop("max_new_tokens"), **args)
