@@ -1,0 +1,80 @@
+"""Orbax checkpoints of the train state and the grain iterator: async, keep-N, every K steps.
+
+A checkpoint is an `ocp.args.Composite` of `state` (the whole `TrainState`: parameters,
+optimizer state, router biases, step, RNG, skip counters) and `data` (the grain iterator's
+position), so a restore resumes at exactly the next batch. Saves are asynchronous: the step loop
+continues while the previous checkpoint is written; a crash mid-write leaves only an unfinished
+temporary folder, which Orbax ignores, so the last complete checkpoint is what a restart finds.
+
+`SigtermFlag` turns SIGTERM (pre-emption) into a flag the loop checks after each step, so the
+run saves a final checkpoint and exits cleanly instead of dying mid-step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import orbax.checkpoint as ocp
+
+from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
+
+
+class Checkpointer:
+    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
+        if every < 1 or keep < 1:
+            raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
+        self.every = every
+        # The interval is applied here, not by Orbax, which also saves whenever no checkpoint exists yet.
+        options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep,
+                                               enable_async_checkpointing=async_save, create=True)
+        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                             item_names=("state", "data"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, abstract_state, data_iterator, step: int | None = None):
+        """Restores the state (returned) and moves `data_iterator` to the saved position in place."""
+        step = self.latest_step() if step is None else step
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
+        return restored["state"]
+
+    def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
+        """Saves when `step` is on the interval (or `force`); returns whether a save started."""
+        if step % self.every and not force:
+            return False
+        return self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator)))
+
+    def close(self):
+        """Waits for a pending async save, then releases the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs of a pytree of arrays (a restore target that allocates nothing)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+class SigtermFlag:
+    """Context manager: while active, SIGTERM sets `requested` instead of killing the process."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._previous)
+        return False

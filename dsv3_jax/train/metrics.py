@@ -1,0 +1,143 @@
+"""Training metrics: model FLOPs and MFU, the metrics.jsonl / TensorBoard writer, the console line.
+
+FLOPs per token (training = 3x forward): 6 x the activated matmul parameters (main model and MTP:
+top-k + shared experts, routers, attention, dense MLPs, the head; the embedding is a gather and is
+left out) + causal attention, 3 x 2 x H x (qk_head_dim + v_head_dim) x T/2 per layer
+(scores and the weighted sum over T/2 keys on average).
+
+Peak FLOP/s per device: a table of dense bf16 peaks by `device_kind` for accelerators; on CPU (or
+an unknown kind) a short fp32 matmul benchmark measured once; `train.peak_flops_per_device` in the
+config overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets (substring of device_kind).
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12, "TPU7x": 2307e12,
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12, "A800": 312e12,
+    "L40S": 362e12, "A10G": 70e12,
+}
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of a `ModelConfig` at context `seq_len` (see the module docstring)."""
+    counts = cfg.param_counts()
+    idle_experts = (cfg.num_routed_experts - cfg.num_experts_per_token) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    mtp_activated = counts["mtp"] - cfg.num_mtp_layers * idle_experts
+    matmul = counts["activated"] - cfg.vocab_size * cfg.hidden_size + mtp_activated
+    layers = cfg.num_layers + cfg.num_mtp_layers
+    attention = 3 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * (seq_len / 2) * layers
+    return 6.0 * matmul + attention
+
+
+def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` jitted fp32 [n, n] matmuls on the default device."""
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_flops_per_device(override: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure came from)."""
+    if override > 0:
+        return override, "config train.peak_flops_per_device"
+    kind = jax.devices()[0].device_kind
+    for name, peak in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak, f"table entry {name!r} for device kind {kind!r}"
+    return measure_cpu_flops(), f"fp32 matmul benchmark on {kind!r}"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to DIR/metrics.jsonl and scalars to TensorBoard.
+
+    On resume from step S the lines of steps > S (written after the checkpoint, before a crash)
+    are dropped, so the file reads like an uninterrupted run.
+    """
+
+    def __init__(self, workdir: str, resume_step: int = 0):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._truncate_after(resume_step)
+        self._file = open(self.path, "a")
+        from tensorboardX import SummaryWriter  # imported here: only the writer needs it
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def _truncate_after(self, step: int):
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            records = [line for line in f if line.strip()]
+        kept = [line for line in records if json.loads(line)["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, record: dict):
+        record = {k: _plain(v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(key, value, record["step"])
+
+    def close(self):
+        self._file.close()
+        self._tb.close()
+
+
+def _plain(value):
+    """numpy/jax scalars and arrays -> JSON numbers and lists."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        value = np.asarray(value)
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """Throughput and ETA over the steps since the last report (compile time excluded)."""
+
+    def __init__(self, start_step: int, total_steps: int):
+        self.total = total_steps
+        self.last_step, self.last_time = start_step, None
+        self.elapsed_steps, self.elapsed_time = 0, 0.0
+
+    def tick(self, step: int) -> tuple[float, float]:
+        """Returns (steps/s since the last tick, seconds left), step = steps done so far."""
+        now = time.perf_counter()
+        if self.last_time is None:  # the first call follows compilation: start the clock here
+            self.last_step, self.last_time = step, now
+            return float("nan"), float("nan")
+        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+        self.elapsed_steps += step - self.last_step
+        self.elapsed_time += now - self.last_time
+        self.last_step, self.last_time = step, now
+        mean_rate = self.elapsed_steps / max(self.elapsed_time, 1e-9)
+        return rate, (self.total - step) / max(mean_rate, 1e-9)

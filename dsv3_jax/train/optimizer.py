@@ -1,0 +1,101 @@
+"""AdamW with global-norm clipping, the decay mask, and the learning-rate schedules.
+
+DeepSeek-V3 recipe (paper section 4.2): AdamW b1 0.9, b2 0.95, weight decay 0.1, gradient
+clipping at global norm 1.0; the learning rate warms up linearly, stays constant, decays by a
+cosine to a tenth of the peak, then steps down twice. `wsd` (warmup, stable, linear decay) is the
+common alternative for runs whose length is not known in advance.
+
+Decay mask: weight decay applies to matrices only, i.e. every parameter with two or more
+logical axes besides the stacked `layers` axis: projections, experts, router weights, the
+embedding and the output head. Vectors (RMSNorm gains) are not decayed, and the router bias is
+not a parameter at all (see `balancing`), so the optimizer never sees it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsv3_jax.model.params import LAYERS, logical_axes
+
+# Where the paper's phases end, as fractions of the 14.8T-token run: constant until 10T, cosine
+# until 14.3T, the end rate for 333B tokens, the final rate for the last 167B.
+DEEPSEEK_CONSTANT_END = 10.0 / 14.8
+DEEPSEEK_COSINE_END = 14.3 / 14.8
+DEEPSEEK_FINAL_START = (14.8 - 0.167) / 14.8
+SCHEDULES = ("deepseek", "wsd")
+
+
+def warmup_factor(step, warmup_steps: int):
+    """Linear warmup that reaches 1 at step warmup_steps - 1 (so step 0 already moves)."""
+    if warmup_steps <= 0:
+        return jnp.ones_like(step, jnp.float32)
+    return jnp.minimum(1.0, (step + 1.0) / warmup_steps)
+
+
+def deepseek_schedule(total_steps: int, *, peak_lr: float, end_lr: float, final_lr: float,
+                      warmup_steps: int, constant_end: float = DEEPSEEK_CONSTANT_END,
+                      cosine_end: float = DEEPSEEK_COSINE_END, final_start: float = DEEPSEEK_FINAL_START):
+    """Warmup -> constant peak -> cosine to end_lr -> end_lr -> final_lr; phases as run fractions."""
+    if not 0.0 <= constant_end <= cosine_end <= final_start <= 1.0:
+        raise ValueError(f"schedule fractions must satisfy 0 <= {constant_end=} <= {cosine_end=} "
+                         f"<= {final_start=} <= 1")
+    c0, c1, f0 = (frac * total_steps for frac in (constant_end, cosine_end, final_start))
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        progress = jnp.clip((s - c0) / max(c1 - c0, 1e-9), 0.0, 1.0)
+        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        lr = jnp.where(s < c0, peak_lr, jnp.where(s < c1, cosine, jnp.where(s < f0, end_lr, final_lr)))
+        return lr * warmup_factor(s, warmup_steps)
+
+    return schedule
+
+
+def wsd_schedule(total_steps: int, *, peak_lr: float, end_lr: float, warmup_steps: int,
+                 decay_fraction: float):
+    """Warmup -> stable peak -> linear decay to end_lr over the last decay_fraction of the run."""
+    if not 0.0 <= decay_fraction <= 1.0:
+        raise ValueError(f"decay_fraction must lie in [0, 1], got {decay_fraction}")
+    d0 = (1.0 - decay_fraction) * total_steps
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        progress = jnp.clip((s - d0) / max(total_steps - d0, 1e-9), 0.0, 1.0)
+        return (peak_lr + (end_lr - peak_lr) * progress) * warmup_factor(s, warmup_steps)
+
+    return schedule
+
+
+def make_schedule(opt, total_steps: int):
+    """The schedule named by `opt.schedule` (an `optimizer` config section)."""
+    if opt.schedule == "deepseek":
+        return deepseek_schedule(total_steps, peak_lr=opt.peak_lr, end_lr=opt.end_lr, final_lr=opt.final_lr,
+                                 warmup_steps=opt.warmup_steps, constant_end=opt.constant_end,
+                                 cosine_end=opt.cosine_end, final_start=opt.final_start)
+    if opt.schedule == "wsd":
+        return wsd_schedule(total_steps, peak_lr=opt.peak_lr, end_lr=opt.end_lr,
+                            warmup_steps=opt.warmup_steps, decay_fraction=opt.decay_fraction)
+    raise ValueError(f"optimizer.schedule={opt.schedule!r} is not one of {SCHEDULES}")
+
+
+def decay_mask(param_state: nnx.State) -> dict:
+    """Pure dict of bools, True where weight decay applies (matrices; see the module docstring)."""
+    def is_matrix(variable):
+        return len([a for a in logical_axes(variable) if a != LAYERS]) >= 2
+
+    mask = jax.tree.map(is_matrix, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
+
+
+def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransformation:
+    """clip_by_global_norm(opt.clip_norm) then AdamW with the schedule and the decay mask."""
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(make_schedule(opt, total_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                    weight_decay=opt.weight_decay, mask=mask),
+    )

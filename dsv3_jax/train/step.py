@@ -1,0 +1,92 @@
+"""The train and eval steps: pure functions of (state, batch), jitted once.
+
+One train step: forward with MTP -> losses -> gradients -> skip guard -> clipped AdamW update ->
+router-bias update from this batch's expert counts. The counts are sums over the whole batch
+inside jit, so under a data/expert-sharded mesh they are the global loads the paper's rule needs.
+`jit_kwargs` (e.g. in/out shardings from a mesh) pass through to `jax.jit`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsv3_jax.train import balancing, losses
+from dsv3_jax.train.state import TrainState
+
+
+def _forward(graphdef, params, biases, batch, *, with_mtp: bool):
+    model = nnx.merge(graphdef, params, biases)
+    inputs, _, _ = losses.inputs_and_targets(batch)
+    t = inputs.shape[1]
+    return model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
+                         with_mtp=with_mtp)
+
+
+def _counts(stats):
+    return None if stats is None else stats.expert_counts
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
+                    mtp_weight: float, balance_weight: float, bias_update_speed: float,
+                    jit_kwargs: dict | None = None):
+    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU.
+
+    batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
+    `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
+    dropped), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
+    """
+
+    def loss_fn(params, biases, batch):
+        out = _forward(graphdef, params, biases, batch, with_mtp=True)
+        parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
+        return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats))
+
+    def train_step(state: TrainState, batch: dict):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (parts, main_counts, mtp_counts)), grads = grad_fn(state.params, state.router_bias, batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        biases = balancing.update_router_biases(state.router_bias, main_counts, mtp_counts, bias_update_speed)
+
+        def guard(new, old):  # a non-finite step leaves every piece of state as it was
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        skip = (~finite).astype(jnp.int32)
+        new_state = state.replace(
+            step=state.step + 1, params=guard(params, state.params), router_bias=guard(biases, state.router_bias),
+            opt_state=guard(opt_state, state.opt_state), rng=_next_key(state.rng), skipped=state.skipped + skip,
+            consecutive_skips=(state.consecutive_skips + 1) * skip)
+        metrics = {"loss": loss, "lm_loss": parts.lm, "mtp_loss": parts.mtp, "balance_loss": parts.balance,
+                   "grad_norm": grad_norm, "lr": schedule(state.step - state.skipped), "skipped": skip}
+        if main_counts is not None:
+            metrics["expert_counts"] = main_counts
+        if mtp_counts is not None:
+            metrics["mtp_expert_counts"] = mtp_counts
+        return new_state, metrics
+
+    # Donating the state halves its memory on accelerators. Not on CPU: there numpy views of the
+    # arrays (an async Orbax save in flight) share the buffers a donation would hand back to XLA.
+    donate = () if jax.default_backend() == "cpu" else (0,)
+    return jax.jit(train_step, donate_argnums=donate, **(jit_kwargs or {}))
+
+
+def _next_key(key_data: jax.Array) -> jax.Array:
+    return jax.random.key_data(jax.random.split(jax.random.wrap_key_data(key_data))[0])
+
+
+def make_eval_step(graphdef: nnx.GraphDef, jit_kwargs: dict | None = None):
+    """Returns jitted `eval_step(state, batch) -> (summed next-token NLL, valid tokens)`."""
+
+    def eval_step(state: TrainState, batch: dict):
+        out = _forward(graphdef, state.params, state.router_bias, batch, with_mtp=False)
+        _, targets, mask = losses.inputs_and_targets(batch)
+        return losses.cross_entropy(out.logits, targets, mask)
+
+    return jax.jit(eval_step, **(jit_kwargs or {}))

@@ -1,0 +1,59 @@
+"""Default: a ~2M-parameter DeepSeek-V3 (every feature on) that learns the bundled corpus on 2 CPU cores.
+
+    python -m experiments.train            # ~5-8 minutes on 2 CPU cores
+"""
+
+import ml_collections
+
+from experiments.configs.base import base_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = base_config()
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=2048,  # the bundled tokenizer's vocabulary
+        hidden_size=128,  # D
+        intermediate_size=512,  # dense-layer SwiGLU hidden size
+        moe_intermediate_size=64,  # per routed/shared expert
+        num_layers=4,  # transformer layers ...
+        num_dense_layers=1,  # ... of which the first is dense, the rest MoE
+        num_heads=4,  # attention heads
+        q_lora_rank=64,  # query low-rank compression
+        kv_lora_rank=32,  # the cached KV latent
+        qk_nope_head_dim=32,  # per-head query/key dims without rope
+        qk_rope_head_dim=16,  # the shared rope key dims
+        v_head_dim=32,  # per-head value dims
+        num_routed_experts=16,  # E
+        num_shared_experts=1,  # always-on experts
+        num_experts_per_token=4,  # top-k
+        num_expert_groups=4,  # groups of 4 experts ...
+        num_groups_per_token=2,  # ... of which each token keeps the best 2
+        routed_scaling_factor=2.5,  # gate scale, as in the 671B model
+        norm_topk_prob=True,  # normalise the top-k gates before scaling
+        rms_norm_eps=1e-6,  # RMSNorm epsilon
+        rope_theta=10000.0,  # rope base
+        rope_interleave=True,  # DeepSeek's adjacent-pair rope layout
+        max_position_embeddings=1024,  # well beyond seq_len
+        yarn=None,  # no context extension at this length
+        num_mtp_layers=1,  # one multi-token-prediction depth
+        initializer_range=0.02,  # init std
+        param_dtype="float32",  # master weights
+        compute_dtype="float32",  # matmul dtype; "bfloat16" for mixed precision
+        moe_impl="auto",  # tiled grouped matmul on CPU, ragged_dot on TPU/GPU
+        moe_tile_size=128,  # tile bound of the tiled grouped matmul
+        attention_impl="xla",  # "pallas" for the flash kernel
+        remat=False,  # no rematerialisation needed at this size
+    ))
+    c.data.seq_len = 128  # T
+    c.data.batch_size = 16  # rows per step: 2048 tokens
+    c.optimizer.peak_lr = 3e-3  # small models take a larger rate
+    c.optimizer.end_lr = 3e-4  # a tenth of the peak, as in the paper
+    c.optimizer.final_lr = 1e-4  # the paper's final step-down ratio (7.3e-6 / 2.2e-5)
+    c.optimizer.warmup_steps = 20  # short warmup for a short run
+    c.train.workdir = "runs/tiny"  # default output folder
+    c.train.steps = 300  # fits the 10-minute budget on 2 CPU cores
+    c.train.log_every = 10  # a metrics line every 10 steps
+    c.train.eval_every = 50  # eval loss every 50 steps
+    c.train.eval_batches = 4  # 4 x 16 held-out rows
+    c.train.checkpoint_every = 100  # 3 checkpoints over the run
+    return c

@@ -1,0 +1,85 @@
+"""Draws a run's curves from WORKDIR/metrics.jsonl.
+
+    python -m experiments.plot --workdir=runs/tiny [--out=DIR]
+
+Writes loss.png (train total / LM / MTP loss, eval loss, and the mean MaxVio per step) and
+expert_load.png (share of routed tokens per expert x MoE layer, averaged over the last 20% of
+logged steps; a balanced layer is a flat row at 1/E).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
+
+
+def load_records(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; is {workdir} a training workdir?")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise ValueError(f"{path} holds no records yet")
+    return records
+
+
+def plot_losses(records: list[dict], path: str):
+    steps = [r["step"] for r in records]
+    fig, (ax, ax_vio) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key in ("loss", "lm_loss", "mtp_loss"):
+        ax.plot(steps, [r[key] for r in records], label=key)
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval_loss")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="losses")
+    ax.legend()
+    if "maxvio" in records[0]:
+        ax_vio.plot(steps, [np.mean(r["maxvio"]) for r in records], label="main layers")
+        if "mtp_maxvio" in records[0]:
+            ax_vio.plot(steps, [np.mean(r["mtp_maxvio"]) for r in records], label="MTP layers")
+        ax_vio.legend()
+    ax_vio.set(xlabel="step", ylabel="max load / mean load - 1", title="MaxVio (batch)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_expert_load(records: list[dict], path: str):
+    with_load = [r for r in records if "expert_load" in r]
+    if not with_load:
+        raise ValueError("metrics.jsonl has no expert_load (a model without MoE layers)")
+    tail = with_load[-max(1, len(with_load) // 5):]
+    load_LxE = np.mean([r["expert_load"] for r in tail], axis=0)
+    fig, ax = plt.subplots(figsize=(max(6, load_LxE.shape[1] * 0.35), max(2.5, load_LxE.shape[0] * 0.5 + 1.5)))
+    image = ax.imshow(load_LxE, aspect="auto", cmap="viridis")
+    fig.colorbar(image, ax=ax, label=f"share of routed tokens (balanced: {1 / load_LxE.shape[1]:.3f})")
+    ax.set(xlabel="expert", ylabel="MoE layer",
+           title=f"expert load, steps {tail[0]['step']}-{tail[-1]['step']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    records = load_records(_WORKDIR.value)
+    out = _OUT.value or _WORKDIR.value
+    os.makedirs(out, exist_ok=True)
+    plot_losses(records, os.path.join(out, "loss.png"))
+    plot_expert_load(records, os.path.join(out, "expert_load.png"))
+    print(f"wrote {os.path.join(out, 'loss.png')} and {os.path.join(out, 'expert_load.png')}")
+
+
+if __name__ == "__main__":
+    app.run(main)

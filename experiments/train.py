@@ -1,0 +1,232 @@
+"""Trains DeepSeek-V3 with the paper's recipe: AdamW + clipping, the DeepSeek (or WSD) schedule,
+MTP and sequence-wise balance losses, auxiliary-loss-free bias balancing, Orbax checkpoints.
+
+    python -m experiments.train                                  # tiny model, bundled corpus
+    python -m experiments.train --config=experiments/configs/small.py --workdir=runs/small \
+        --steps=2000 --config.optimizer.peak_lr=1e-3 --config.data.path='corpus/*.jsonl'
+    python -m experiments.train --init_from=CKPT ...             # start from converted weights
+
+Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ and Orbax
+checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
+checkpoint (parameters, optimizer, router biases, step, RNG and data position), so a killed run
+continues exactly. SIGTERM saves a checkpoint and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+from ml_collections import config_flags
+
+from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
+from dsv3_jax.data import DataConfig, load_tokenizer, make_train_and_eval
+from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
+from dsv3_jax.train import state as state_lib, step as step_lib
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
+    "Training config file (experiments/configs/<name>.py); override fields with --config.a.b=v.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default: config.train.workdir.")
+_STEPS = flags.DEFINE_integer("steps", None, "Total train steps; default: config.train.steps.")
+_INIT_FROM = flags.DEFINE_string("init_from", None, "Converted Orbax checkpoint or HF folder to start "
+                                 "from (ignored when WORKDIR already holds a checkpoint).")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite steps in a row)."""
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    config = _CONFIG.value
+    with config.unlocked():
+        if _WORKDIR.value is not None:
+            config.train.workdir = _WORKDIR.value
+        if _STEPS.value is not None:
+            config.train.steps = _STEPS.value
+        if _INIT_FROM.value is not None:
+            config.train.init_from = _INIT_FROM.value
+    _quiet_library_logs()
+    train(config)
+
+
+def _quiet_library_logs():
+    """Orbax logs a dozen INFO lines per checkpoint through absl; keep its warnings only."""
+    class _DropOrbaxInfo(std_logging.Filter):
+        def filter(self, record):
+            return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+
+    logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+def enable_compilation_cache(path: str):
+    """Persistent XLA cache: a restarted run (resume, a repeated test) skips the minutes of compiling."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def model_config(config) -> ModelConfig:
+    return ModelConfig.from_dict(config.model.to_dict())
+
+
+def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
+    if config.train.init_from:
+        logging.info("initialising from %s (its architecture replaces config.model)", config.train.init_from)
+        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype)
+    return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
+
+
+def make_data(config, vocab_size: int):
+    """(train iterator, eval dataset, tokenizer); the pipeline checks every token id against the vocab."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size} ids, {config.data.tokenizer or 'bundled tokenizer'})")
+    data_config = DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
+                             data=config.data.path, tokenizer=config.data.tokenizer,
+                             text_field=config.data.text_field, add_bos=config.data.add_bos,
+                             eval_fraction=config.data.eval_fraction, seed=config.data.seed,
+                             num_workers=config.data.num_workers)
+    train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
+    return iter(train_ds), eval_ds
+
+
+def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
+    """Mean next-token loss over the held-out split (at most max_batches batches)."""
+    total, count = 0.0, 0.0
+    for i, batch in enumerate(eval_ds):
+        if i >= max_batches:
+            break
+        nll, n = eval_step(state, batch)
+        total, count = total + float(nll), count + float(n)
+    return total / max(count, 1.0)
+
+
+def load_record(counts_LxE) -> dict:
+    """MaxVio per layer and the per-expert load shares (for the heatmap) of one step's counts."""
+    counts = np.asarray(counts_LxE, np.float64)
+    share = counts / np.maximum(counts.sum(axis=-1, keepdims=True), 1.0)
+    return {"maxvio": np.asarray(balancing.max_violation(counts)).tolist(), "expert_load": share.round(5).tolist()}
+
+
+def train(config) -> list[dict]:
+    """Runs (or resumes) the training described by `config`; returns the records it logged."""
+    tc = config.train
+    enable_compilation_cache(tc.compilation_cache)
+    workdir = os.path.abspath(tc.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint_every,
+                                      keep=tc.keep_checkpoints)
+    model_json = os.path.join(workdir, "model_config.json")
+    resume = ckpt.latest_step() is not None
+    if resume:  # the architecture of the run being resumed (it may have come from --init_from)
+        with open(model_json) as f:
+            cfg = ModelConfig.from_dict(json.load(f))
+        model = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
+    else:
+        model = build_model(config, model_config(config))
+        cfg = model.config
+        with open(model_json, "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+    train_iter, eval_ds = make_data(config, cfg.vocab_size)
+    graphdef, params, _ = state_lib.split_model(model)
+    schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
+    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
+    graphdef, state = state_lib.init_train_state(model, tx, tc.seed)
+    del model, params
+    if resume:
+        state = ckpt.restore(checkpointing.abstract_like(state), train_iter)
+        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    start = int(state.step)
+
+    train_step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
+                                          balance_weight=config.loss.balance_weight,
+                                          bias_update_speed=config.balancing.bias_update_speed)
+    eval_step = step_lib.make_eval_step(graphdef)
+    tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
+    flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
+    peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
+    peak *= jax.device_count()
+    counts = cfg.param_counts()
+    logging.info("model: %.2fM parameters (%.2fM activated, MTP %.2fM); %d tokens/step; peak %.3g FLOP/s (%s)",
+                 counts["total"] / 1e6, counts["activated"] / 1e6, counts["mtp"] / 1e6, tokens_per_step,
+                 peak, peak_source)
+
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
+    progress = metrics_lib.Progress(start, tc.steps)
+    records, window_start, t_window = [], start, time.perf_counter()
+    try:
+        with checkpointing.SigtermFlag() as sigterm:
+            for step in range(start + 1, tc.steps + 1):
+                state, m = train_step(state, next(train_iter))
+                consecutive = int(state.consecutive_skips)
+                if consecutive >= tc.max_consecutive_skips:
+                    raise TrainingError(
+                        f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
+                        f"(last loss {float(m['loss'])}, grad norm {float(m['grad_norm'])}); stopping. Lower "
+                        f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips="
+                        f"{tc.max_consecutive_skips}.")
+                if step % tc.log_every == 0 or step == tc.steps:
+                    record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
+                    if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
+                        record["eval_loss"] = evaluate(eval_step, state, eval_ds, tc.eval_batches)
+                    steps_per_sec, eta = progress.tick(step)
+                    _console(record, tc.steps, steps_per_sec, eta)
+                    writer.write(record)
+                    records.append(record)
+                    window_start, t_window = step, time.perf_counter()
+                ckpt.save(step, state, train_iter, force=step == tc.steps or sigterm.requested)
+                if sigterm.requested:
+                    logging.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
+                    break
+    finally:
+        ckpt.close()
+        writer.close()
+    return records
+
+
+def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:
+    seconds = max(time.perf_counter() - t_window, 1e-9)
+    steps = step - window_start
+    record = {"step": step}
+    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr"):
+        record[key] = float(m[key])
+    record["tokens_per_sec"] = steps * tokens_per_step / seconds
+    record["mfu"] = steps * flops_per_step / seconds / peak
+    record["skipped_steps"] = int(state.skipped)
+    if "expert_counts" in m:
+        record.update(load_record(m["expert_counts"]))
+    if "mtp_expert_counts" in m:
+        record["mtp_maxvio"] = load_record(m["mtp_expert_counts"])["maxvio"]
+    return record
+
+
+def _console(record, total_steps, steps_per_sec, eta):
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lm {record['lm_loss']:.4f}",
+             f"mtp {record['mtp_loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    if "maxvio" in record:
+        parts.append(f"maxvio {np.mean(record['maxvio']):.3f}")
+    parts += [f"gnorm {record['grad_norm']:.3f}", f"lr {record['lr']:.3g}",
+              f"{record['tokens_per_sec']:.0f} tok/s", f"mfu {100 * record['mfu']:.2f}%"]
+    if record["skipped_steps"]:
+        parts.append(f"skipped {record['skipped_steps']}")
+    if np.isfinite(eta):
+        parts.append(f"{steps_per_sec:.2f} step/s, ETA {metrics_lib.format_duration(eta)}")
+    logging.info(" | ".join(parts))
+
+
+if __name__ == "__main__":
+    app.run(main)
