@@ -158,8 +158,12 @@ def _read(ckpt: HFCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
     return x.astype(dtype)
 
 
+def _row_step(row_bytes: int) -> int:
+    return max(1, _ROW_BLOCK_BYTES // max(row_bytes, 1))
+
+
 def _row_blocks(rows: int, row_bytes: int):
-    step = max(1, _ROW_BLOCK_BYTES // max(row_bytes, 1))
+    step = _row_step(row_bytes)
     for r0 in range(0, rows, step):
         yield r0, min(rows, r0 + step)
 
@@ -169,23 +173,27 @@ def _write_leaf(ckpt: HFCheckpoint, p: LeafPlan, params: orbax_layout.ItemWriter
     if p.fp8:
         names0 = p.slices[0][1]
         hf_shape = ckpt.header(names0[0])[0]
-        q_arr = fp8_item.create(p.leaf.path + ("qvalue",), p.stack_shape + tuple(hf_shape), fp8.E4M3)
-        s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), p.stack_shape + fp8.scale_shape(hf_shape), np.float32)
+        k = len(p.stack_shape)
+        q_arr = fp8_item.create(p.leaf.path + ("qvalue",), p.stack_shape + tuple(hf_shape), fp8.E4M3, stacked=k)
+        s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), p.stack_shape + fp8.scale_shape(hf_shape),
+                                np.float32, stacked=k)
         for index, (name,) in p.slices:
             q, s = ckpt.read(name), ckpt.read(_scale_name(name))
             fp8_item.write(q_arr[index] if index else q_arr, np.array(q))
             fp8_item.write(s_arr[index] if index else s_arr, np.array(s))
             bar.update(q.nbytes + s.nbytes)
         return
-    arr = params.create(p.leaf.path, p.shape, p.dtype)
     if p.leaf.path in _ROW_CHUNKED and ckpt.header(p.slices[0][1][0])[1] != fp8.E4M3:
         name, transposed = p.slices[0][1][0], _ROW_CHUNKED[p.leaf.path]
         rows, cols = ckpt.header(name)[0]
+        step = _row_step(cols * 4)
+        arr = params.create(p.leaf.path, p.shape, p.dtype, chunks=[cols, step] if transposed else [step, cols])
         for r0, r1 in _row_blocks(rows, cols * 4):
             x = ckpt.read_rows(name, r0, r1)
             params.write(arr[:, r0:r1] if transposed else arr[r0:r1], (x.T if transposed else x).astype(p.dtype))
             bar.update(x.nbytes)
         return
+    arr = params.create(p.leaf.path, p.shape, p.dtype, stacked=len(p.slices[0][0]))
     for index, names in p.slices:
         xs = [_read(ckpt, n, p.dtype) for n in names]
         params.write(arr[index] if index else arr, slice_to_ours(p.leaf, index, xs))
@@ -300,6 +308,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
             fp8_item.finish()
             items.append(orbax_layout.FP8)
         verified = _verify(ckpt, plans, tmp, verify) if verify else 0
+        os.sync()  # the chunk files were written without fsync
         source = {"hf_dir": os.path.abspath(hf_dir), "dtypes": {p.key: p.source_dtype for p in plans},
                   "dtype_exceptions": exceptions, "weight_map": ckpt.weight_map, "mtp_shared_copies": mtp_copies,
                   "hf_config": _read_json(config_path)}
