@@ -30,9 +30,10 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5"],
-        # HF reference for the parity tests; 2.13.0 is the CPU wheel on the dev machines.
-        "parity": ["torch==2.13.0", "transformers>=5.0"],
+        # The tests check parity against HF transformers (torch). 2.13.0 is the CPU wheel on the
+        # dev/CI machines; elsewhere pip may pick a CUDA build of the same version.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6"],
+        "parity": ["torch==2.13.0", "transformers>=5.0,<6"],
         "gpu": ["jax[cuda12]>=0.10.2"],
         "tpu": ["jax[tpu]>=0.10.2"],
     },

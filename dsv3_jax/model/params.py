@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 LAYERS = "layers"
@@ -28,7 +29,10 @@ def normal(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], *, 
            dtype) -> nnx.Param:
     if len(shape) != len(axes):
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
-    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    # A flat draw reshaped: XLA:CPU compiles 1-D threefry about 3x faster than an N-D one, and
+    # initialisation compiles once per parameter shape.
+    size = int(np.prod(shape, dtype=np.int64))
+    value = std * jax.random.normal(rngs.params(), (size,), jnp.float32).reshape(tuple(shape))
     return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
 
 

@@ -34,11 +34,12 @@ def check_tokens(tokens, vocab_size: int) -> None:
         raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
     if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
         return
-    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
-    if lo < 0 or hi >= vocab_size:
-        bad = np.argwhere((np.asarray(tokens) < 0) | (np.asarray(tokens) >= vocab_size))[0]
-        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {int(tokens[tuple(bad)])} "
-                         f"at [batch={bad[0]}, position={bad[1]}]")
+    ids = np.asarray(tokens)  # concrete: check on the host, even when called inside a trace
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        b, t = bad[0]
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got {int(ids[b, t])} "
+                         f"at [batch={b}, position={t}]")
 
 
 class DeepSeekV3(nnx.Module):

@@ -1,0 +1,12 @@
+"""Test-session settings: a compilation cache shared by pytest workers and the subprocesses they start."""
+
+import os
+import tempfile
+
+import jax
+
+# XLA:CPU compiles dominate the suite's time; every process of one session reuses them.
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dsv3_jax_xla_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
