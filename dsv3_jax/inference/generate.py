@@ -30,8 +30,10 @@ from dsv3_jax.model.transformer import check_tokens
 
 @dataclasses.dataclass
 class GenerateStats:
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # compile included on a first call
+    first_step_seconds: float = 0.0  # the first decode step (compile included on a first call)
+    decode_seconds: float = 0.0  # the decode steps after the first
+    timed_tokens: int = 0  # tokens kept by those steps
     forwards: int = 0  # decode steps after the prefill (each one forward of the main model)
     generated_tokens: int = 0  # kept tokens, all rows
     row_steps: int = 0  # decode steps summed over the rows still generating
@@ -50,7 +52,7 @@ class GenerateStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        return self.timed_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class StepTokens(NamedTuple):
@@ -177,17 +179,19 @@ class Generation:
         start = time.perf_counter()
         first, tokens, expert_counts, self.cache = self.prefill_fn(
             self.state, self.cache, jnp.asarray(self.prompts), jnp.asarray(self.lengths), self.key)
+        first = np.asarray(first)
+        self.stats.prefill_seconds = time.perf_counter() - start
         if expert_counts is not None:
             self.stats.prompt_expert_counts = np.asarray(expert_counts)
-        yield self._keep(np.asarray(first)[:, None], np.ones_like(self._count))
-        self.stats.prefill_seconds = time.perf_counter() - start
-        start, positions = time.perf_counter(), self.lengths.copy()
+        yield self._keep(first[:, None], np.ones_like(self._count))
+        positions = self.lengths.copy()
         while not self._done.all():
-            active = ~self._done
+            active, start = ~self._done, time.perf_counter()
             key = jax.random.fold_in(self.key, self.stats.forwards + 1)
             emitted, accepted, tokens, self.cache = self.decode_fn(self.state, self.cache, tokens,
                                                                    jnp.asarray(positions), key)
             emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+            seconds = time.perf_counter() - start
             self.stats.forwards += 1
             self.stats.row_steps += int(active.sum())
             self.stats.step_tokens += int((accepted + 1)[active].sum())
@@ -195,8 +199,13 @@ class Generation:
             self.stats.accepted_drafts += int(accepted[active].sum())
             # finished rows stay in the batch but stop advancing, so their slots stay in the bucket
             positions = np.where(active, positions + accepted + 1, positions).astype(np.int32)
-            yield self._keep(emitted, accepted + 1)
-        self.stats.decode_seconds = time.perf_counter() - start
+            kept = self._keep(emitted, accepted + 1)
+            if self.stats.forwards == 1:  # holds the compile on a first call: timed apart
+                self.stats.first_step_seconds = seconds
+            else:
+                self.stats.decode_seconds += seconds
+                self.stats.timed_tokens += int(kept.counts.sum())
+            yield kept
 
     def output(self) -> np.ndarray:
         """int32 [B, T + max_new_tokens] in the layout of the module docstring."""

@@ -1,0 +1,91 @@
+"""Decode-step time against cache length (absorbed MLA over the latent cache).
+
+    python -m experiments.bench_decode [--lengths=512,2048,8192,32768] [--batch=8] \
+        [--cache_dtype=bfloat16] [--attention_impl=xla] [--num_heads=16] [--kv_lora_rank=512]
+
+Builds a randomly initialised model (MLA at the 671B latent sizes, small everywhere else, so that
+the step is dominated by attention over the cache), fills a cache of each length and times one
+jitted decode step (one new token per row attending to every slot). Prints ms per step, the cache
+bytes per token per layer, the per-slot slope and the fit of a straight line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax.inference import cache_bytes_per_token, init_cache
+from dsv3_jax.inference.decode import model_step
+
+
+def bench_config(args) -> ModelConfig:
+    return ModelConfig.tiny(
+        vocab_size=1024, hidden_size=args.hidden_size, num_heads=args.num_heads, q_lora_rank=None,
+        kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_layers=args.num_layers, num_dense_layers=args.num_layers, num_mtp_layers=0,
+        max_position_embeddings=max(args.lengths) + 1, compute_dtype=args.compute_dtype,
+        attention_impl=args.attention_impl)
+
+
+def time_step(step, state, cache, tokens, positions, repeats: int) -> float:
+    cache = step(state, cache, tokens, positions)[1]  # compile
+    jax.block_until_ready(cache)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logits, cache = step(state, cache, tokens, positions)
+        jax.block_until_ready(logits)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192, 32768])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--cache_dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
+    # XLA:CPU rejects some bf16 x bf16 -> f32 dots at these sizes (DotThunk UNIMPLEMENTED): fp32 there
+    p.add_argument("--compute_dtype", default=None, help="default: bfloat16, float32 on CPU")
+    p.add_argument("--attention_impl", default="xla", choices=["xla", "pallas"])
+    p.add_argument("--hidden_size", type=int, default=256)
+    p.add_argument("--num_heads", type=int, default=16)
+    p.add_argument("--kv_lora_rank", type=int, default=512)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    args.compute_dtype = args.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    cfg = bench_config(args)
+    graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+
+    @jax.jit
+    def step(state, cache, tokens, positions):
+        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None], prefill=False,
+                         cache_dtype=args.cache_dtype)
+        return out.logits, out.cache
+
+    print(f"backend {jax.default_backend()}, batch {args.batch}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
+          f"latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}, cache {args.cache_dtype}: "
+          f"{cache_bytes_per_token(cfg, args.cache_dtype)} bytes per token per layer "
+          f"(671B preset: {cache_bytes_per_token(ModelConfig.deepseek_v3(), args.cache_dtype)})")
+    tokens = jnp.ones((args.batch, 1), jnp.int32)
+    times = []
+    for length in args.lengths:
+        cache = init_cache(cfg, args.batch, length, args.cache_dtype)
+        cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(1), a.shape).astype(a.dtype), cache)
+        positions = jnp.full((args.batch,), length - 1, jnp.int32)  # every slot visible
+        times.append(time_step(step, state, cache, tokens, positions, args.repeats))
+        print(f"cache length {length:7d}: {times[-1] * 1e3:9.3f} ms per decode step", flush=True)
+    lengths, t = np.array(args.lengths, float), np.array(times)
+    slope, intercept = np.polyfit(lengths, t, 1)
+    r2 = 1 - np.sum((t - (slope * lengths + intercept)) ** 2) / np.sum((t - t.mean()) ** 2)
+    print(f"linear fit: {intercept * 1e3:.3f} ms + {slope * 1e9:.2f} ns per slot (R^2 = {r2:.4f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Generates text from a checkpoint, streaming tokens as they are decoded.
+
+    python -m experiments.generate --checkpoint=CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
+        --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
+        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--stats]
+
+One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
+printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
+activation frequencies over the prompt tokens (from the prefill's router statistics) and, with
+`--use_mtp`, the draft acceptance rate and tokens per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from dsv3_jax import load_pretrained
+from dsv3_jax.data import load_tokenizer
+from dsv3_jax.inference import Generation
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="Orbax checkpoint or HF folder (config.json + safetensors)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a folder holding one (default: bundled BPE)")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=None)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding")
+    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
+    p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")
+    p.add_argument("--stats", action="store_true", help="print expert activation frequencies of the prompts")
+    return p.parse_args(argv)
+
+
+def encode_prompts(tokenizer, prompts: list[str], bos: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int32 [B, T] ids and lengths [B]."""
+    ids = [([tokenizer.bos_id] if bos else []) + tokenizer.encode(p) for p in prompts]
+    if not all(ids):
+        raise SystemExit("every --prompt must encode to at least one token (or drop --no_bos)")
+    lengths = np.array([len(i) for i in ids], np.int32)
+    out = np.full((len(ids), lengths.max()), tokenizer.pad_id, np.int32)
+    for row, i in enumerate(ids):
+        out[row, :len(i)] = i
+    return out, lengths
+
+
+def print_expert_frequencies(counts_LxE: np.ndarray, first_moe_layer: int, top_k: int, out=sys.stdout) -> None:
+    """Fraction of the prompt tokens routed to each expert, one line per MoE layer (sums to top_k)."""
+    print("expert activation frequency (share of prompt tokens routed to each expert):", file=out)
+    tokens = counts_LxE.sum(-1, keepdims=True) / top_k
+    freq = counts_LxE / np.maximum(tokens, 1)
+    for layer, row in enumerate(freq):
+        busiest = np.argsort(-row)[:4]
+        top = ", ".join(f"e{e}={row[e]:.3f}" for e in busiest)
+        print(f"  layer {first_moe_layer + layer:3d}: " + " ".join(f"{f:.3f}" for f in row) + f"  | top: {top}",
+              file=out)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    model = load_pretrained(args.checkpoint, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.tokenizer)
+    prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
+    gen = Generation(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                     top_p=args.top_p, seed=args.seed, lengths=lengths, stop_tokens=(tokenizer.eos_id,),
+                     use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype)
+    stream = len(args.prompt) == 1
+    generated: list[list[int]] = [[] for _ in args.prompt]
+    if stream:
+        print(args.prompt[0], end="", flush=True)
+    shown = ""
+    for step in gen:
+        for row, n in enumerate(step.counts):
+            generated[row].extend(int(t) for t in step.tokens[row, :n])
+        if stream:  # decode the whole continuation: byte-level pieces only become text together
+            text = tokenizer.decode(generated[0], skip_special_tokens=True)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    if stream:
+        print()
+    else:
+        for prompt, ids in zip(args.prompt, generated):
+            print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(ids, skip_special_tokens=True)}")
+    st = gen.stats
+    print(f"prefill {st.prefill_seconds:.3f}s, first decode step {st.first_step_seconds:.3f}s (both compile) | "
+          f"then {st.timed_tokens} tokens in {st.decode_seconds:.3f}s: {st.tokens_per_second:.1f} tokens/s")
+    if args.use_mtp:
+        print(f"MTP: acceptance rate {st.acceptance_rate:.3f}, {st.tokens_per_forward:.2f} tokens per forward")
+    if args.stats and st.prompt_expert_counts is not None:
+        print_expert_frequencies(st.prompt_expert_counts, model.config.num_dense_layers,
+                                 model.config.num_experts_per_token)
+
+
+if __name__ == "__main__":
+    main()

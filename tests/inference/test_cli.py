@@ -1,0 +1,41 @@
+"""`python -m experiments.generate` on a tiny HF folder, with a character-level tokenizer that fits its vocab."""
+
+import pathlib
+import subprocess
+import sys
+
+import tokenizers
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HF_DIR = ROOT / "tests/fixtures/parity/lora_groups_yarn"  # vocab 128, 2 MoE layers
+
+
+def char_tokenizer(path: pathlib.Path) -> pathlib.Path:
+    chars = " abcdefghijklmnopqrstuvwxyz.,"
+    vocab = {"<|pad|>": 0, "<|bos|>": 1, "<|eos|>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<|pad|>"))
+    tok.add_special_tokens(["<|pad|>", "<|bos|>", "<|eos|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_cli_streams_and_reports(tmp_path):
+    tok = char_tokenizer(tmp_path / "tokenizer.json")
+    cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}",
+           "--prompt=hello world", "--max_new_tokens=5", "--stats", "--cache_dtype=float32"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert out.startswith("hello world"), out
+    assert "tokens/s" in out
+    layers = [line for line in out.splitlines() if line.strip().startswith("layer")]
+    assert len(layers) == 2, out  # one line of expert frequencies per MoE layer
+    freqs = [float(x) for x in layers[0].split(":")[1].split("|")[0].split()]
+    assert len(freqs) == 16 and abs(sum(freqs) - 4) < 1e-3  # each prompt token picks 4 experts
+
+
+def test_cli_error_names_out_of_range_prompt_ids(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}",
+                          "--prompt=Some text for the bundled 2048-token vocabulary", "--max_new_tokens=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "vocab_size=128" in res.stderr, res.stderr[-2000:]
