@@ -13,6 +13,7 @@ BLOCK = 128
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 MIN_AMAX = 1e-4
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
 
 
 def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
@@ -22,8 +23,11 @@ def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
 def dequantize(q: np.ndarray, scale_inv: np.ndarray, *, block: int = BLOCK) -> np.ndarray:
     """fp32(q) * s[i // 128, j // 128] (partial edge blocks allowed), in float32."""
     rows, cols = q.shape
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)[:rows, :cols]
-    return q.astype(np.float32) * s
+    s_rows = np.repeat(scale_inv.astype(np.float32), block, axis=0)[:rows]  # [rows, ceil(cols/128)]
+    out = _E4M3_TO_F32[np.asarray(q).view(np.uint8)]  # a 256-entry table: several times faster than astype
+    for j in range(s_rows.shape[1]):  # in place, one column block at a time: no full-size scale array
+        out[:, j * block:(j + 1) * block] *= s_rows[:, j:j + 1]
+    return out
 
 
 def quantize(w: np.ndarray, *, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
