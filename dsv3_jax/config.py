@@ -92,7 +92,8 @@ class ModelConfig:
     # Implementation switches (each fast path has a reference twin held equal by tests).
     moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU
     moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
-    attention_impl: str = "xla"
+    attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
+    fp8_matmul: bool = False  # MLA and dense/shared MLP projections through the FP8 block-scaled kernel
     remat: bool = False  # rematerialise each layer in the backward pass
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ from dsv3_jax.model import params
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops.attention import attention as xla_attention
+from dsv3_jax.ops.linear import project
 
 
 def _attention_fn(impl: str):
@@ -48,8 +49,11 @@ class MLA(nnx.Module):
         self.wo = params.normal(rngs, (h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), std=std, dtype=pd)
 
     def _mm(self, eq: str, x: jax.Array, w: nnx.Param) -> jax.Array:
-        dt = self.cfg.compute_dtype
-        return jnp.einsum(eq, x.astype(dt), w[...].astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        """x's trailing axes contracted with w's leading ones, as the einsum `eq` spells out."""
+        lhs, out = eq.split("->")
+        x_axes, w_axes = lhs.split(",")
+        contract = len(set(x_axes) & set(w_axes) - set(out))
+        return project(x, w[...], contract=contract, compute_dtype=self.cfg.compute_dtype, fp8=self.cfg.fp8_matmul)
 
     def query(self, x_BxTxD: jax.Array) -> jax.Array:
         """[B, T, H, N + R] (rope part not yet rotated)."""

@@ -33,7 +33,7 @@ class Block(nnx.Module):
             self.ffn = MoE(cfg, rngs=rngs)
         else:
             self.ffn = MLP(d, cfg.intermediate_size, std=cfg.initializer_range, param_dtype=pd,
-                           compute_dtype=cfg.compute_dtype, rngs=rngs)
+                           compute_dtype=cfg.compute_dtype, rngs=rngs, fp8=cfg.fp8_matmul)
 
     def __call__(self, x_BxTxD: jax.Array, ctx: Context) -> tuple[jax.Array, RouterStats | None]:
         x = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), ctx.cos, ctx.sin, ctx.segment_ids)

@@ -7,22 +7,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.model import params
+from dsv3_jax.ops.linear import project
 
 
 class MLP(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, std: float, param_dtype, compute_dtype, rngs: nnx.Rngs):
-        self.compute_dtype = compute_dtype
+    def __init__(self, dim: int, hidden: int, *, std: float, param_dtype, compute_dtype, rngs: nnx.Rngs,
+                 fp8: bool = False):
+        self.compute_dtype, self.fp8 = compute_dtype, fp8
         self.w1 = params.normal(rngs, (dim, hidden), ("embed", "mlp"), std=std, dtype=param_dtype)
         self.w3 = params.normal(rngs, (dim, hidden), ("embed", "mlp"), std=std, dtype=param_dtype)
         self.w2 = params.normal(rngs, (hidden, dim), ("mlp", "embed"), std=std, dtype=param_dtype)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        x = x_BxTxD.astype(self.compute_dtype)
+        def mm(lhs, w):  # BTD,DF->BTF and BTF,FD->BTD
+            return project(lhs, w[...], contract=1, compute_dtype=self.compute_dtype, fp8=self.fp8)
 
-        def mm(eq, lhs, w):
-            return jnp.einsum(eq, lhs, w[...].astype(self.compute_dtype),
-                              preferred_element_type=jnp.float32).astype(self.compute_dtype)
-
-        gate = mm("BTD,DF->BTF", x, self.w1)
-        h = jax.nn.silu(gate.astype(jnp.float32)).astype(self.compute_dtype) * mm("BTD,DF->BTF", x, self.w3)
-        return mm("BTF,FD->BTD", h, self.w2)
+        h = jax.nn.silu(mm(x_BxTxD, self.w1).astype(jnp.float32)).astype(self.compute_dtype) * mm(x_BxTxD, self.w3)
+        return mm(h, self.w2)

@@ -46,7 +46,7 @@ class MoE(nnx.Module):
         self.w2 = params.normal(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pd)
         if cfg.num_shared_experts:
             self.shared_experts = MLP(d, f * cfg.num_shared_experts, std=std, param_dtype=pd,
-                                      compute_dtype=cfg.compute_dtype, rngs=rngs)
+                                      compute_dtype=cfg.compute_dtype, rngs=rngs, fp8=cfg.fp8_matmul)
         else:
             self.shared_experts = None
 
