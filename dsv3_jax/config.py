@@ -93,7 +93,7 @@ class ModelConfig:
     moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU
     moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
     attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
-    fp8_matmul: bool = False  # MLA and dense/shared MLP projections through the FP8 block-scaled kernel
+    fp8_matmul: bool = False  # MLA, MLP and expert projections through the FP8 block-scaled kernels
     remat: bool = False  # rematerialise each layer in the backward pass
 
     def __post_init__(self):

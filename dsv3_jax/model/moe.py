@@ -59,7 +59,8 @@ class MoE(nnx.Module):
         dt = cfg.compute_dtype
         y = dispatch.routed_experts(x_NxD.astype(dt), route.experts_NxK, route.weights_NxK,
                                     self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt),
-                                    impl=cfg.moe_impl, max_tile=cfg.moe_tile_size).reshape(b, t, d)
+                                    impl="fp8" if cfg.fp8_matmul else cfg.moe_impl,
+                                    max_tile=cfg.moe_tile_size).reshape(b, t, d)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BxTxD)
         mask_N = None if token_mask_BxT is None else token_mask_BxT.reshape(-1)

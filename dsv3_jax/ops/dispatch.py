@@ -10,6 +10,7 @@ Three grouped-matmul implementations compute the same function:
   one batched einsum. Cost ~ (M + E*t) rows; `t` is chosen so that E*t <= M, so the cost follows
   the activated experts, not the total.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
+- `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), straight-through backward.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
     return y_JxtxD.reshape(num_tiles * t, -1)[pos_M]
 
 
+def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    from dsv3_jax.ops.linear import fp8_grouped_matmul
+
+    def mm(lhs, rhs):
+        return fp8_grouped_matmul(lhs, rhs, sizes_E, lhs.dtype)
+
+    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+
+
 def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     def mm(eq, lhs, w):
         return jnp.einsum(eq, lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
@@ -101,7 +111,9 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _tiled_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile)
     if impl == "dense":
         return _dense_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled or dense")
+    if impl == "fp8":
+        return _fp8_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense or fp8")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,

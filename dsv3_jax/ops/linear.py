@@ -58,3 +58,30 @@ def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bo
     y = jax.lax.dot_general(x, w, (((tuple(range(x.ndim - contract, x.ndim))), tuple(range(contract))), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.astype(compute_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype) -> jax.Array:
+    """Rows sorted by group times their group's weight, through the FP8 grouped kernel.
+
+    Backward is straight-through via `ragged_dot` in x's dtype.
+    """
+    import pallas_kernels
+
+    x_q, x_scale = pallas_kernels.quantize_1x128(x_MxK.astype(jnp.float32))
+    w_q, w_scale = jax.vmap(pallas_kernels.quantize_128x128)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
+    return pallas_kernels.fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes_G, out_dtype=out_dtype)
+
+
+def _grouped_fwd(x, w, sizes, out_dtype):
+    return fp8_grouped_matmul(x, w, sizes, out_dtype), (x, w, sizes)
+
+
+def _grouped_bwd(out_dtype, res, g):
+    x, w, sizes = res
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32), x, w)
+    dx, dw = vjp(g.astype(jnp.float32))
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

@@ -56,10 +56,12 @@ def fp8(tokens):
 
 
 def test_fp8_kernel_equals_the_jnp_recipe_in_the_model(tokens, fp8, monkeypatch):
-    """Same quantisation, fp32 emulation of the per-128 promotion instead of the kernel."""
+    """Same quantisation, fp32 emulation of the per-128 promotion instead of the kernels (dense
+    projections and routed experts)."""
     import pallas_kernels
 
     monkeypatch.setattr(pallas_kernels, "fp8_matmul", pallas_kernels.fp8_matmul_reference)
+    monkeypatch.setattr(pallas_kernels, "fp8_grouped_matmul", pallas_kernels.fp8_grouped_matmul_reference)
     seg = jnp.array([[1] * 10 + [2] * 14, [1] * 24])
     logits, _ = _run(CFG.replace(fp8_matmul=True), tokens, seg)
     assert np.max(np.abs(logits - fp8[0])) <= 1e-5 * np.max(np.abs(fp8[0]))
