@@ -1,0 +1,92 @@
+"""The train state and batches placed on a mesh, and the train step jitted to keep them there.
+
+The model side of `sharding/`: it reads each variable's `logical_axes` and asks the rules table
+(`sharding.rules`) for its spec. Optimizer moments take the spec of their parameter; step
+counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `batch` rule
+(data x fsdp x expert by default).
+
+    mesh = sharding.make_mesh(config.mesh)
+    shardings = train_state_shardings(model, state, mesh, rules)
+    state = jax.device_put(state, shardings)
+    step = make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **loss_kwargs)
+    state, metrics = step(state, place_batch(batch, mesh, rules))
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import sharding
+from dsv3_jax.model.params import logical_axes
+from dsv3_jax.train import state as state_lib, step as step_lib
+
+
+def variable_shardings(variables: nnx.State, mesh, rules, *, strict: bool = False) -> dict:
+    """{key path tuple: (shape, NamedSharding)} for every variable of an nnx.State."""
+    out = {}
+    for path, var in nnx.to_flat_state(variables):
+        keys = tuple(str(k) for k in path)
+        shape = tuple(var.shape)
+        out[keys] = (shape, sharding.named_sharding(logical_axes(var), shape, mesh, rules, strict=strict,
+                                                    name="/".join(keys)))
+    return out
+
+
+def _as_tree(pure: dict, flat: dict) -> dict:
+    def pick(path, _):
+        return flat[tuple(sharding.rules.key_name(k) for k in path)][1]
+
+    return jax.tree_util.tree_map_with_path(pick, pure)
+
+
+def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, rules=None, *,
+                          strict: bool = False) -> state_lib.TrainState:
+    """A TrainState of NamedShardings (same structure as `state`) for `model`'s logical axes."""
+    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
+    _, params, biases = state_lib.split_model(model)
+    flat_params = variable_shardings(params, mesh, rules, strict=strict)
+    flat_biases = variable_shardings(biases, mesh, rules, strict=strict)
+    rep = sharding.replicated(mesh)
+    out = jax.tree.map(lambda _: rep, state)
+    return out.replace(params=_as_tree(state.params, flat_params),
+                       router_bias=_as_tree(state.router_bias, flat_biases),
+                       opt_state=sharding.follow_params(state.opt_state, flat_params, mesh))
+
+
+def batch_sharding(mesh, rules=None) -> jax.sharding.NamedSharding:
+    """Sharding of a [B, T + 1] batch array: rows over the `batch` rule."""
+    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules["batch"], None))
+
+
+def check_batch(batch_size: int, mesh, rules=None) -> None:
+    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
+    axes = rules["batch"]
+    sharding.check_divides("data.batch_size", batch_size, mesh, (axes,) if isinstance(axes, str) else axes)
+
+
+def place_batch(batch: dict, mesh, rules=None) -> dict:
+    """device_put of a host batch (the global batch on one process) split over the batch axes."""
+    sh = batch_sharding(mesh, rules)
+    return {k: jax.device_put(np.asarray(v), sh) for k, v in batch.items()}
+
+
+def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable,
+                            state_shardings: state_lib.TrainState, mesh, **step_kwargs):
+    """`make_train_step` whose outputs keep the state's shardings; inputs must already be placed."""
+    jit_kwargs = {"out_shardings": (state_shardings, sharding.replicated(mesh))}
+    return step_lib.make_train_step(graphdef, tx, schedule, jit_kwargs=jit_kwargs, **step_kwargs)
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` placed with `shardings` (the largest shard per leaf)."""
+    total = 0
+    for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        shard_shape = sh.shard_shape(tuple(leaf.shape))
+        total += int(np.prod(shard_shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -1,0 +1,9 @@
+"""Meshes, logical-axis rules and the collectives of parallel training; no model knowledge.
+
+    mesh = sharding.make_mesh({"data": 2, "expert": -1})
+    spec = sharding.logical_to_spec(("layers", "expert", "embed", "mlp"), shape, mesh, sharding.get_rules("default"))
+"""
+
+from sharding.mesh import AXES, MeshError, abstract_mesh, check_divides, make_mesh, resolve_sizes
+from sharding.rules import (BATCH_AXES, PRESETS, ShardingRuleError, constrain, follow_params, get_rules,
+                            logical_to_spec, named_sharding, replicated, shards_of)

@@ -1,0 +1,149 @@
+"""The one table from logical axis names to mesh axes, and the presets users reach for.
+
+Parameters name their dimensions (`embed`, `vocab`, `heads`, `head_dim`, `q_lora`, `kv_lora`,
+`mlp`, `expert`, `layers`); activations use `batch`, `length`, `act_embed`, `act_heads`,
+`act_vocab`. A rule maps a name to a mesh axis, a tuple of mesh axes (sharded over their product)
+or None (replicated). A parameter's spec is built left to right; a mesh axis is used at most
+once per array (the first dimension that claims it wins).
+
+Fallback, by design: a dimension that its mesh axes do not divide is replicated along the axes
+that do not fit (e.g. 3 MoE layers on pipeline=2, vocab 129280 on tensor=3), and mesh axes the
+mesh does not have are ignored, so one table serves every mesh. `strict=True` turns such a
+fallback into an error that names the array, the dimension and the axis.
+
+Optimizer states follow their parameters: `follow_params` gives every optimizer-state leaf the
+spec of the parameter at the same path (Adam's mu and nu), and scalars (counts) are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence, Union
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = Union[str, tuple, None]
+Rules = Mapping[str, MeshAxes]
+
+BATCH_AXES = ("data", "fsdp", "expert")  # every data-like axis; expert ranks hold different tokens too
+
+_ACTIVATIONS: dict[str, MeshAxes] = {
+    "batch": BATCH_AXES, "length": None, "act_embed": None, "act_heads": "tensor", "act_vocab": "tensor",
+}
+
+PRESETS: dict[str, dict[str, MeshAxes]] = {
+    # ZeRO-3: every matrix sharded on its first large dim over fsdp, batch over data x fsdp.
+    "fsdp": {**_ACTIVATIONS, "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "vocab": "fsdp",
+             "mlp": "fsdp", "heads": "fsdp", "expert": None, "layers": None, "head_dim": None},
+    # FSDP inside each expert group: experts on `expert`, the rest as above.
+    "fsdp_expert": {**_ACTIVATIONS, "expert": "expert", "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp",
+                    "vocab": "fsdp", "mlp": "fsdp", "heads": "fsdp", "layers": None, "head_dim": None},
+    # Megatron-style: heads / hidden / vocab on `tensor`, experts on `expert`, embed on fsdp if present.
+    "expert_tensor": {**_ACTIVATIONS, "expert": "expert", "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+                      "embed": "fsdp", "q_lora": None, "kv_lora": None, "layers": None, "head_dim": None},
+    # DeepSeek-V3's own recipe: layers on `pipeline`, experts on `expert`, data parallel beside them.
+    "pipeline_expert_data": {**_ACTIVATIONS, "layers": "pipeline", "expert": "expert", "embed": None,
+                             "vocab": None, "heads": None, "mlp": None, "q_lora": None, "kv_lora": None,
+                             "head_dim": None},
+}
+# Every axis at once: each preset is this table on a mesh whose other axes are 1.
+PRESETS["default"] = {**_ACTIVATIONS, "layers": "pipeline", "expert": "expert", "heads": "tensor", "mlp": "tensor",
+                      "vocab": "tensor", "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "head_dim": None}
+
+
+class ShardingRuleError(ValueError):
+    """A rule that cannot apply (strict mode, unknown preset or name)."""
+
+
+def get_rules(rules: str | Rules | None) -> dict[str, MeshAxes]:
+    """A preset name, a mapping (used as given) or None (the `default` preset)."""
+    if rules is None:
+        return dict(PRESETS["default"])
+    if isinstance(rules, str):
+        if rules not in PRESETS:
+            raise ShardingRuleError(f"unknown sharding preset {rules!r}; presets: {sorted(PRESETS)}")
+        return dict(PRESETS[rules])
+    return dict(rules)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh, rules: Rules, *,
+                    strict: bool = False, name: str = "array") -> PartitionSpec:
+    """PartitionSpec for an array with these logical axes and shape (see the module docstring)."""
+    if len(logical) != len(shape):
+        raise ShardingRuleError(f"{name}: logical axes {tuple(logical)} and shape {tuple(shape)} differ in rank")
+    used: set[str] = set()
+    spec = []
+    for dim, (axis_name, size) in enumerate(zip(logical, shape)):
+        if axis_name is not None and axis_name not in rules:
+            raise ShardingRuleError(f"{name}: logical axis {axis_name!r} has no rule; add it to the rules table")
+        chosen, shards = [], 1
+        for mesh_axis in _as_tuple(rules.get(axis_name) if axis_name is not None else None):
+            n = mesh.shape.get(mesh_axis, 1)
+            if n == 1:
+                continue
+            if mesh_axis in used:  # an earlier dimension claimed it: by design, not a fallback
+                continue
+            if size % (shards * n):
+                if strict:
+                    raise ShardingRuleError(f"{name}: dimension {dim} ({axis_name!r}, size {size}) cannot be "
+                                            f"sharded on mesh axis {mesh_axis!r} of size {n}")
+                continue
+            chosen.append(mesh_axis)
+            shards *= n
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec)
+
+
+def named_sharding(logical, shape, mesh, rules: Rules, **kwargs) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules, **kwargs))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shards_of(spec: PartitionSpec, mesh) -> int:
+    """Number of distinct pieces an array with this spec is cut into."""
+    return math.prod(mesh.shape[a] for entry in spec for a in _as_tuple(entry))
+
+
+def follow_params(tree: Any, param_shardings: Mapping, mesh) -> Any:
+    """Shardings for `tree` (e.g. an optimizer state): a leaf whose key path ends with a parameter's
+    path and has its shape takes that parameter's sharding; any other leaf is replicated.
+
+    `param_shardings` maps parameter key paths (tuples of str) to (shape, NamedSharding).
+    """
+    def for_leaf(path, leaf):
+        keys = tuple(key_name(k) for k in path)
+        for start in range(len(keys)):
+            hit = param_shardings.get(keys[start:])
+            if hit is not None and tuple(hit[0]) == tuple(getattr(leaf, "shape", ())):
+                return hit[1]
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(for_leaf, tree)
+
+
+def key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules | str | None = None,
+              mesh=None) -> jax.Array:
+    """with_sharding_constraint by logical names; a no-op outside a mesh (single device, plain jit)."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return x
+    spec = logical_to_spec(logical, x.shape, mesh, get_rules(rules) if not isinstance(rules, Mapping) else rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec)
