@@ -45,6 +45,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.balancing = ml_collections.ConfigDict()
     c.balancing.bias_update_speed = 1e-3  # gamma of the aux-loss-free bias update (0 switches it off)
 
+    c.mesh = ml_collections.ConfigDict()  # device mesh (sharding/mesh.py); one axis may be -1 (the rest)
+    c.mesh.pipeline = 1  # stages of the MoE layer stack
+    c.mesh.data = -1  # data parallel (replicated parameters)
+    c.mesh.fsdp = 1  # data parallel with parameters and optimizer state sharded (ZeRO-3)
+    c.mesh.expert = 1  # routed experts split over this axis (tokens also split over it)
+    c.mesh.tensor = 1  # heads / hidden / vocab split (Megatron-style)
+    c.mesh.rules = "default"  # logical-axis rules preset (sharding/rules.py PRESETS)
+
     c.train = ml_collections.ConfigDict()
     c.train.workdir = "runs/default"  # metrics.jsonl, tensorboard/, checkpoints/ (flag --workdir)
     c.train.steps = 1000  # total optimizer steps (flag --steps); the schedule spans them

@@ -1,0 +1,180 @@
+"""Plans a sharded run before booking the machines: per-device memory and a lowered train step.
+
+    python -m experiments.plan --model=deepseek_v3 --devices=256 \
+        --config.mesh.pipeline=1 --config.mesh.expert=64 --config.mesh.fsdp=4 --config.mesh.data=-1 \
+        --config.data.batch_size=256 --config.data.seq_len=4096
+
+Nothing is allocated: the model and train state are shapes (`nnx.eval_shape` / `jax.eval_shape`),
+the mesh is a `jax.sharding.AbstractMesh` of `--devices` devices, and the train step is traced and
+lowered to StableHLO for it, which checks every sharding and shape. Prints the bytes per device of
+parameters, gradients, AdamW state (2 fp32 moments) and an activation estimate (below).
+
+`data.batch_size` here is the global batch (all devices).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+import sharding
+from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices of the planned mesh; default: the product of the "
+                                "mesh sizes (all must be set), or this machine's device count.")
+_MODEL = flags.DEFINE_enum("model", "config", ["config", "deepseek_v3", "tiny"],
+                           "Architecture: config.model, or a ModelConfig preset (671B / tiny).")
+_LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step for the abstract mesh.")
+_PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.")
+
+GiB = 1024 ** 3
+
+
+def model_config(config) -> ModelConfig:
+    if _MODEL.value == "deepseek_v3":
+        return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16")
+    if _MODEL.value == "tiny":
+        return ModelConfig.tiny()
+    return ModelConfig.from_dict(config.model.to_dict())
+
+
+def mesh_sizes(config) -> dict[str, int]:
+    return {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
+
+
+def num_devices(sizes: dict[str, int]) -> int:
+    if _DEVICES.value:
+        return _DEVICES.value
+    if all(v > 0 for v in sizes.values()):
+        return math.prod(sizes.values())
+    return jax.device_count()
+
+
+def abstract_train_state(cfg: ModelConfig, tx, seed: int):
+    """(abstract model with metadata, graphdef, TrainState of ShapeDtypeStructs); allocates nothing."""
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(seed)))
+    box = {}
+
+    def build():
+        graphdef, state = state_lib.init_train_state(DeepSeekV3(cfg, rngs=nnx.Rngs(seed)), tx, seed)
+        box["graphdef"] = graphdef
+        return state
+
+    state = jax.eval_shape(build)
+    return model, box["graphdef"], state
+
+
+def activation_bytes(cfg: ModelConfig, tokens_per_device: int, seq: int, layers_per_device: int) -> dict[str, int]:
+    """Estimate, bytes per device, for a step with per-layer rematerialisation (cfg.remat).
+
+    - saved: each layer's input [tokens, D] in compute dtype, for every layer the device holds;
+    - working: one layer's live set while it is recomputed and differentiated: q/k/v of every head,
+      attention probabilities [heads, T, T] per sequence (naive attention), and the MoE's K routed
+      copies of each token through [D + 3F] (x, gate, up, hidden) twice (forward + backward);
+    - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient.
+    Without remat, `saved` grows by the working set of every layer instead.
+    """
+    cb = jnp.dtype(cfg.compute_dtype).itemsize
+    d, h = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    t = max(1, min(tokens_per_device, seq))
+    seqs = max(1, tokens_per_device // t)
+    attn = tokens_per_device * h * (2 * qk + cfg.v_head_dim) * cb + seqs * h * t * t * 4
+    moe = 2 * tokens_per_device * cfg.num_experts_per_token * (d + 3 * cfg.moe_intermediate_size) * cb
+    working = attn + moe + 8 * tokens_per_device * d * 4
+    per_layer_saved = tokens_per_device * d * cb
+    saved = layers_per_device * (per_layer_saved if cfg.remat else per_layer_saved + working)
+    logits = 2 * (1 + cfg.num_mtp_layers) * tokens_per_device * cfg.vocab_size * 4
+    return {"saved layer inputs": saved, "one layer working set": working, "logits (+grad)": logits}
+
+
+def plan(config) -> dict:
+    cfg = model_config(config)
+    sizes = mesh_sizes(config)
+    n = num_devices(sizes)
+    mesh = sharding.abstract_mesh(sizes, n)
+    rules = sharding.get_rules(config.mesh.get("rules", "default"))
+    batch, seq = config.data.batch_size, config.data.seq_len
+    sharded.check_batch(batch, mesh, rules)
+    sharding.check_divides("model.num_routed_experts", cfg.num_routed_experts, mesh, ("expert",))
+
+    tx = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, _decay_mask_for(cfg))
+    schedule = optimizer_lib.make_schedule(config.optimizer, config.train.steps)
+    model, graphdef, state = abstract_train_state(cfg, tx, config.train.seed)
+    shardings = sharded.train_state_shardings(model, state, mesh, rules)
+
+    params_b = sharded.per_device_bytes(state.params, shardings.params)
+    bias_b = sharded.per_device_bytes(state.router_bias, shardings.router_bias)
+    opt_b = sharded.per_device_bytes(state.opt_state, shardings.opt_state)
+    total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
+    tokens_per_device = batch * seq // batch_shards
+    layers_per_device = cfg.num_dense_layers + -(-cfg.num_moe_layers // mesh.shape["pipeline"]) + cfg.num_mtp_layers
+    acts = activation_bytes(cfg, tokens_per_device, seq, layers_per_device)
+    rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
+            ("gradients", params_b), ("AdamW moments (2 x fp32)", opt_b)]
+    rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
+    total = sum(v for _, v in rows)
+
+    mesh_text = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
+    print(f"model: {total_params / 1e9:.2f}B parameters; mesh ({mesh_text}) = {n} devices; rules "
+          f"{config.mesh.get('rules', 'default')!r}; global batch {batch} x {seq} tokens, "
+          f"{tokens_per_device} tokens per device")
+    print(f"{'per device':<44}{'GiB':>10}")
+    for name, value in rows:
+        print(f"  {name:<42}{value / GiB:>10.3f}")
+    print(f"  {'total':<42}{total / GiB:>10.3f}")
+
+    lowered_s = None
+    if _LOWER.value:
+        t0 = time.perf_counter()
+        lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
+        lowered_s = time.perf_counter() - t0
+        print(f"train step traced and lowered ({_PLATFORM.value}) for the abstract {n}-device mesh in {lowered_s:.1f}s")
+    return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
+            "total_bytes": total, "lowered_s": lowered_s}
+
+
+def _decay_mask_for(cfg: ModelConfig):
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    _, params, _ = state_lib.split_model(model)
+    return optimizer_lib.decay_mask(params)
+
+
+def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config):
+    """jit(train_step).trace(...).lower() on ShapeDtypeStructs that carry the abstract shardings."""
+    step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
+                                    balance_weight=config.loss.balance_weight,
+                                    bias_update_speed=config.balancing.bias_update_speed,
+                                    jit_kwargs={"out_shardings": (shardings, sharding.replicated(mesh))})
+    jitted, kwargs = (step.func, step.keywords) if isinstance(step, functools.partial) else (step, {})
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    row = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharded.batch_sharding(mesh, rules))
+    batch_sds = {"tokens": row, "segment_ids": row, "positions": row}
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(_PLATFORM.value,))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    try:
+        plan(_CONFIG.value)
+    except (sharding.MeshError, sharding.ShardingRuleError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
