@@ -78,10 +78,16 @@ def model_config(config) -> ModelConfig:
     return ModelConfig.from_dict(config.model.to_dict())
 
 
+# Fields of config.model that say how to run a model rather than what it is.
+_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "remat")
+
+
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
     if config.train.init_from:
-        logging.info("initialising from %s (its architecture replaces config.model)", config.train.init_from)
-        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype)
+        logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
+                     "implementation switches come from config.model", config.train.init_from)
+        policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
+        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, **policy)
     return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
 
 

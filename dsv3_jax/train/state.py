@@ -45,5 +45,6 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: 
     zero = jnp.zeros((), jnp.int32)
     state = TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(params),
                        rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)
-    # Fresh buffers for every leaf: the step donates its state, and XLA refuses one buffer twice.
-    return graphdef, jax.tree.map(jnp.array, state)
+    # Fresh buffers for every leaf (the step donates its state and XLA refuses one buffer twice),
+    # committed to the device like a restored state, so both lower to the same program.
+    return graphdef, jax.device_put(jax.tree.map(jnp.array, state), jax.local_devices()[0])

@@ -8,6 +8,7 @@ inside jit, so under a data/expert-sharded mesh they are the global loads the pa
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -46,7 +47,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats))
 
-    def train_step(state: TrainState, batch: dict):
+    def train_step(state: TrainState, batch: dict, bias_update_speed: jax.Array):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (parts, main_counts, mtp_counts)), grads = grad_fn(state.params, state.router_bias, batch)
         grad_norm = optax.global_norm(grads)
@@ -74,7 +75,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     # Donating the state halves its memory on accelerators. Not on CPU: there numpy views of the
     # arrays (an async Orbax save in flight) share the buffers a donation would hand back to XLA.
     donate = () if jax.default_backend() == "cpu" else (0,)
-    return jax.jit(train_step, donate_argnums=donate, **(jit_kwargs or {}))
+    jitted = jax.jit(train_step, donate_argnums=donate, **(jit_kwargs or {}))
+    # gamma is an argument, not a constant, so runs that differ only in it share one executable.
+    return functools.partial(jitted, bias_update_speed=jnp.float32(bias_update_speed))
 
 
 def _next_key(key_data: jax.Array) -> jax.Array:

@@ -51,9 +51,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.final_lr = 1e-4  # the paper's final step-down ratio (7.3e-6 / 2.2e-5)
     c.optimizer.warmup_steps = 20  # short warmup for a short run
     c.train.workdir = "runs/tiny"  # default output folder
-    c.train.steps = 300  # fits the 10-minute budget on 2 CPU cores
+    c.train.steps = 200  # fits the 10-minute budget on 2 CPU cores
     c.train.log_every = 10  # a metrics line every 10 steps
     c.train.eval_every = 50  # eval loss every 50 steps
     c.train.eval_batches = 4  # 4 x 16 held-out rows
-    c.train.checkpoint_every = 100  # 3 checkpoints over the run
+    c.train.checkpoint_every = 100  # 2 checkpoints over the run
     return c

@@ -50,7 +50,10 @@ def test_cross_entropy_is_the_masked_mean_of_numpy_nll():
 
 @pytest.fixture(scope="module")
 def model():
-    return DeepSeekV3(ModelConfig.tiny(vocab_size=64, num_mtp_layers=2), rngs=nnx.Rngs(3))
+    cfg = ModelConfig.tiny(vocab_size=64, num_mtp_layers=2, hidden_size=32, intermediate_size=64,
+                           moe_intermediate_size=16, num_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    return DeepSeekV3(cfg, rngs=nnx.Rngs(3))
 
 
 def loss_parts(model, batch):
