@@ -1,0 +1,123 @@
+"""Runs one train step (and three) on meshes and on one device; prints JSON differences per mesh.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.parity_worker \
+        data=8 fsdp=2,tensor=2,expert=2 ...
+
+Run by tests/sharding/test_parity.py in a subprocess (the pytest process has one device).
+Differences are relative in the 2-norm per array, the largest over all arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Cheap XLA:CPU codegen: compiling dominates these runs (4x faster at level 0); the reference and
+# the sharded steps are compiled alike, so the comparison is unaffected.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import sharding
+from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax.train import losses, optimizer as opt_lib, sharded, state as state_lib, step as step_lib
+from experiments.configs import tiny
+
+# The tiny preset shrunk (every feature on: q LoRA, groups, shared expert, MTP), with 4 MoE layers
+# so that pipeline=2 and pipeline=4 both divide them.
+SHAPE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_layers=5, num_heads=2,
+             q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+BATCH, SEQ, STEPS = 16, 32, 3
+LOSS_KW = dict(mtp_weight=0.3, balance_weight=1e-4, bias_update_speed=1e-3)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
+def setup(overrides: dict | None = None):
+    config = tiny.get_config()
+    model_dict = config.model.to_dict()
+    model_dict.update(SHAPE, **(overrides or {}))
+    cfg = ModelConfig.from_dict(model_dict)
+    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    _, params, _ = state_lib.split_model(model)
+    tx = opt_lib.make_optimizer(config.optimizer, 10, opt_lib.decay_mask(params))
+    schedule = opt_lib.make_schedule(config.optimizer, 10)
+    graphdef, state = state_lib.init_train_state(model, tx, 0)
+    return cfg, model, graphdef, tx, schedule, state
+
+
+def make_batches(vocab: int, n: int) -> list[dict]:
+    """Packed rows: two documents per row (segment ids 1, 2), positions restarting, some padding."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, vocab, (BATCH, SEQ + 1), dtype=np.int32)
+        cut = rng.integers(4, SEQ - 4, (BATCH, 1))
+        idx = np.arange(SEQ + 1)[None]
+        seg = np.where(idx < cut, 1, 2).astype(np.int32)
+        seg[:, -3:] = 0
+        pos = np.where(idx < cut, idx, idx - cut).astype(np.int32)
+        out.append({"tokens": tokens, "segment_ids": seg, "positions": pos})
+    return out
+
+
+def grad_fn(graphdef):
+    def loss(params, biases, batch):
+        model = nnx.merge(graphdef, params, biases)
+        inputs, _, _ = losses.inputs_and_targets(batch)
+        t = inputs.shape[1]
+        out = model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
+                            with_mtp=True)
+        return losses.training_losses(out, batch, mtp_weight=LOSS_KW["mtp_weight"],
+                                      balance_weight=LOSS_KW["balance_weight"]).total
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def rel(a, b) -> float:
+    diffs = [np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64)) /
+             max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return float(max(diffs))
+
+
+def run(state, step, batches, place):
+    loss_curve = []
+    for batch in batches:
+        state, m = step(state, place(batch))
+        loss_curve.append(float(m["loss"]))
+    return state, loss_curve
+
+
+def main(meshes: list[str]) -> None:
+    cfg, model, graphdef, tx, schedule, state = setup()
+    batches = make_batches(cfg.vocab_size, STEPS)
+    grads = grad_fn(graphdef)
+    ref_loss, ref_grads = grads(state.params, state.router_bias, batches[0])
+    ref_step = step_lib.make_train_step(graphdef, tx, schedule, **LOSS_KW)
+    ref_state, ref_curve = run(state, ref_step, batches, lambda b: b)
+    for text in meshes:
+        mesh = sharding.make_mesh(parse_mesh(text))
+        shardings = sharded.train_state_shardings(model, state, mesh)
+        placed = jax.device_put(state, shardings)
+        loss, g = grads(placed.params, placed.router_bias, sharded.place_batch(batches[0], mesh))
+        step = sharded.make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **LOSS_KW)
+        final, curve = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
+        kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
+                   zip(jax.tree.leaves(final.params), jax.tree.leaves(shardings.params)))
+        print(json.dumps({"mesh": text, "loss": float(loss), "ref_loss": float(ref_loss),
+                          "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                          "grad_rel": rel(g, ref_grads), "params_rel": rel(final.params, ref_state.params),
+                          "bias_rel": rel(final.router_bias, ref_state.router_bias),
+                          "curve": curve, "ref_curve": ref_curve, "shardings_kept": kept}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
