@@ -1,0 +1,67 @@
+"""Multi-process start-up and global arrays built from what each process holds.
+
+One process per host (or per GPU), all running the same program: `initialize` joins them through
+`jax.distributed` (coordinator address, process count and id from the arguments, else from
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from the cluster's own
+environment: TPU pods, SLURM, Open MPI are detected by jax). Each process then loads only the
+batch rows its devices own (`process_rows`) and `global_batch` assembles the global array.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids=None) -> bool:
+    """Joins the processes of a multi-process run; returns False (and does nothing) for one process.
+
+    Call before anything touches a device.
+    """
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if num_processes == 1 or (coordinator_address is None and num_processes is None and not _cluster_env()):
+        return False
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=local_device_ids)
+    return True
+
+
+def _cluster_env() -> bool:
+    """A scheduler that jax.distributed detects by itself (SLURM, Open MPI, TPU pod metadata)."""
+    return any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"))
+
+
+def process_rows(sharding: Sharding, global_shape: tuple[int, ...]) -> slice:
+    """The rows (leading dimension) of a global array that this process's devices hold."""
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        rows = index[0] if index else slice(None)
+        start, stop, _ = rows.indices(global_shape[0])
+        starts.append(start)
+        stops.append(stop)
+    return slice(min(starts), max(stops))
+
+
+def global_batch(local: dict, sharding: Sharding, global_rows: int) -> dict:
+    """Global arrays [global_rows, ...] from this process's rows (`process_rows` of each array)."""
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_rows,) + np.shape(v)[1:])
+            for k, v in local.items()}
+
+
+def put_replicated_source(tree: Any, shardings: Any) -> Any:
+    """Places host values that every process holds in full (e.g. a freshly initialised state) with
+    `shardings`, each process writing only its own devices' shards. Works for one process too."""
+    def put(x, s):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)

@@ -1,0 +1,60 @@
+"""Two processes (jax.distributed on 127.0.0.1, 4 fake CPU devices each) train like one process
+with 8 devices (issue acceptance 3)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sharding import multihost
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"):
+        env.pop(key, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _result(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_single_process_needs_no_initialize(monkeypatch):
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(key, raising=False)
+    assert multihost.initialize() is False
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert multihost.initialize() is False
+
+
+def test_two_processes_match_one_process_with_eight_devices():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tests.sharding.multihost_worker", str(port), "2"]
+    procs = [subprocess.Popen(cmd + [str(pid)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for pid in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    two = _result(outs[0][0])
+    one_run = subprocess.run([sys.executable, "-m", "tests.sharding.multihost_worker", "0", "1", "0"], cwd=REPO,
+                             env=_env(), capture_output=True, text=True, timeout=600)
+    assert one_run.returncode == 0, one_run.stderr[-3000:]
+    one = _result(one_run.stdout)
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert len(two["curve"]) == 3
+    for a, b in zip(two["curve"], one["curve"]):
+        assert a == pytest.approx(b, rel=1e-6)
+    assert two["param_sq"] == pytest.approx(one["param_sq"], rel=1e-6)
