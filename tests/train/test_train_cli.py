@@ -1,0 +1,112 @@
+"""End-to-end runs of `python -m experiments.train` in subprocesses (tiny model, a few steps)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.train.conftest import REPO, STEPS, run_train, train_command, train_env
+
+RESUME_FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
+COMPARED = ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr")
+
+
+def read_records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, compile_cache):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_train(workdir, *RESUME_FLAGS, cache_dir=compile_cache)
+    return workdir, read_records(workdir), result.stderr
+
+
+def test_metrics_file_has_the_documented_fields(uninterrupted):
+    workdir, records, stderr = uninterrupted
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    required = {"step", "loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr", "tokens_per_sec",
+                "mfu", "maxvio", "mtp_maxvio", "expert_load", "skipped_steps"}
+    for r in records:
+        assert required <= set(r), required - set(r)
+        assert len(r["maxvio"]) == 1 and len(r["expert_load"][0]) == 16  # 1 MoE layer, 16 experts
+        assert np.isclose(sum(r["expert_load"][0]), 1.0, atol=1e-3)
+        # loss = lm + 0.3 mtp + 1e-4 balance (the config defaults)
+        assert np.isclose(r["loss"], r["lm_loss"] + 0.3 * r["mtp_loss"] + 1e-4 * r["balance_loss"], rtol=1e-5)
+        assert r["skipped_steps"] == 0 and r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1
+    assert [r["step"] for r in records if "eval_loss" in r] == [20, 40, 60]
+    assert "ETA" in stderr and "tok/s" in stderr
+    assert os.listdir(os.path.join(workdir, "tensorboard"))
+    assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit()) == [56, 58, 60]
+
+
+def test_sigkill_at_a_random_step_then_restart_continues_exactly(tmp_path, compile_cache, uninterrupted):
+    _, reference, _ = uninterrupted
+    kill_after = random.Random(os.getpid()).randint(3, STEPS - 3)
+    cmd = train_command(tmp_path, *RESUME_FLAGS, cache_dir=compile_cache)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before step {kill_after}: {proc.stderr.read()[-3000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(metrics.read_text().splitlines())
+    assert killed_at < STEPS
+
+    result = run_train(tmp_path, *RESUME_FLAGS, cache_dir=compile_cache)
+    assert "resumed from" in result.stderr
+    resumed = read_records(tmp_path)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for got, want in zip(resumed, reference):
+        for key in COMPARED:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=f"step {got['step']} {key}")
+        np.testing.assert_allclose(got["maxvio"], want["maxvio"], rtol=1e-6)
+        if "eval_loss" in want:
+            np.testing.assert_allclose(got["eval_loss"], want["eval_loss"], rtol=1e-6)
+
+
+def test_plot_draws_curves_and_heatmap(uninterrupted, tmp_path):
+    workdir, _, _ = uninterrupted
+    subprocess.run([sys.executable, "-m", "experiments.plot", f"--workdir={workdir}", f"--out={tmp_path}"],
+                   cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=120)
+    for name in ("loss.png", "expert_load.png"):
+        png = tmp_path / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_data_fails_early_naming_the_file(tmp_path, compile_cache):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = run_train(tmp_path / "run", f"--config.data.path={empty}", cache_dir=compile_cache,
+                       check=False)
+    assert result.returncode != 0
+    assert str(empty) in result.stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, compile_cache, uninterrupted):
+    proc = subprocess.Popen(train_command(tmp_path, *RESUME_FLAGS, cache_dir=compile_cache), cwd=REPO,
+                            env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    stopped_at = len(metrics.read_text().splitlines())
+    assert stopped_at < STEPS and "SIGTERM" in stderr
+    saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+    assert saved[-1] == stopped_at  # saved at the step it stopped, on the 2-step interval or not
