@@ -1,6 +1,9 @@
 """Default: a ~2M-parameter DeepSeek-V3 (every feature on) that learns the bundled corpus on 2 CPU cores.
 
-    python -m experiments.train            # ~5-8 minutes on 2 CPU cores
+    python -m experiments.train
+
+Measured (jax 0.10.2, 2 CPU cores shared with a load average of 7-10): 13.6 min wall, 6.5 CPU-min
+(5.1 user + 1.4 sys) including ~3 min of compiling; lm loss 7.6 -> 4.63, eval 4.71 after 200 steps.
 """
 
 import ml_collections
@@ -51,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.final_lr = 1e-4  # the paper's final step-down ratio (7.3e-6 / 2.2e-5)
     c.optimizer.warmup_steps = 20  # short warmup for a short run
     c.train.workdir = "runs/tiny"  # default output folder
-    c.train.steps = 200  # fits the 10-minute budget on 2 CPU cores
+    c.train.steps = 200  # ~400K tokens: loss visibly down, within 10 minutes on 2 idle cores
     c.train.log_every = 10  # a metrics line every 10 steps
     c.train.eval_every = 50  # eval loss every 50 steps
     c.train.eval_batches = 4  # 4 x 16 held-out rows
