@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
 from dsv3_jax.data import DataConfig, load_tokenizer, make_train_and_eval
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
-from dsv3_jax.train import state as state_lib, step as step_lib
+from dsv3_jax.train import sharded, state as state_lib, step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
@@ -79,7 +79,7 @@ def model_config(config) -> ModelConfig:
 
 
 # Fields of config.model that say how to run a model rather than what it is.
-_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "remat")
+_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul", "remat")
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
@@ -150,15 +150,28 @@ def train(config) -> list[dict]:
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
     graphdef, state = state_lib.init_train_state(model, tx, tc.seed)
+    # Mesh (config.mesh, sharding/): the state placed by the logical-axis rules before any restore,
+    # so a checkpoint restores straight into its shardings; None on a single device.
+    on_mesh = sharded.for_config(config, model, state)
+    if on_mesh is not None:
+        state = on_mesh.place_state(state)
+        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
     del model, params
     if resume:
         state = ckpt.restore(checkpointing.abstract_like(state), train_iter)
         logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
     start = int(state.step)
 
-    train_step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
-                                          balance_weight=config.loss.balance_weight,
-                                          bias_update_speed=config.balancing.bias_update_speed)
+    step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
+                       bias_update_speed=config.balancing.bias_update_speed)
+    if on_mesh is None:
+        train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
+    else:
+        mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
+                                                    **step_kwargs)
+
+        def train_step(state, batch):
+            return mesh_step(state, on_mesh.place_batch(batch))
     eval_step = step_lib.make_eval_step(graphdef)
     tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
     flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
