@@ -139,9 +139,11 @@ def plan(config) -> dict:
     lowered_s = None
     if _LOWER.value:
         t0 = time.perf_counter()
-        lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
+        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
         lowered_s = time.perf_counter() - t0
-        print(f"train step traced and lowered ({_PLATFORM.value}) for the abstract {n}-device mesh in {lowered_s:.1f}s")
+        all_to_all = lowered.as_text().count("all_to_all")
+        print(f"train step traced and lowered ({_PLATFORM.value}) for the abstract {n}-device mesh in "
+              f"{lowered_s:.1f}s; expert all-to-alls in the program: {all_to_all}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s}
 

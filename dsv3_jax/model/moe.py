@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -12,6 +13,7 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.ops import dispatch, routing
+from sharding import expert_parallel
 
 
 class RouterStats(NamedTuple):
@@ -57,13 +59,24 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(b * t, d)
         route = self.gate(x_NxD)
         dt = cfg.compute_dtype
-        y = dispatch.routed_experts(x_NxD.astype(dt), route.experts_NxK, route.weights_NxK,
-                                    self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt),
-                                    impl="fp8" if cfg.fp8_matmul else cfg.moe_impl,
-                                    max_tile=cfg.moe_tile_size).reshape(b, t, d)
+        y = self._routed(x_NxD.astype(dt), route).reshape(b, t, d)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BxTxD)
         mask_N = None if token_mask_BxT is None else token_mask_BxT.reshape(-1)
         stats = RouterStats(routing.expert_counts(route.experts_NxK, cfg.num_routed_experts, mask_N),
                             routing.sequence_balance_loss(route, b, token_mask_BxT))
         return y, stats
+
+    def _routed(self, x_NxD: jax.Array, route: routing.Routing) -> jax.Array:
+        """Routed experts: all-to-all expert parallelism when the context mesh (`jax.set_mesh`)
+        splits experts over `expert`, the single-device dispatch otherwise. Same function."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        weights = (self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt))
+        impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
+        mesh = jax.sharding.get_abstract_mesh()
+        if expert_parallel.is_active(mesh):
+            local = functools.partial(dispatch.local_expert_mlp, impl=impl, max_tile=cfg.moe_tile_size)
+            return expert_parallel.expert_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, local,
+                                                   mesh=mesh, num_experts=cfg.num_routed_experts)
+        return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *weights, impl=impl,
+                                       max_tile=cfg.moe_tile_size)

@@ -128,3 +128,17 @@ def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Ar
     out = jnp.einsum("NKD,NK->ND", unsorted_NxKxD, weights_NxK.astype(y_MxD.dtype),
                      preferred_element_type=jnp.float32)
     return out.astype(x_NxD.dtype)
+
+
+def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,
+                     w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
+                     max_tile: int = 128) -> jax.Array:
+    """Expert-parallel receive side: row r through its local expert (one expert per row, K = 1).
+
+    Rows with `valid_R` False are padding from the all-to-all; their outputs are zero.
+    """
+    rows = sort_by_expert(expert_R[:, None], w1_ExDxF.shape[0])
+    y_MxD = grouped_expert_mlp(x_RxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, impl=impl,
+                               max_tile=max_tile)
+    y_RxD = jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD)
+    return jnp.where(valid_R[:, None], y_RxD, 0)

@@ -14,7 +14,7 @@ counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 import sharding
+from sharding import multihost
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.train import state as state_lib, step as step_lib
 
@@ -78,9 +79,20 @@ def place_batch(batch: dict, mesh, rules=None) -> dict:
 
 def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable,
                             state_shardings: state_lib.TrainState, mesh, **step_kwargs):
-    """`make_train_step` whose outputs keep the state's shardings; inputs must already be placed."""
+    """`make_train_step` whose outputs keep the state's shardings; inputs must already be placed.
+
+    Runs under `jax.set_mesh(mesh)`, so with an `expert` axis the routed experts run expert-parallel
+    (sharding/expert_parallel.py) and everything else is partitioned by XLA from the shardings.
+    """
     jit_kwargs = {"out_shardings": (state_shardings, sharding.replicated(mesh))}
-    return step_lib.make_train_step(graphdef, tx, schedule, jit_kwargs=jit_kwargs, **step_kwargs)
+    step = step_lib.make_train_step(graphdef, tx, schedule, jit_kwargs=jit_kwargs, **step_kwargs)
+
+    def sharded_step(state, batch):
+        # Traced under the mesh: the MoE layers see it and switch to all-to-all expert parallelism.
+        with jax.set_mesh(mesh):
+            return step(state, batch)
+
+    return sharded_step
 
 
 def per_device_bytes(tree, shardings) -> int:
@@ -90,3 +102,35 @@ def per_device_bytes(tree, shardings) -> int:
         shard_shape = sh.shard_shape(tuple(leaf.shape))
         total += int(np.prod(shard_shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+class MeshTraining(NamedTuple):
+    """What the training loop needs to run on a mesh: where the state and each batch go."""
+
+    mesh: jax.sharding.Mesh
+    rules: dict
+    shardings: state_lib.TrainState
+
+    def place_state(self, state: state_lib.TrainState) -> state_lib.TrainState:
+        return multihost.put_replicated_source(state, self.shardings)
+
+    def place_batch(self, batch: dict) -> dict:
+        """This process's rows (config.data.batch_size of them) -> the global batch on the mesh."""
+        rows = next(iter(batch.values())).shape[0] * jax.process_count()
+        return multihost.global_batch(batch, batch_sharding(self.mesh, self.rules), rows)
+
+
+def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTraining | None:
+    """The `mesh` section of a training config (sizes per axis, one may be -1; `rules` preset) on
+    all devices; None when the mesh is a single device (the plain jit step is used then)."""
+    sizes = {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
+    mesh = sharding.make_mesh(sizes)
+    if mesh.size == 1:
+        return None
+    rules = sharding.get_rules(config.mesh.get("rules", "default"))
+    cfg = model.config
+    check_batch(config.data.batch_size * jax.process_count(), mesh, rules)
+    sharding.check_divides("model.num_routed_experts", cfg.num_routed_experts, mesh, ("expert",))
+    sharding.check_divides("MoE layers (model.num_layers - model.num_dense_layers)", cfg.num_moe_layers, mesh,
+                           ("pipeline",))
+    return MeshTraining(mesh, rules, train_state_shardings(model, state, mesh, rules))

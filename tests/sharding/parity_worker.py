@@ -107,7 +107,8 @@ def main(meshes: list[str]) -> None:
         mesh = sharding.make_mesh(parse_mesh(text))
         shardings = sharded.train_state_shardings(model, state, mesh)
         placed = jax.device_put(state, shardings)
-        loss, g = grads(placed.params, placed.router_bias, sharded.place_batch(batches[0], mesh))
+        with jax.set_mesh(mesh):  # as the sharded step runs: expert-parallel MoE where the mesh has `expert`
+            loss, g = grads(placed.params, placed.router_bias, sharded.place_batch(batches[0], mesh))
         step = sharded.make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **LOSS_KW)
         final, curve = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in

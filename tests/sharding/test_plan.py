@@ -28,6 +28,7 @@ def test_671b_lowers_on_an_abstract_256_device_mesh():
     assert "682.64B parameters" in text  # 671.03B main model + 11.6B MTP module
     assert "= 256 devices" in text and "4096 tokens per device" in text
     assert "traced and lowered (tpu) for the abstract 256-device mesh" in text
+    assert int(re.search(r"expert all-to-alls in the program: (\d+)", text).group(1)) >= 8  # EP, fwd + bwd
     params, moments = _row(text, "parameters (float32)"), _row(text, "AdamW moments (2 x fp32)")
     # fp32 master weights of 682.64B parameters split 256 ways at best; the fsdp-only and replicated
     # tensors (attention, dense layers, embeddings: ~5% of the bytes) cost the rest.
