@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags

@@ -2,8 +2,12 @@
 
     mesh = sharding.make_mesh({"data": 2, "expert": -1})
     spec = sharding.logical_to_spec(("layers", "expert", "embed", "mlp"), shape, mesh, sharding.get_rules("default"))
+
+Modules: mesh (axes, sizes, hybrid ICI/DCN and abstract meshes), rules (the logical-axis table and
+presets), expert_parallel (all-to-all dispatch in shard_map), pipeline (GPipe stage schedule with
+ppermute), multihost (jax.distributed start-up, per-process batch rows).
 """
 
 from sharding.mesh import AXES, MeshError, abstract_mesh, check_divides, make_mesh, resolve_sizes
-from sharding.rules import (BATCH_AXES, PRESETS, ShardingRuleError, constrain, follow_params, get_rules,
-                            logical_to_spec, named_sharding, replicated, shards_of)
+from sharding.rules import (BATCH_AXES, PRESETS, ShardingRuleError, follow_params, get_rules, logical_to_spec,
+                            named_sharding, replicated, shards_of)

@@ -21,7 +21,7 @@ import math
 from typing import Any, Mapping, Sequence, Union
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 MeshAxes = Union[str, tuple, None]
 Rules = Mapping[str, MeshAxes]
@@ -137,13 +137,3 @@ def key_name(key) -> str:
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
-
-
-def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules | str | None = None,
-              mesh=None) -> jax.Array:
-    """with_sharding_constraint by logical names; a no-op outside a mesh (single device, plain jit)."""
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return x
-    spec = logical_to_spec(logical, x.shape, mesh, get_rules(rules) if not isinstance(rules, Mapping) else rules)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec)

@@ -17,7 +17,6 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import sharding  # noqa: E402
 from sharding import multihost  # noqa: E402

@@ -20,7 +20,6 @@ if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 " + FAST_COMPILE)
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
