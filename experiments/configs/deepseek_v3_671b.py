@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
         moe_impl="auto",  # ragged_dot on TPU/GPU
         moe_tile_size=128,  # tile bound of the tiled grouped matmul (CPU only)
         attention_impl="xla",  # "pallas" for the flash kernel
+        fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
         remat=True,  # recompute activations in the backward pass, as the paper does
     ))
     c.data.seq_len = 4096  # T

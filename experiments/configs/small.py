@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
         moe_impl="auto",  # ragged_dot on TPU/GPU, tiled grouped matmul on CPU
         moe_tile_size=128,  # tile bound of the tiled grouped matmul
         attention_impl="xla",  # "pallas" for the flash kernel
+        fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
         remat=False,  # enough memory at this size
     ))
     c.data.seq_len = 1024  # T

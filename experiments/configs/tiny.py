@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
         moe_impl="auto",  # tiled grouped matmul on CPU, ragged_dot on TPU/GPU
         moe_tile_size=128,  # tile bound of the tiled grouped matmul
         attention_impl="xla",  # "pallas" for the flash kernel
+        fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
         remat=False,  # no rematerialisation needed at this size
     ))
     c.data.seq_len = 128  # T
