@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from flax import nnx

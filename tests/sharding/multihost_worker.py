@@ -14,7 +14,7 @@ from tests.sharding.parity_worker import FAST_COMPILE
 if __name__ == "__main__":
     _, _port, _nproc, _pid = sys.argv
     devices = 8 // int(_nproc)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+    os.environ["XLA_FLAGS"] = f"--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 import jax  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Runs one train step (and three) on meshes and on one device; prints JSON differences per mesh.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.parity_worker \
+    XLA_FLAGS=--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 python -m tests.sharding.parity_worker \
         data=8 fsdp=2,tensor=2,expert=2 ...
 
 Run by tests/sharding/test_parity.py in a subprocess (the pytest process has one device).
@@ -17,7 +17,7 @@ import sys
 # the sharded steps are compiled alike, so the comparison is unaffected.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 " + FAST_COMPILE)
 
 import jax
 import numpy as np

@@ -8,7 +8,7 @@ import os
 
 from tests.sharding.parity_worker import FAST_COMPILE
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 " + FAST_COMPILE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -157,7 +157,7 @@ def test_presets(preset, mesh_sizes, routed_w1, wq_b, embed):
 
 def test_per_device_bytes_on_eight_devices():
     """Placed parameters hold total / shards bytes per device on each sharded parameter."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "tests.sharding.bytes_worker"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -24,7 +24,7 @@ OVERRIDES = [
 
 def train_losses(workdir, devices: int, *mesh_flags) -> list[float]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+               XLA_FLAGS=f"--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
     cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *OVERRIDES, *mesh_flags]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -45,7 +45,7 @@ def test_mesh_overrides_give_the_single_device_loss_curve(tmp_path):
 
 def test_mesh_that_does_not_divide_the_batch_is_an_error(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", *OVERRIDES,
                           "--config.mesh.data=-1", "--config.data.batch_size=12"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)

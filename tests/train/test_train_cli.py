@@ -49,15 +49,19 @@ def test_metrics_file_has_the_documented_fields(uninterrupted):
 
 def test_sigkill_at_a_random_step_then_restart_continues_exactly(tmp_path, compile_cache, uninterrupted):
     _, reference, _ = uninterrupted
-    kill_after = random.Random(os.getpid()).randint(3, STEPS - 3)
+    kill_after = random.Random(os.getpid()).randint(3, STEPS // 2)
     cmd = train_command(tmp_path, *RESUME_FLAGS, cache_dir=compile_cache)
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics, checkpoints = tmp_path / "metrics.jsonl", tmp_path / "checkpoints"
+
+    def finalized_checkpoint():  # async saves are renamed from a temporary name once complete
+        return checkpoints.exists() and any(s.isdigit() for s in os.listdir(checkpoints))
+
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after and finalized_checkpoint():
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     assert proc.poll() is None, f"the run ended before step {kill_after}: {proc.stderr.read()[-3000:]}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
