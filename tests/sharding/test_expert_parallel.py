@@ -5,14 +5,8 @@ Dropless (and a capacity that cannot drop) give the same outputs and gradients a
 rule drops (per source device and destination, rows past the capacity in (token, slot) order).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 from sharding import expert_parallel
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.sharding.workers import run_worker
 
 
 def test_capacity():
@@ -23,12 +17,7 @@ def test_capacity():
 
 
 def test_expert_parallel_matches_single_device_dispatch():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "tests.sharding.ep_worker"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = run_worker("tests.sharding.ep_worker")
     assert rows[0]["all_to_all_ops"] >= 2  # there and back (the backward adds its own)
     exact = {r["cf"]: r for r in rows[1:3]}
     for cf in (None, 4.0):

@@ -1,15 +1,9 @@
 """Pipeline schedule: equal to a plain scan (forward and gradients), uneven layer counts, bubble."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from sharding import pipeline
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.sharding.workers import run_worker
 
 
 def test_stage_layers_balance_uneven_counts():
@@ -28,12 +22,7 @@ def test_bubble_theory_and_microbatch_choice():
 
 
 def test_pipeline_matches_sequential_layers_on_eight_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "tests.sharding.pipeline_worker"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = run_worker("tests.sharding.pipeline_worker")
     assert [(r["stages"], r["layers"], r["microbatches"]) for r in rows] == [(4, 6, 8), (2, 5, 4), (4, 4, 1)]
     for r in rows:
         assert r["out_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
