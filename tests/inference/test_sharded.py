@@ -1,8 +1,9 @@
 """Sharded decoding on 8 fake CPU devices: heads of wkv_b / wo on `tensor`, the cache batch on `data`."""
 
 import pathlib
-import subprocess
 import sys
+
+from tests.sharding import workers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,6 +47,5 @@ print("SHARDED_OK", sharded.output().tolist())
 
 
 def test_sharded_decode_gives_the_same_tokens():
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    res = workers.run([sys.executable, "-c", SCRIPT], workers.fake_device_env(), timeout=900)
     assert res.returncode == 0 and "SHARDED_OK" in res.stdout, res.stderr[-4000:]
