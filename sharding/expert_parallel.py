@@ -14,9 +14,17 @@ split on their leading dimension over `expert_axis`):
 Dropless by default: C = M, the worst case (every row of a device choosing one device), so no
 token is ever dropped, at the price of P x M received rows of buffer. `capacity_factor` cf sets
 C = ceil(cf * M / P); rows past it are dropped (their contribution is zero), as in GShard.
-The padded `all_to_all` runs on every backend including CPU; `jax.lax.ragged_all_to_all` (which
-sends only the filled rows) does not run on XLA:CPU, see DESIGN.md section 4, so this path is the
-one tested here.
+
+Two exchanges, same results (`exchange=`):
+- "padded": `all_to_all` of the [P, C, D] buffer, padding rows included. Runs on every backend;
+  the one XLA:CPU can run.
+- "ragged": `jax.lax.ragged_all_to_all` sends each device only its filled rows (sorted by
+  destination, sizes from one all_gather of the [P] send counts) into a [P * C, D] buffer, and the
+  results come back the same way; traffic follows the routed rows, not the worst case. XLA:CPU
+  has no ragged-all-to-all thunk (DESIGN.md section 4), so on CPU the tests run this path with
+  `ragged_all_to_all_by_gather`, an all_gather emulation of the collective's documented
+  semantics, and check that the real collective lowers for TPU and CUDA.
+"auto" (the default) takes "ragged" on TPU and GPU and "padded" elsewhere.
 
 No model knowledge: the caller passes the expert weights and the function that applies them.
 """
@@ -31,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 LocalFn = Callable[..., jax.Array]  # (x_RxD, local_expert_R, valid_R, *local_weights) -> y_RxD
+EXCHANGES = ("auto", "padded", "ragged")
 
 
 def is_active(mesh, expert_axis: str = "expert") -> bool:
@@ -48,11 +57,13 @@ def capacity(rows: int, num_devices: int, capacity_factor: float | None) -> int:
 def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array,
                     expert_weights: Sequence[jax.Array], local_fn: LocalFn, *, mesh, num_experts: int,
                     expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp", "expert"),
-                    capacity_factor: float | None = None) -> jax.Array:
+                    capacity_factor: float | None = None, exchange: str = "auto",
+                    ragged_all_to_all: Callable | None = None) -> jax.Array:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]) with experts split over `expert_axis`.
 
     x [N, D] (global), experts/weights [N, K]; each of `expert_weights` has experts on dim 0.
-    Returns [N, D] in x's dtype.
+    `exchange`: "auto", "padded" or "ragged" (module docstring); `ragged_all_to_all` replaces the
+    collective of the ragged exchange (default jax.lax.ragged_all_to_all). Returns [N, D] in x's dtype.
     """
     p = mesh.shape[expert_axis]
     if num_experts % p:
@@ -60,7 +71,15 @@ def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.A
     token_axes = tuple(a for a in token_axes if a in mesh.shape and mesh.shape[a] > 1)
     tokens = P(token_axes or None, None)
     weight_specs = tuple(P(expert_axis, *([None] * (w.ndim - 1))) for w in expert_weights)
-    body = _local_body(local_fn, p, num_experts // p, expert_axis, capacity_factor)
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "auto":
+        exchange = "ragged" if jax.default_backend() in ("tpu", "gpu") else "padded"
+    if exchange == "ragged":
+        body = _ragged_body(local_fn, p, num_experts // p, expert_axis, capacity_factor,
+                            ragged_all_to_all or jax.lax.ragged_all_to_all)
+    else:
+        body = _local_body(local_fn, p, num_experts // p, expert_axis, capacity_factor)
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *weight_specs), out_specs=tokens,
                          check_vma=False)(x_NxD, experts_NxK, weights_NxK, *expert_weights)
 
@@ -98,3 +117,65 @@ def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str,
         return out.astype(x_NxD.dtype)
 
     return body
+
+
+def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor,
+                 ragged_all_to_all: Callable):
+    def body(x_NxD, experts_NxK, weights_NxK, *local_weights):
+        n, k = experts_NxK.shape
+        d = x_NxD.shape[1]
+        m = n * k
+        c = capacity(m, p, capacity_factor)
+        me = jax.lax.axis_index(expert_axis)
+        flat = experts_NxK.reshape(-1)
+        dest_M = flat // local_experts
+        order_M = jnp.argsort(dest_M, stable=True)  # rows grouped by destination device
+        counts_P = jnp.zeros((p,), jnp.int32).at[dest_M].add(1)
+        starts_P = jnp.cumsum(counts_P) - counts_P  # where each destination's rows start, sorted
+        send_P = jnp.minimum(counts_P, c)  # the first C rows of each group go; the rest are dropped
+        # Everyone's send sizes and group starts: [source, destination].
+        sent_PxP = jax.lax.all_gather(send_P, expert_axis)
+        starts_PxP = jax.lax.all_gather(starts_P, expert_axis)
+        recv_P = sent_PxP[:, me]  # rows arriving from each source
+        recv_start_P = jnp.cumsum(recv_P) - recv_P  # sources in order in the receive buffer
+        # Where my rows land on each destination j: after the rows of sources before me.
+        land_P = jnp.sum(jnp.where(jnp.arange(p)[:, None] < me, sent_PxP, 0), axis=0)
+
+        rows_MxD = x_NxD[order_M // k]
+        local_e_M = (flat[order_M] % local_experts).astype(jnp.int32)
+        recv_RxD = ragged_all_to_all(rows_MxD, jnp.zeros((p * c, d), x_NxD.dtype), starts_P, send_P, land_P,
+                                     recv_P, axis_name=expert_axis)
+        recv_e_R = ragged_all_to_all(local_e_M[:, None], jnp.full((p * c, 1), -1, jnp.int32), starts_P, send_P,
+                                     land_P, recv_P, axis_name=expert_axis)[:, 0]
+        valid_R = recv_e_R >= 0
+        y_RxD = local_fn(recv_RxD, jnp.where(valid_R, recv_e_R, 0), valid_R, *local_weights)
+        y_RxD = jnp.where(valid_R[:, None], y_RxD, 0).astype(x_NxD.dtype)
+
+        # Back: the block from source i returns to where source i's rows for me started.
+        y_sorted_MxD = ragged_all_to_all(y_RxD, jnp.zeros((m, d), x_NxD.dtype), recv_start_P, recv_P,
+                                         starts_PxP[:, me], send_P, axis_name=expert_axis)
+        y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
+        out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, d), weights_NxK.astype(y_MxD.dtype),
+                         preferred_element_type=jnp.float32)
+        return out.astype(x_NxD.dtype)
+
+    return body
+
+
+def ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name: str):
+    """`jax.lax.ragged_all_to_all`'s documented semantics (one slice per device) built from
+    all_gather: for backends without the collective (XLA:CPU), and as its reference in tests.
+    Gathers every device's operand, so it costs P times the memory of the real collective."""
+    del recv_sizes  # implied by the senders' sizes
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [P, rows, ...]
+    in_off, sizes, out_off = (jax.lax.all_gather(a, axis_name)[:, me]
+                              for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    for src in range(ops.shape[0]):
+        inside = (rows >= out_off[src]) & (rows < out_off[src] + sizes[src])
+        take = jnp.clip(in_off[src] + rows - out_off[src], 0, operand.shape[0] - 1)
+        mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(mask, ops[src][take], output)
+    return output
