@@ -95,6 +95,9 @@ class ModelConfig:
     attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
     fp8_matmul: bool = False  # MLA, MLP and expert projections through the FP8 block-scaled kernels
     remat: bool = False  # rematerialise each layer in the backward pass
+    # Microbatches of the pipeline schedule when the mesh has pipeline > 1 (0: the fewest that keep
+    # the bubble (S - 1) / (M + S - 1) <= 0.2, as far as the batch divides; sharding/pipeline.py).
+    pipeline_microbatches: int = 0
 
     def __post_init__(self):
         self._validate()
@@ -170,7 +173,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers"):
+        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative int, got {value!r}")

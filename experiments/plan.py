@@ -26,6 +26,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
+from sharding import pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
 
@@ -74,28 +75,34 @@ def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     return model, box["graphdef"], state
 
 
-def activation_bytes(cfg: ModelConfig, tokens_per_device: int, seq: int, layers_per_device: int) -> dict[str, int]:
+def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int]]) -> dict[str, int]:
     """Estimate, bytes per device, for a step with per-layer rematerialisation (cfg.remat).
 
-    - saved: each layer's input [tokens, D] in compute dtype, for every layer the device holds;
-    - working: one layer's live set while it is recomputed and differentiated: q/k/v of every head,
-      attention probabilities [heads, T, T] per sequence (naive attention), and the MoE's K routed
-      copies of each token through [D + 3F] (x, gate, up, hidden) twice (forward + backward);
+    groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once):
+    outside a pipeline both token counts are the device's share of the batch; in the pipelined MoE
+    stack a stage saves every microbatch's input but works on one microbatch at a time.
+    - saved: each layer's input [tokens, D] in compute dtype, for every layer the device runs;
+    - working: the largest live set of one layer while it is recomputed and differentiated: q/k/v
+      of every head, attention probabilities [heads, T, T] per sequence (naive attention), and the
+      MoE's K routed copies of each token through [D + 3F] (x, gate, up, hidden) twice (fwd + bwd);
     - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient.
     Without remat, `saved` grows by the working set of every layer instead.
     """
     cb = jnp.dtype(cfg.compute_dtype).itemsize
     d, h = cfg.hidden_size, cfg.num_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    t = max(1, min(tokens_per_device, seq))
-    seqs = max(1, tokens_per_device // t)
-    attn = tokens_per_device * h * (2 * qk + cfg.v_head_dim) * cb + seqs * h * t * t * 4
-    moe = 2 * tokens_per_device * cfg.num_experts_per_token * (d + 3 * cfg.moe_intermediate_size) * cb
-    working = attn + moe + 8 * tokens_per_device * d * 4
-    per_layer_saved = tokens_per_device * d * cb
-    saved = layers_per_device * (per_layer_saved if cfg.remat else per_layer_saved + working)
-    logits = 2 * (1 + cfg.num_mtp_layers) * tokens_per_device * cfg.vocab_size * 4
-    return {"saved layer inputs": saved, "one layer working set": working, "logits (+grad)": logits}
+
+    def working(tokens: int) -> int:
+        t = max(1, min(tokens, seq))
+        seqs = max(1, tokens // t)
+        attn = tokens * h * (2 * qk + cfg.v_head_dim) * cb + seqs * h * t * t * 4
+        moe = 2 * tokens * cfg.num_experts_per_token * (d + 3 * cfg.moe_intermediate_size) * cb
+        return attn + moe + 8 * tokens * d * 4
+
+    saved = sum(n * (saved_tokens * d * cb + (0 if cfg.remat else working(live))) for n, saved_tokens, live in groups)
+    live_set = max(working(live) for _, _, live in groups)
+    logits = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
+    return {"saved layer inputs": saved, "one layer working set": live_set, "logits (+grad)": logits}
 
 
 def plan(config) -> dict:
@@ -119,13 +126,29 @@ def plan(config) -> dict:
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
     tokens_per_device = batch * seq // batch_shards
-    layers_per_device = cfg.num_dense_layers + -(-cfg.num_moe_layers // mesh.shape["pipeline"]) + cfg.num_mtp_layers
-    acts = activation_bytes(cfg, tokens_per_device, seq, layers_per_device)
+    stages = mesh.shape["pipeline"]
+    micro = 1
+    if stages > 1:
+        if stages > cfg.num_moe_layers:
+            raise sharding.MeshError(f"mesh.pipeline={stages} stages exceed the {cfg.num_moe_layers} MoE layers")
+        stage_shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES)
+        micro = pipeline.resolve_microbatches(batch, stages, stage_shards, cfg.pipeline_microbatches)
+    stack_tokens = batch * seq // math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES) if stages > 1 \
+        else tokens_per_device
+    acts = activation_bytes(cfg, seq, [
+        (cfg.num_dense_layers + cfg.num_mtp_layers, tokens_per_device, tokens_per_device),
+        (-(-cfg.num_moe_layers // stages), stack_tokens, stack_tokens // micro)])
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
             ("gradients", params_b), ("AdamW moments (2 x fp32)", opt_b)]
     rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
     total = sum(v for _, v in rows)
 
+    if stages > 1:
+        per_stage = pipeline.stage_layers(cfg.num_moe_layers, stages)
+        print(f"pipeline: {cfg.num_moe_layers} MoE layers on {stages} stages ({per_stage.count(max(per_stage))} x "
+              f"{max(per_stage)}" + (f" + {per_stage.count(min(per_stage))} x {min(per_stage)}"
+                                      if min(per_stage) != max(per_stage) else "") +
+              f"), {micro} microbatches, bubble (S-1)/(M+S-1) = {pipeline.bubble_fraction(stages, micro):.3f}")
     mesh_text = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
     print(f"model: {total_params / 1e9:.2f}B parameters; mesh ({mesh_text}) = {n} devices; rules "
           f"{config.mesh.get('rules', 'default')!r}; global batch {batch} x {seq} tokens, "
@@ -140,9 +163,10 @@ def plan(config) -> dict:
         t0 = time.perf_counter()
         lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
         lowered_s = time.perf_counter() - t0
-        all_to_all = lowered.as_text().count("all_to_all")
+        text = lowered.as_text()
         print(f"train step traced and lowered ({_PLATFORM.value}) for the abstract {n}-device mesh in "
-              f"{lowered_s:.1f}s; expert all-to-alls in the program: {all_to_all}")
+              f"{lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')}, "
+              f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s}
 

@@ -26,11 +26,24 @@ from jax.sharding import NamedSharding, PartitionSpec
 MeshAxes = Union[str, tuple, None]
 Rules = Mapping[str, MeshAxes]
 
-BATCH_AXES = ("data", "fsdp", "expert")  # every data-like axis; expert ranks hold different tokens too
+# Rows of a batch are split over every data-like axis: expert ranks hold different tokens too, and
+# so do pipeline ranks outside the pipelined MoE stack (the embedding, dense layers, head and MTP run
+# split over them instead of repeated on every stage). Inside the stack a stage sees all rows of its
+# microbatch, so those are split over STAGE_BATCH_AXES only.
+STAGE_BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = STAGE_BATCH_AXES + ("pipeline",)
 
 _ACTIVATIONS: dict[str, MeshAxes] = {
     "batch": BATCH_AXES, "length": None, "act_embed": None, "act_heads": "tensor", "act_vocab": "tensor",
 }
+
+# `pipeline` as a fallback: the stacked layer axis (the first dimension) claims `pipeline` when the
+# stages divide the layer count; when they do not (58 MoE layers on 16 stages), and on parameters
+# with no layer axis that the stages share (embedding, head, the dense layers outside the pipelined
+# stack), a later dimension takes it instead, ZeRO-style: the stage gathers what it needs each step,
+# and a pipeline mesh never holds a whole copy of such a parameter on every stage.
+_EXPERTS = ("expert", "pipeline")
+_FSDP = ("fsdp", "pipeline")
 
 PRESETS: dict[str, dict[str, MeshAxes]] = {
     # ZeRO-3: every matrix sharded on its first large dim over fsdp, batch over data x fsdp.
@@ -42,14 +55,15 @@ PRESETS: dict[str, dict[str, MeshAxes]] = {
     # Megatron-style: heads / hidden / vocab on `tensor`, experts on `expert`, embed on fsdp if present.
     "expert_tensor": {**_ACTIVATIONS, "expert": "expert", "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                       "embed": "fsdp", "q_lora": None, "kv_lora": None, "layers": None, "head_dim": None},
-    # DeepSeek-V3's own recipe: layers on `pipeline`, experts on `expert`, data parallel beside them.
-    "pipeline_expert_data": {**_ACTIVATIONS, "layers": "pipeline", "expert": "expert", "embed": None,
-                             "vocab": None, "heads": None, "mlp": None, "q_lora": None, "kv_lora": None,
-                             "head_dim": None},
+    # DeepSeek-V3's own recipe: layers on `pipeline`, experts on `expert`, data parallel beside them
+    # (with the `pipeline` fallback above for what the layer axis cannot take).
+    "pipeline_expert_data": {**_ACTIVATIONS, "layers": "pipeline", "expert": _EXPERTS, "embed": "pipeline",
+                             "vocab": None, "heads": None, "mlp": None, "q_lora": "pipeline",
+                             "kv_lora": "pipeline", "head_dim": None},
 }
 # Every axis at once: each preset is this table on a mesh whose other axes are 1.
-PRESETS["default"] = {**_ACTIVATIONS, "layers": "pipeline", "expert": "expert", "heads": "tensor", "mlp": "tensor",
-                      "vocab": "tensor", "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "head_dim": None}
+PRESETS["default"] = {**_ACTIVATIONS, "layers": "pipeline", "expert": _EXPERTS, "heads": "tensor", "mlp": "tensor",
+                      "vocab": "tensor", "embed": _FSDP, "q_lora": _FSDP, "kv_lora": _FSDP, "head_dim": None}
 
 
 class ShardingRuleError(ValueError):

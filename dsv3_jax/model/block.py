@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
@@ -12,6 +14,7 @@ from dsv3_jax.model.attention import MLA
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
+from sharding import pipeline, rules
 
 
 class Context(NamedTuple):
@@ -56,3 +59,28 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool):
     if remat:
         body = nnx.remat(body)
     return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_BxTxD, blocks)
+
+
+def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,
+                        microbatches: int = 0):
+    """`run_stack` for MoE blocks on a mesh with a `pipeline` axis: the layers split into stages,
+    the batch into microbatches, run by the GPipe schedule of sharding/pipeline.py.
+
+    Same results as `run_stack`: stats are summed (expert counts) or averaged (the sequence-wise
+    balance loss, a mean over equal-sized microbatches) over the microbatches.
+    """
+    b = x_BxTxD.shape[0]
+    stages = mesh.shape["pipeline"]
+    batch_shards = math.prod(mesh.shape.get(a, 1) for a in rules.STAGE_BATCH_AXES)
+    m = pipeline.resolve_microbatches(b, stages, batch_shards, microbatches)
+    graphdef, state = nnx.split(blocks)
+
+    def layer(p, x, side):
+        return nnx.merge(graphdef, p)(x, Context(*side))
+
+    if remat:
+        layer = jax.checkpoint(layer)
+    side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
+    y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh)
+    stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1))
+    return pipeline.merge_microbatches(y), stats

@@ -11,11 +11,12 @@ from flax import nnx
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
-from dsv3_jax.model.block import Block, Context, run_stack
+from dsv3_jax.model.block import Block, Context, run_stack, run_stack_pipelined
 from dsv3_jax.model.moe import RouterStats
 from dsv3_jax.model.mtp import MTPLayer, run_mtp
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import rope_angles
+from sharding import pipeline
 
 
 class ModelOutput(NamedTuple):
@@ -84,7 +85,12 @@ class DeepSeekV3(nnx.Module):
             x, _ = run_stack(self.dense_layers, x, ctx, remat=cfg.remat)
         stats = None
         if self.moe_layers is not None:
-            x, stats = run_stack(self.moe_layers, x, ctx, remat=cfg.remat)
+            mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
+            if pipeline.is_active(mesh):  # layers in stages on `pipeline`, microbatches scheduled over them
+                x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
+                                               microbatches=cfg.pipeline_microbatches)
+            else:
+                x, stats = run_stack(self.moe_layers, x, ctx, remat=cfg.remat)
         h = self.norm(x)
         mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:

@@ -14,6 +14,7 @@ counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -22,7 +23,7 @@ import optax
 from flax import nnx
 
 import sharding
-from sharding import multihost
+from sharding import multihost, pipeline
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.train import state as state_lib, step as step_lib
 
@@ -131,6 +132,15 @@ def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTr
     cfg = model.config
     check_batch(config.data.batch_size * jax.process_count(), mesh, rules)
     sharding.check_divides("model.num_routed_experts", cfg.num_routed_experts, mesh, ("expert",))
-    sharding.check_divides("MoE layers (model.num_layers - model.num_dense_layers)", cfg.num_moe_layers, mesh,
-                           ("pipeline",))
+    stages = mesh.shape["pipeline"]
+    if stages > 1 and stages > cfg.num_moe_layers:
+        raise sharding.MeshError(f"mesh.pipeline={stages} stages exceed the {cfg.num_moe_layers} MoE layers "
+                                 "(model.num_layers - model.num_dense_layers) they split")
+    if stages > 1:
+        shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES if a in mesh.shape)
+        try:
+            pipeline.resolve_microbatches(config.data.batch_size * jax.process_count(), stages, shards,
+                                          cfg.pipeline_microbatches)
+        except ValueError as e:
+            raise sharding.MeshError(f"{e} (model.pipeline_microbatches, data.batch_size)") from None
     return MeshTraining(mesh, rules, train_state_shardings(model, state, mesh, rules))

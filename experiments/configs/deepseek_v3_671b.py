@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
         attention_impl="xla",  # "pallas" for the flash kernel
         fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
         remat=True,  # recompute activations in the backward pass, as the paper does
+        pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
     ))
     c.data.seq_len = 4096  # T
     c.data.batch_size = 15360  # the paper's final global batch (it ramps up from 3072); per process

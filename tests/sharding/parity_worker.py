@@ -95,8 +95,11 @@ def run(state, step, batches, place):
     return state, loss_curve
 
 
-def main(meshes: list[str]) -> None:
-    cfg, model, graphdef, tx, schedule, state = setup()
+def main(args: list[str]) -> None:
+    """args: meshes like `data=2,expert=4`, and `--name=value` model overrides (e.g. --num_layers=4)."""
+    overrides = {k[2:]: int(v) for k, v in (a.split("=", 1) for a in args if a.startswith("--"))}
+    meshes = [a for a in args if not a.startswith("--")]
+    cfg, model, graphdef, tx, schedule, state = setup(overrides)
     batches = make_batches(cfg.vocab_size, STEPS)
     grads = grad_fn(graphdef)
     ref_loss, ref_grads = grads(state.params, state.router_bias, batches[0])
@@ -108,11 +111,13 @@ def main(meshes: list[str]) -> None:
         placed = jax.device_put(state, shardings)
         with jax.set_mesh(mesh):  # as the sharded step runs: expert-parallel MoE where the mesh has `expert`
             loss, g = grads(placed.params, placed.router_bias, sharded.place_batch(batches[0], mesh))
+            hlo = grads.lower(placed.params, placed.router_bias, sharded.place_batch(batches[0], mesh)).as_text()
         step = sharded.make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **LOSS_KW)
         final, curve = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                    zip(jax.tree.leaves(final.params), jax.tree.leaves(shardings.params)))
-        print(json.dumps({"mesh": text, "loss": float(loss), "ref_loss": float(ref_loss),
+        print(json.dumps({"mesh": text, "moe_layers": cfg.num_moe_layers, "loss": float(loss),
+                          "stage_handoff": "collective_permute" in hlo, "expert_all_to_all": "all_to_all" in hlo, "ref_loss": float(ref_loss),
                           "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                           "grad_rel": rel(g, ref_grads), "params_rel": rel(final.params, ref_state.params),
                           "bias_rel": rel(final.router_bias, ref_state.router_bias),

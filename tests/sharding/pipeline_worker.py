@@ -20,12 +20,18 @@ from sharding import pipeline  # noqa: E402
 D, H, MB = 8, 16, 4
 
 
-def layer(p, x):
-    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+def layer(p, x, side):
+    """A residual MLP reading a per-microbatch side input; its aux output is the input's mean."""
+    return x + jnp.tanh((x + side) @ p["w1"]) @ p["w2"], jnp.mean(x)
 
 
-def sequential(stacked, xs):
-    return jax.lax.scan(lambda h, p: (layer(p, h), None), xs, stacked)[0]
+def sequential(stacked, xs, side):
+    """Every microbatch through the layers in order: (y [M, ...], aux [L, M])."""
+    def one(x, e):
+        return jax.lax.scan(lambda h, p: layer(p, h, e), x, stacked)
+
+    y, aux = jax.vmap(one)(xs, side)
+    return y, aux.T
 
 
 def main():
@@ -35,22 +41,27 @@ def main():
         stacked = {"w1": jnp.asarray(rng.standard_normal((layers, D, H)) * 0.3, jnp.float32),
                    "w2": jnp.asarray(rng.standard_normal((layers, H, D)) * 0.3, jnp.float32)}
         xs = jnp.asarray(rng.standard_normal((micro, MB, D)), jnp.float32)
+        side = jnp.asarray(rng.standard_normal((micro, 1, D)), jnp.float32)
 
-        def piped(stacked, xs):
-            return pipeline.pipeline_apply(layer, stacked, xs, mesh=mesh, return_activity=True)
+        def piped(stacked, xs, side):
+            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, return_activity=True)
 
         def loss(f):
-            return lambda s, x: jnp.sum(jnp.sin(f(s, x)))
+            def total(s, x, e):
+                y, aux = f(s, x, e)[:2]
+                return jnp.sum(jnp.sin(y)) + jnp.sum(aux ** 2)
+            return total
 
-        out, activity = jax.jit(piped)(stacked, xs)
-        ref = jax.jit(sequential)(stacked, xs)
-        g = jax.jit(jax.grad(loss(lambda s, x: piped(s, x)[0]), argnums=(0, 1)))(stacked, xs)
-        g_ref = jax.jit(jax.grad(loss(sequential), argnums=(0, 1)))(stacked, xs)
+        out, aux, activity = jax.jit(piped)(stacked, xs, side)
+        ref, aux_ref = jax.jit(sequential)(stacked, xs, side)
+        g = jax.jit(jax.grad(loss(piped), argnums=(0, 1, 2)))(stacked, xs, side)
+        g_ref = jax.jit(jax.grad(loss(sequential), argnums=(0, 1, 2)))(stacked, xs, side)
         grad_rel = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
                        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
-        hlo = jax.jit(piped).lower(stacked, xs).as_text()
+        hlo = jax.jit(piped).lower(stacked, xs, side).as_text()
         print(json.dumps({"stages": stages, "layers": layers, "microbatches": micro,
-                          "out_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), "grad_rel": grad_rel,
+                          "out_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+                          "aux_rel": float(np.linalg.norm(aux - aux_ref) / np.linalg.norm(aux_ref)), "grad_rel": grad_rel,
                           "bubble_measured": 1.0 - float(activity),
                           "bubble_theory": pipeline.bubble_fraction(stages, micro),
                           "ppermute": "collective_permute" in hlo}), flush=True)

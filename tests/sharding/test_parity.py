@@ -2,29 +2,21 @@
 
 Each mesh: loss and every gradient of one step within 1e-5 (relative, 2-norm per array) of the
 single-device step, the loss curve and all parameters after 3 steps likewise, and the state keeps
-the shardings the rules give it. The pipeline meshes here shard the stacked layers on `pipeline`
-and let XLA partition the scan (no stage schedule: see sharding/pipeline.py for that).
+the shardings the rules give it. On the pipeline meshes the MoE layers run in stages under the GPipe
+schedule of sharding/pipeline.py (the step's HLO hands activations on with collective_permute),
+with 4 MoE layers (even stages) and 3 on 2 stages (uneven).
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.sharding import workers
+
 TOL = 1e-5
 
 
-def run_worker(*meshes):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "tests.sharding.parity_worker", *meshes], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1500)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["mesh"] for r in rows] == list(meshes)
+def run_worker(*args):
+    rows = workers.run_worker("tests.sharding.parity_worker", *args, timeout=1500)
+    assert [r["mesh"] for r in rows] == [a for a in args if not a.startswith("--")]
     return rows
 
 
@@ -40,8 +32,15 @@ def check(row):
 def test_data_fsdp_expert_tensor_meshes_match_one_device():
     for row in run_worker("data=8", "fsdp=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"):
         check(row)
+        assert not row["stage_handoff"], row
+        assert row["expert_all_to_all"] == ("expert" in row["mesh"]), row
 
 
-def test_layers_on_pipeline_meshes_match_one_device():
-    for row in run_worker("pipeline=2,expert=2,data=2", "pipeline=4,data=2"):
+def test_pipeline_meshes_match_one_device():
+    rows = run_worker("pipeline=2,expert=2,data=2", "pipeline=4,data=2")
+    rows += run_worker("--num_layers=4", "pipeline=2,data=4")  # 3 MoE layers on 2 stages: 2 + 1
+    assert [r["moe_layers"] for r in rows] == [4, 4, 3]
+    for row in rows:
         check(row)
+        assert row["stage_handoff"], row
+        assert row["expert_all_to_all"] == ("expert" in row["mesh"]), row

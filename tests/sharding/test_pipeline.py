@@ -1,5 +1,7 @@
 """Pipeline schedule: equal to a plain scan (forward and gradients), uneven layer counts, bubble."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sharding import pipeline
@@ -25,6 +27,28 @@ def test_pipeline_matches_sequential_layers_on_eight_devices():
     rows = run_worker("tests.sharding.pipeline_worker")
     assert [(r["stages"], r["layers"], r["microbatches"]) for r in rows] == [(4, 6, 8), (2, 5, 4), (4, 4, 1)]
     for r in rows:
-        assert r["out_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
+        assert r["out_rel"] < 1e-6 and r["aux_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
         assert r["ppermute"], r
         assert r["bubble_measured"] == pytest.approx(r["bubble_theory"], abs=1e-6), r
+
+
+def test_microbatches_keep_every_microbatch_splittable_over_the_batch_shards():
+    # 16 rows over 4 batch shards: M in {1, 2, 4}; S=2 reaches bubble 0.2 at M=4.
+    assert pipeline.resolve_microbatches(16, 2, batch_shards=4) == 4
+    # S=4 needs M >= 12 for 0.2; 16 rows over 2 shards allow at most 8, the largest feasible.
+    assert pipeline.resolve_microbatches(16, 4, batch_shards=2) == 8
+    assert pipeline.resolve_microbatches(16, 4, batch_shards=2, requested=2) == 2
+    with pytest.raises(ValueError, match="pipeline_microbatches=8 must divide the batch of 16 rows"):
+        pipeline.resolve_microbatches(16, 4, batch_shards=4, requested=8)
+    with pytest.raises(ValueError, match="cannot be split over 32"):
+        pipeline.resolve_microbatches(16, 4, batch_shards=32)
+
+
+def test_microbatch_split_is_inverted_and_keeps_device_blocks():
+    x = np.arange(12 * 3).reshape(12, 3)
+    mb = np.asarray(pipeline.split_microbatches(jnp.asarray(x), 3))
+    assert mb.shape == (3, 4, 3)
+    assert mb[1, :, 0].tolist() == [3, 12, 21, 30]  # rows 1, 4, 7, 10
+    # 12 rows in 2 device blocks of 6: each microbatch takes 2 rows from each block.
+    assert all(sorted(r // 6 for r in mb[i, :, 0] // 3) == [0, 0, 1, 1] for i in range(3))
+    np.testing.assert_array_equal(np.asarray(pipeline.merge_microbatches(mb)), x)

@@ -42,3 +42,17 @@ def test_plan_rejects_a_batch_the_mesh_does_not_divide():
                 "--lower=false")
     assert out.returncode == 2
     assert "data.batch_size=12 is not divisible by data=8" in out.stderr
+
+
+def test_671b_pipeline_on_16_uneven_stages_lowers_and_fits():
+    """58 MoE layers on pipeline=16 (10 stages of 4, 6 of 3) x expert=16: the staged train step
+    lowers (stage hand-offs are collective_permutes) and, with the layer axis unable to take
+    `pipeline`, the experts and the embed dimensions take it, so no stage holds a whole copy."""
+    out = _plan("--model=deepseek_v3", "--devices=256", "--config.mesh.pipeline=16", "--config.mesh.expert=16",
+                "--config.mesh.data=1", "--config.data.batch_size=1024", "--config.data.seq_len=4096")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "58 MoE layers on 16 stages (10 x 4 + 6 x 3), 64 microbatches" in text  # 1024 rows / 16 shards
+    assert int(re.search(r"collective_permute\): (\d+)", text).group(1)) >= 2  # forward and backward
+    params = _row(text, "parameters (float32)")
+    assert 682.64e9 * 4 / 256 / GiB <= params < 1.5 * 682.64e9 * 4 / 256 / GiB

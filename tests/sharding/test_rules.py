@@ -6,14 +6,15 @@ Specs are checked on abstract meshes (no devices needed); the per-device byte co
 
 import json
 import os
-import subprocess
 import sys
 
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sharding
+from tests.sharding import workers
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import sharded, state as state_lib
 
@@ -51,13 +52,15 @@ def test_check_divides_names_the_quantity_and_axes():
 def test_spec_fallback_strict_and_axis_used_once():
     mesh = sharding.abstract_mesh({"pipeline": 2, "fsdp": 2, "tensor": 2}, 8)
     rules = sharding.get_rules("default")
-    # 3 layers on pipeline=2: replicated along layers (documented fallback); strict names it.
-    assert sharding.logical_to_spec(("layers", "embed"), (3, 8), mesh, rules) == P(None, "fsdp")
+    # 3 layers on pipeline=2: not split along layers (documented fallback; the embed dimension takes
+    # `pipeline` instead); strict names it.
+    assert sharding.logical_to_spec(("layers", "embed"), (3, 8), mesh, rules) == P(None, ("fsdp", "pipeline"))
+    assert sharding.logical_to_spec(("layers", "embed"), (4, 8), mesh, rules) == P("pipeline", "fsdp")
     with pytest.raises(sharding.ShardingRuleError, match=r"w: dimension 0 \('layers', size 3\) cannot be sharded "
                                                          r"on mesh axis 'pipeline' of size 2"):
         sharding.logical_to_spec(("layers", "embed"), (3, 8), mesh, rules, strict=True, name="w")
-    # embed and q_lora both map to fsdp: the first dimension keeps it.
-    assert sharding.logical_to_spec(("embed", "q_lora"), (8, 8), mesh, rules) == P("fsdp", None)
+    # embed and q_lora both map to (fsdp, pipeline): the first dimension keeps them.
+    assert sharding.logical_to_spec(("embed", "q_lora"), (8, 8), mesh, rules) == P(("fsdp", "pipeline"), None)
     # a tuple rule shards over the product, dropping axes that do not divide.
     mesh2 = sharding.abstract_mesh({"data": 2, "fsdp": 2, "expert": 2}, 8)
     assert sharding.logical_to_spec(("batch", None), (8, 5), mesh2, rules) == P(("data", "fsdp", "expert"), None)
@@ -142,8 +145,9 @@ def test_every_parameter_sharding_is_what_the_rules_say():
      P("fsdp", None)),
     ("expert_tensor", {"expert": 4, "tensor": 2}, P(None, "expert", None, "tensor"), P(None, None, "tensor", None),
      P("tensor", None)),
+    # the embedding has no layer axis: it takes `pipeline` on its embed dimension (ZeRO-style fallback)
     ("pipeline_expert_data", {"pipeline": 2, "expert": 2, "data": 2}, P("pipeline", "expert", None, None),
-     P("pipeline", None, None, None), P(None, None)),
+     P("pipeline", None, None, None), P(None, "pipeline")),
 ])
 def test_presets(preset, mesh_sizes, routed_w1, wq_b, embed):
     cfg = ModelConfig.tiny().replace(num_layers=5, num_heads=4)  # 4 MoE layers: pipeline=2 divides them
@@ -155,12 +159,27 @@ def test_presets(preset, mesh_sizes, routed_w1, wq_b, embed):
     assert flat[("embed",)][1].spec == embed
 
 
+@pytest.mark.parametrize("preset", ["default", "pipeline_expert_data"])
+def test_layers_the_stages_do_not_divide_shard_pipeline_elsewhere(preset):
+    """3 MoE layers on pipeline=2: the layer axis cannot take `pipeline`, so the experts (and, under
+    the default rules, the embed / LoRA dimensions) take it: no parameter is whole on every stage
+    unless it is too small to split."""
+    cfg = ModelConfig.tiny().replace(num_layers=4)
+    params, _ = _abstract_params(cfg)
+    mesh = sharding.abstract_mesh({"pipeline": 2, "expert": 2, "data": 2}, 8)
+    flat = sharded.variable_shardings(params, mesh, sharding.get_rules(preset))
+    assert flat[("moe_layers", "ffn", "w1")][1].spec == P(None, ("expert", "pipeline"), None, None)
+    assert flat[("moe_layers", "attn", "wq_a")][1].spec[:2] == (None, "pipeline")
+    uses_pipeline = [k for k, (_, sh) in flat.items() if any("pipeline" in ((e,) if isinstance(e, str) else e or ())
+                                                             for e in sh.spec)]
+    big = [k for k, (shape, _) in flat.items() if np.prod(shape) >= 1024]
+    assert set(big) <= set(uses_pipeline), sorted(set(big) - set(uses_pipeline))
+
+
 def test_per_device_bytes_on_eight_devices():
     """Placed parameters hold total / shards bytes per device on each sharded parameter."""
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "tests.sharding.bytes_worker"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = workers.fake_device_env(XLA_FLAGS=workers.FAKE_DEVICES_XLA_FLAGS)
+    out = workers.run([sys.executable, "-m", "tests.sharding.bytes_worker"], env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["devices"] == 8
