@@ -98,6 +98,9 @@ class ModelConfig:
     # Microbatches of the pipeline schedule when the mesh has pipeline > 1 (0: the fewest that keep
     # the bubble (S - 1) / (M + S - 1) <= 0.2, as far as the batch divides; sharding/pipeline.py).
     pipeline_microbatches: int = 0
+    # Layer chunks per stage: 1 = GPipe; R > 1 = circular schedule (stage s runs chunks s, S + s, ...;
+    # bubble (S - 1) / (R * M + S - 1); needs M >= S microbatches).
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         self._validate()
@@ -167,7 +170,7 @@ class ModelConfig:
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
             "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "num_routed_experts", "num_experts_per_token", "num_expert_groups", "num_groups_per_token",
-            "max_position_embeddings", "moe_tile_size",
+            "max_position_embeddings", "moe_tile_size", "pipeline_repeats",
         )
         for name in positive:
             value = getattr(self, name)

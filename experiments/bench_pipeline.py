@@ -2,10 +2,11 @@
 
 The bubble is the share of a step that does no useful work. Step times t(M) for several M are
 fitted as t(M) = a * M + b: a is the cost of one more microbatch (one tick of every stage), b the
-cost that does not shrink with M. GPipe theory says b = (S - 1) * a (the S - 1 fill/drain ticks),
-so the fit's b / a is checked against S - 1, and each M's bubble is
+cost that does not shrink with M. Theory says b = (S - 1) / R * a (the S - 1 fill/drain ticks,
+each 1 / R of a microbatch's work when the stack goes round the ring R times: `--rounds`, the
+circular schedule), so the fit's b / a is checked against (S - 1) / R, and each M's bubble is
 
-    measured = 1 - a * M / t(M)        theory = (S - 1) / (M + S - 1)
+    measured = 1 - a * M / t(M)        theory = (S - 1) / (R * M + S - 1)
 
 All runs happen side by side in one process (the machine is shared and noisy), median of several
 repeats. Stages are fake CPU devices here, which share the host's cores; that scales a and b
@@ -31,7 +32,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=256, help="rows per microbatch")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="1: GPipe; R > 1: circular schedule (needs M >= S)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per M (median)")
     return p.parse_args()
 
 
@@ -65,24 +67,27 @@ def main() -> None:
                                  jnp.float32),
                "w2": jnp.asarray(rng.standard_normal((args.layers, args.hidden, args.dim)) / args.hidden ** 0.5,
                                  jnp.float32)}
-    print(f"{s} stages, {args.layers} layers ({pipeline.stage_layers(args.layers, s)} per stage), "
+    print(f"{s} stages x {args.rounds} round(s), {args.layers} layers "
+          f"({pipeline.stage_layers(args.layers, s * args.rounds)} per chunk), "
           f"{args.rows} rows x {args.dim} per microbatch, median of {args.repeats}", flush=True)
-    step = jax.jit(lambda st, x: pipeline.pipeline_apply(layer, st, x, mesh=mesh, return_activity=True))
+    r = args.rounds
+    step = jax.jit(lambda st, x: pipeline.pipeline_apply(layer, st, x, mesh=mesh, repeats=r, return_activity=True))
+    micro = [m for m in args.microbatches if r == 1 or m >= s]
     times, counted = [], []
-    for m in args.microbatches:
+    for m in micro:
         xs = jnp.asarray(rng.standard_normal((m, args.rows, args.dim)), jnp.float32)
         times.append(timed(step, stacked, xs))
         counted.append(1.0 - float(step(stacked, xs)[2]))
-    ms = np.asarray(args.microbatches, np.float64)
+    ms = np.asarray(micro, np.float64)
     a, b = np.polyfit(ms, times, 1)
     fit = a * ms + b
     r2 = 1 - np.sum((np.asarray(times) - fit) ** 2) / np.sum((np.asarray(times) - np.mean(times)) ** 2)
     print(f"fit t(M) = {a * 1e3:.2f} ms * M + {b * 1e3:.2f} ms (R^2 {r2:.4f}); "
-          f"b / a = {b / a:.2f} microbatches, theory S - 1 = {s - 1}", flush=True)
+          f"b / a = {b / a:.2f} microbatches, theory (S - 1) / R = {(s - 1) / r:.2f}", flush=True)
     print(f"{'M':>4} {'ticks':>6} {'step ms':>9} {'bubble measured':>16} {'theory':>7} {'counted':>8}")
-    for m, t, c in zip(args.microbatches, times, counted):
-        print(f"{m:>4} {m + s - 1:>6} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
-              f"{pipeline.bubble_fraction(s, m):>7.3f} {c:>8.3f}", flush=True)
+    for m, t, c in zip(micro, times, counted):
+        print(f"{m:>4} {r * m + s - 1:>6} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
+              f"{pipeline.bubble_fraction(s, m, r):>7.3f} {c:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":

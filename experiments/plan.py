@@ -129,15 +129,18 @@ def plan(config) -> dict:
     stages = mesh.shape["pipeline"]
     micro = 1
     if stages > 1:
-        if stages > cfg.num_moe_layers:
-            raise sharding.MeshError(f"mesh.pipeline={stages} stages exceed the {cfg.num_moe_layers} MoE layers")
+        if stages * cfg.pipeline_repeats > cfg.num_moe_layers:
+            raise sharding.MeshError(f"mesh.pipeline={stages} stages x {cfg.pipeline_repeats} repeats exceed the "
+                                     f"{cfg.num_moe_layers} MoE layers")
         stage_shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES)
-        micro = pipeline.resolve_microbatches(batch, stages, stage_shards, cfg.pipeline_microbatches)
+        micro = pipeline.resolve_microbatches(batch, stages, stage_shards, cfg.pipeline_microbatches,
+                                              cfg.pipeline_repeats)
     stack_tokens = batch * seq // math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES) if stages > 1 \
         else tokens_per_device
     acts = activation_bytes(cfg, seq, [
         (cfg.num_dense_layers + cfg.num_mtp_layers, tokens_per_device, tokens_per_device),
-        (-(-cfg.num_moe_layers // stages), stack_tokens, stack_tokens // micro)])
+        (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
+         stack_tokens // micro)])
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
             ("gradients", params_b), ("AdamW moments (2 x fp32)", opt_b)]
     rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
@@ -148,7 +151,9 @@ def plan(config) -> dict:
         print(f"pipeline: {cfg.num_moe_layers} MoE layers on {stages} stages ({per_stage.count(max(per_stage))} x "
               f"{max(per_stage)}" + (f" + {per_stage.count(min(per_stage))} x {min(per_stage)}"
                                       if min(per_stage) != max(per_stage) else "") +
-              f"), {micro} microbatches, bubble (S-1)/(M+S-1) = {pipeline.bubble_fraction(stages, micro):.3f}")
+              f"), {cfg.pipeline_repeats} round(s) ({'circular' if cfg.pipeline_repeats > 1 else 'GPipe'}), "
+              f"{micro} microbatches, bubble (S-1)/(R*M+S-1) = "
+              f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}")
     mesh_text = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
     print(f"model: {total_params / 1e9:.2f}B parameters; mesh ({mesh_text}) = {n} devices; rules "
           f"{config.mesh.get('rules', 'default')!r}; global batch {batch} x {seq} tokens, "

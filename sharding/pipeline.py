@@ -1,28 +1,34 @@
 """Pipeline parallelism: a layer stack split into stages on `pipeline`, microbatches passed on
-with `ppermute` so that stages work at the same time (GPipe schedule, inside shard_map).
+with `ppermute` so that stages work at the same time (GPipe or circular schedule, in shard_map).
 
-Letters: S stages, L layers, Q = ceil(L / S) layer slots per stage, M microbatches.
+Letters: S stages, L layers, M microbatches, R rounds (`repeats`; 1 = GPipe), C = R * S chunks of
+K = ceil(L / C) layer slots; each stage holds R * K slots.
 
-Layers: when S divides L, stage s holds layers s*Q .. s*Q + Q - 1 of the stacked parameters as
-they are stored (layer axis sharded on `pipeline`: no data moves). Otherwise the [L, ...] stack is
-gathered into [S * Q, ...] slots: the first L mod S stages get Q real layers and the others Q - 1
-(as balanced as whole layers allow; `stage_layers`), and the remaining slots are identity (a
-validity mask skips them). DeepSeek-V3's 58 MoE layers on 16 stages: 10 stages of 4 and 6 of 3.
-The gather re-lays the stack every step, so a pipeline size that divides the layer count is the
-cheaper choice. The 3 dense first layers, the embedding, the head and MTP are not staged: they run
-outside the pipelined stack with the batch rows split over `pipeline` as well (rules.BATCH_AXES),
-so each stage does 1/S of that work rather than all of it; their parameters are sharded by the
-rules like any other. The stack's input is gathered over `pipeline` (every stage sees all rows;
-stage 0 feeds them in), and its output, produced on the last stage, is returned to every stage.
+Layers: the stack is cut into C chunks, balanced like `stage_layers` (58 MoE layers on 16 stages:
+10 stages of 4 and 6 of 3); chunk c = r * S + s runs on stage s in round r. With R = 1 and S
+dividing L this is the stored layout (layer axis sharded on `pipeline`: no data moves). Otherwise
+the [L, ...] stack is gathered into stage-major [S * R * K, ...] slots every step, padding slots
+are identity (a validity mask skips them), and the rules shard such a stack over `pipeline` on
+another dimension (rules.py), so the gather is a ZeRO-style all-gather. Each stage computes all
+its slots, padding included: an uneven split costs as much as K layers per chunk.
 
-Schedule: at tick t (0 <= t < M + S - 1) stage s runs microbatch t - s when 0 <= t - s < M, then
-every stage hands its output to stage s + 1 with one `ppermute`. Stage 0 reads microbatch t; the
-last stage's output at tick t is microbatch t - S + 1. Side inputs every layer reads (rope angles,
-segment ids) are not passed along: each stage indexes them by the microbatch it runs. Idle
-(stage, tick) slots are the bubble: (S - 1) / (M + S - 1) of all slots, which `bubble_fraction`
-gives and the schedule also counts as it runs (`return_activity=True`); idle slots compute on
-stale data and their results are discarded (SPMD: every stage runs the same program). The backward
-pass is the same schedule reversed (jax differentiates through scan and ppermute).
+The 3 dense first layers, the embedding, the head and MTP are not staged: they run outside the
+pipelined stack with the batch rows split over `pipeline` as well (rules.BATCH_AXES), so each
+stage does 1/S of that work rather than all of it. The stack's input is gathered over `pipeline`
+(stage 0 feeds it in), and its output, produced on the last stage, is returned to every stage.
+
+Schedule: at tick t (0 <= t < R * M + S - 1) stage s runs step t - s = r * M + m (microbatch m of
+round r, on chunk r * S + s) when 0 <= t - s < R * M, then every stage hands its output to stage
+(s + 1) mod S with one `ppermute`. Stage 0 reads microbatch t in round 0; in later rounds it reads
+what came round the ring from stage S - 1, kept in a buffer of M microbatches until its turn
+(this needs M >= S). The last stage's final-round outputs are the result. Side inputs every layer
+reads (rope angles, segment ids) are not passed along: each stage indexes them by the microbatch
+it runs. Idle (stage, tick) slots are the bubble, (S - 1) / (R * M + S - 1) of all slots, which
+`bubble_fraction` gives and the schedule also counts as it runs (`return_activity=True`). Idle
+slots compute on stale data and their results are discarded (SPMD: every stage runs the same
+program). The backward pass is the same schedule reversed (jax differentiates through scan and
+ppermute). Rounds cut the bubble by R at the same M, at the price of R times the hand-offs.
+DualPipe's bidirectional schedule is not implemented.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
@@ -42,8 +49,9 @@ def is_active(mesh, axis: str = "pipeline") -> bool:
     return mesh is not None and not mesh.empty and mesh.shape.get(axis, 1) > 1
 
 
-def slots_per_stage(num_layers: int, num_stages: int) -> int:
-    return -(-num_layers // num_stages)
+def slots_per_stage(num_layers: int, num_stages: int, repeats: int = 1) -> int:
+    """Layer slots each stage holds: `repeats` chunks of ceil(L / (repeats * S)) slots."""
+    return repeats * -(-num_layers // (num_stages * repeats))
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -52,86 +60,120 @@ def stage_layers(num_layers: int, num_stages: int) -> list[int]:
     return [base + (i < extra) for i in range(num_stages)]
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """GPipe theory: (S - 1) / (M + S - 1) of the stage-ticks are idle."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def bubble_fraction(num_stages: int, num_microbatches: int, repeats: int = 1) -> float:
+    """Idle share of the stage-ticks: (S - 1) / (R * M + S - 1) (GPipe when R = 1)."""
+    return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
 
 
-def layer_slots(num_layers: int, num_stages: int) -> tuple[jax.Array, jax.Array]:
-    """(layer index of each of the S * Q slots, bool validity); padding slots point at layer 0."""
-    q = slots_per_stage(num_layers, num_stages)
-    index, valid, start = [], [], 0
-    for count in stage_layers(num_layers, num_stages):
-        index += [start + j if j < count else 0 for j in range(q)]
-        valid += [j < count for j in range(q)]
-        start += count
-    return jnp.asarray(index, jnp.int32), jnp.asarray(valid)
+def layer_slots(num_layers: int, num_stages: int, repeats: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(layer index of each of the S * R * K slots in stage-major order, bool validity).
+
+    The stack is cut into C = R * S chunks of K = ceil(L / C) slots, balanced like `stage_layers`;
+    chunk c = r * S + s runs on stage s in round r, so stage s holds chunks s, S + s, ... in order.
+    Padding slots point at layer 0.
+    """
+    chunks = num_stages * repeats
+    k = -(-num_layers // chunks)
+    starts = [0]
+    for count in stage_layers(num_layers, chunks):
+        starts.append(starts[-1] + count)
+    index, valid = [], []
+    for s in range(num_stages):
+        for r in range(repeats):
+            c = r * num_stages + s
+            count = starts[c + 1] - starts[c]
+            index += [starts[c] + j if j < count else 0 for j in range(k)]
+            valid += [j < count for j in range(k)]
+    return np.asarray(index, np.int32), np.asarray(valid)
 
 
-def pad_layers(stacked: Any, num_stages: int) -> tuple[Any, jax.Array]:
-    """([S * Q, ...] slot params, bool [S * Q] validity) for an [L, ...] stack (as is when S | L)."""
+def pad_layers(stacked: Any, num_stages: int, repeats: int = 1) -> tuple[Any, jax.Array]:
+    """([S * R * K, ...] slot params, bool validity) for an [L, ...] stack (as is when R = 1, S | L)."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    if num_layers % num_stages == 0:
+    if repeats == 1 and num_layers % num_stages == 0:
         return stacked, jnp.ones((num_layers,), bool)
-    index, valid = layer_slots(num_layers, num_stages)
-    return jax.tree.map(lambda x: x[index], stacked), valid
+    index, valid = layer_slots(num_layers, num_stages, repeats)
+    return jax.tree.map(lambda x: x[index], stacked), jnp.asarray(valid)
 
 
-def _slot_of_layer(num_layers: int, num_stages: int) -> jax.Array:
+def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> jax.Array:
     """Slot position of each real layer (the inverse of `layer_slots` on its valid slots)."""
-    if num_layers % num_stages == 0:
+    if repeats == 1 and num_layers % num_stages == 0:
         return jnp.arange(num_layers)
-    _, valid = layer_slots(num_layers, num_stages)
-    return jnp.nonzero(valid, size=num_layers)[0]
+    index, valid = layer_slots(num_layers, num_stages, repeats)
+    slots = np.nonzero(valid)[0]
+    return slots[np.argsort(index[slots], kind="stable")]
 
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
-                   axis: str = "pipeline", return_activity: bool = False):
+                   axis: str = "pipeline", repeats: int = 1, return_activity: bool = False):
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
-    (None for none); both replicated over `axis` (other mesh axes stay automatic). Returns
-    (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second output per layer and
-    microbatch, and with `return_activity` also the fraction of stage-ticks that did work.
+    (None for none); both replicated over `axis` (other mesh axes stay automatic). `repeats` R > 1
+    runs the circular schedule (each microbatch goes round the ring of stages R times, stage s
+    holding chunks s, S + s, ...; needs M >= S). Returns (y [M, ...], aux [L, M, ...]) where aux
+    stacks layer_fn's second output per layer and microbatch, and with `return_activity` also the
+    fraction of stage-ticks that did work.
     """
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
+    if repeats > 1 and m < s:
+        raise ValueError(f"the circular schedule (repeats={repeats}) needs at least as many microbatches as "
+                         f"stages: {m} < {s}")
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    params, valid = pad_layers(stacked, s)
+    params, valid = pad_layers(stacked, s, repeats)
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    ticks = repeats * m + s - 1
 
-    def run_stage(local_params, local_valid, x, side):
+    def run_chunk(chunk_params, chunk_valid, x, side):
         def body(h, layer):
             p, ok = layer
             y, aux = layer_fn(p, h, side)
             return jnp.where(ok, y, h), aux
 
-        return jax.lax.scan(body, x, (local_params, local_valid))  # (x, aux [Q, ...])
+        return jax.lax.scan(body, x, (chunk_params, chunk_valid))  # (x, aux [K, ...])
 
     def body(local_params, local_valid, xs, side):
         stage = jax.lax.axis_index(axis)
         perm = [(i, (i + 1) % s) for i in range(s)]
+        by_round = jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), (local_params, local_valid))
 
-        def tick(buf, t):
-            micro = jnp.clip(t - stage, 0, m - 1)  # the microbatch this stage runs (when active)
-            inp = jnp.where(stage == 0, xs[jnp.minimum(t, m - 1)], buf)
-            y, aux = run_stage(local_params, local_valid, inp, jax.tree.map(lambda a: a[micro], side))
-            return jax.lax.ppermute(y, axis, perm), (y, aux)
+        def tick(carry, t):
+            buf, loop = carry
+            step = jnp.clip(t - stage, 0, repeats * m - 1)
+            rnd, micro = step // m, step % m  # this stage runs microbatch `micro` of round `rnd`
+            if repeats > 1:  # stage 0 keeps what comes round the ring until its next round starts
+                back = t - s
+                loop = jnp.where((stage == 0) & (back >= 0),
+                                 jax.lax.dynamic_update_index_in_dim(loop, buf, jnp.maximum(back, 0) % m, 0), loop)
+                first = jnp.where(t < m, xs[jnp.minimum(t, m - 1)], loop[t % m])
+            else:
+                first = xs[jnp.minimum(t, m - 1)]
+            inp = jnp.where(stage == 0, first, buf)
+            chunk = jax.tree.map(lambda a: a[rnd], by_round)
+            y, aux = run_chunk(*chunk, inp, jax.tree.map(lambda a: a[micro], side))
+            return (jax.lax.ppermute(y, axis, perm), loop), (y, aux)
 
-        _, (ys, auxs) = jax.lax.scan(tick, jnp.zeros_like(xs[0]), jnp.arange(m + s - 1))
-        # Stage s was active at ticks s .. s + M - 1; the last stage's outputs are the results.
-        outs = jax.lax.psum(jnp.where(stage == s - 1, ys[s - 1:], 0), axis)
-        auxs = jax.tree.map(lambda a: jnp.swapaxes(jax.lax.dynamic_slice_in_dim(a, stage, m, 0), 0, 1), auxs)
-        ticks = jnp.arange(m + s - 1)
-        busy = jnp.sum((ticks >= stage) & (ticks < stage + m))
-        activity = jax.lax.psum(busy, axis) / (s * (m + s - 1))
+        loop0 = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
+        _, (ys, auxs) = jax.lax.scan(tick, (jnp.zeros_like(xs[0]), loop0), jnp.arange(ticks))
+        # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
+        outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
+
+        def per_slot(a):  # [ticks, K, ...] -> this stage's [R * K, M, ...]
+            a = jax.lax.dynamic_slice_in_dim(a, stage, repeats * m, 0).reshape(repeats, m, *a.shape[1:])
+            return jnp.swapaxes(a, 1, 2).reshape(-1, m, *a.shape[3:])
+
+        auxs = jax.tree.map(per_slot, auxs)
+        t_all = jnp.arange(ticks)
+        busy = jnp.sum((t_all >= stage) & (t_all < stage + repeats * m))
+        activity = jax.lax.psum(busy, axis) / (s * ticks)
         return outs, auxs, activity
 
-    aux_spec = P(axis)
     out, aux, activity = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P()),
-                                       out_specs=(P(), aux_spec, P()), axis_names={axis},
+                                       out_specs=(P(), P(axis), P()), axis_names={axis},
                                        check_vma=False)(params, valid, x_MxB_, side_M_)
-    aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s)], aux)  # [S * Q, M, ...] -> [L, M, ...]
+    aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
     return (out, aux, activity) if return_activity else (out, aux)
 
 
@@ -148,24 +190,33 @@ def merge_microbatches(x_MxB_: jax.Array) -> jax.Array:
     return jnp.swapaxes(x_MxB_, 0, 1).reshape(m * mb, *x_MxB_.shape[2:])
 
 
-def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2, batch_shards: int = 1) -> int:
+def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2, batch_shards: int = 1,
+                         repeats: int = 1) -> int:
     """Microbatch count for a batch of `batch` rows split over `batch_shards` devices: the smallest
-    M with bubble_fraction(S, M) <= target among those that keep every microbatch splittable over
-    the shards ((batch / M) % batch_shards == 0); the largest such M when none reaches the target."""
-    feasible = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % batch_shards == 0]
+    M with bubble_fraction(S, M, R) <= target among those that keep every microbatch splittable
+    over the shards ((batch / M) % batch_shards == 0) and, for the circular schedule, M >= S; the
+    largest such M when none reaches the target."""
+    feasible = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % batch_shards == 0
+                and (repeats == 1 or m >= num_stages)]
     if not feasible:
-        raise ValueError(f"batch of {batch} rows cannot be split over {batch_shards} devices")
+        raise ValueError(f"batch of {batch} rows cannot be split over {batch_shards} devices"
+                         + (f" into at least {num_stages} microbatches (pipeline_repeats={repeats})" if repeats > 1
+                            else ""))
     for m in feasible:
-        if bubble_fraction(num_stages, m) <= target_bubble:
+        if bubble_fraction(num_stages, m, repeats) <= target_bubble:
             return m
     return feasible[-1]
 
 
-def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, requested: int = 0) -> int:
+def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, requested: int = 0,
+                         repeats: int = 1) -> int:
     """`requested` microbatches (checked), or `num_microbatches_for`'s choice when it is 0."""
     if not requested:
-        return num_microbatches_for(batch, num_stages, batch_shards=batch_shards)
+        return num_microbatches_for(batch, num_stages, batch_shards=batch_shards, repeats=repeats)
     if batch % requested or (batch // requested) % batch_shards:
         raise ValueError(f"pipeline_microbatches={requested} must divide the batch of {batch} rows into "
                          f"microbatches that split evenly over the mesh's {batch_shards} batch shards")
+    if repeats > 1 and requested < num_stages:
+        raise ValueError(f"pipeline_microbatches={requested} is fewer than the {num_stages} stages; the circular "
+                         f"schedule (pipeline_repeats={repeats}) needs at least one per stage")
     return requested

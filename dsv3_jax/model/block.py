@@ -62,9 +62,10 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool):
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,
-                        microbatches: int = 0):
+                        microbatches: int = 0, repeats: int = 1):
     """`run_stack` for MoE blocks on a mesh with a `pipeline` axis: the layers split into stages,
-    the batch into microbatches, run by the GPipe schedule of sharding/pipeline.py.
+    the batch into microbatches, run by the GPipe (repeats=1) or circular schedule of
+    sharding/pipeline.py.
 
     Same results as `run_stack`: stats are summed (expert counts) or averaged (the sequence-wise
     balance loss, a mean over equal-sized microbatches) over the microbatches.
@@ -72,7 +73,7 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     b = x_BxTxD.shape[0]
     stages = mesh.shape["pipeline"]
     batch_shards = math.prod(mesh.shape.get(a, 1) for a in rules.STAGE_BATCH_AXES)
-    m = pipeline.resolve_microbatches(b, stages, batch_shards, microbatches)
+    m = pipeline.resolve_microbatches(b, stages, batch_shards, microbatches, repeats)
     graphdef, state = nnx.split(blocks)
 
     def layer(p, x, side):
@@ -81,6 +82,7 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     if remat:
         layer = jax.checkpoint(layer)
     side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
-    y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh)
+    y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh,
+                                       repeats=repeats)
     stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1))
     return pipeline.merge_microbatches(y), stats

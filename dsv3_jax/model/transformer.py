@@ -88,7 +88,7 @@ class DeepSeekV3(nnx.Module):
             mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
             if pipeline.is_active(mesh):  # layers in stages on `pipeline`, microbatches scheduled over them
                 x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
-                                               microbatches=cfg.pipeline_microbatches)
+                                               microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats)
             else:
                 x, stats = run_stack(self.moe_layers, x, ctx, remat=cfg.remat)
         h = self.norm(x)

@@ -133,14 +133,16 @@ def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTr
     check_batch(config.data.batch_size * jax.process_count(), mesh, rules)
     sharding.check_divides("model.num_routed_experts", cfg.num_routed_experts, mesh, ("expert",))
     stages = mesh.shape["pipeline"]
-    if stages > 1 and stages > cfg.num_moe_layers:
-        raise sharding.MeshError(f"mesh.pipeline={stages} stages exceed the {cfg.num_moe_layers} MoE layers "
+    if stages > 1 and stages * cfg.pipeline_repeats > cfg.num_moe_layers:
+        raise sharding.MeshError(f"mesh.pipeline={stages} stages x model.pipeline_repeats={cfg.pipeline_repeats} "
+                                 f"chunks exceed the {cfg.num_moe_layers} MoE layers "
                                  "(model.num_layers - model.num_dense_layers) they split")
     if stages > 1:
         shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES if a in mesh.shape)
         try:
             pipeline.resolve_microbatches(config.data.batch_size * jax.process_count(), stages, shards,
-                                          cfg.pipeline_microbatches)
+                                          cfg.pipeline_microbatches, cfg.pipeline_repeats)
         except ValueError as e:
-            raise sharding.MeshError(f"{e} (model.pipeline_microbatches, data.batch_size)") from None
+            raise sharding.MeshError(f"{e} (model.pipeline_microbatches, model.pipeline_repeats, "
+                                     "data.batch_size)") from None
     return MeshTraining(mesh, rules, train_state_shardings(model, state, mesh, rules))

@@ -36,7 +36,9 @@ def sequential(stacked, xs, side):
 
 def main():
     rng = np.random.default_rng(0)
-    for stages, layers, micro in ((4, 6, 8), (2, 5, 4), (4, 4, 1)):
+    # (stages, layers, microbatches, repeats): GPipe even / uneven / one microbatch, then circular.
+    for stages, layers, micro, repeats in ((4, 6, 8, 1), (2, 5, 4, 1), (4, 4, 1, 1), (4, 8, 4, 2), (2, 5, 3, 2),
+                                           (4, 6, 8, 2)):
         mesh = sharding.make_mesh({"pipeline": stages, "data": -1})
         stacked = {"w1": jnp.asarray(rng.standard_normal((layers, D, H)) * 0.3, jnp.float32),
                    "w2": jnp.asarray(rng.standard_normal((layers, H, D)) * 0.3, jnp.float32)}
@@ -44,7 +46,8 @@ def main():
         side = jnp.asarray(rng.standard_normal((micro, 1, D)), jnp.float32)
 
         def piped(stacked, xs, side):
-            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, return_activity=True)
+            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, repeats=repeats,
+                                           return_activity=True)
 
         def loss(f):
             def total(s, x, e):
@@ -59,11 +62,11 @@ def main():
         grad_rel = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
                        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
         hlo = jax.jit(piped).lower(stacked, xs, side).as_text()
-        print(json.dumps({"stages": stages, "layers": layers, "microbatches": micro,
+        print(json.dumps({"stages": stages, "layers": layers, "microbatches": micro, "repeats": repeats,
                           "out_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
                           "aux_rel": float(np.linalg.norm(aux - aux_ref) / np.linalg.norm(aux_ref)), "grad_rel": grad_rel,
                           "bubble_measured": 1.0 - float(activity),
-                          "bubble_theory": pipeline.bubble_fraction(stages, micro),
+                          "bubble_theory": pipeline.bubble_fraction(stages, micro, repeats),
                           "ppermute": "collective_permute" in hlo}), flush=True)
 
 

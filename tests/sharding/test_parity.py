@@ -4,7 +4,7 @@ Each mesh: loss and every gradient of one step within 1e-5 (relative, 2-norm per
 single-device step, the loss curve and all parameters after 3 steps likewise, and the state keeps
 the shardings the rules give it. On the pipeline meshes the MoE layers run in stages under the GPipe
 schedule of sharding/pipeline.py (the step's HLO hands activations on with collective_permute),
-with 4 MoE layers (even stages) and 3 on 2 stages (uneven).
+with 4 MoE layers (even stages) and 3 on 2 stages under the circular schedule (uneven chunks).
 """
 
 import pytest
@@ -38,7 +38,8 @@ def test_data_fsdp_expert_tensor_meshes_match_one_device():
 
 def test_pipeline_meshes_match_one_device():
     rows = run_worker("pipeline=2,expert=2,data=2", "pipeline=4,data=2")
-    rows += run_worker("--num_layers=4", "pipeline=2,data=4")  # 3 MoE layers on 2 stages: 2 + 1
+    # 3 MoE layers, circular schedule: 2 stages x 2 rounds = 4 chunks of 1, one of them empty
+    rows += run_worker("--num_layers=4", "--pipeline_repeats=2", "pipeline=2,data=4")
     assert [r["moe_layers"] for r in rows] == [4, 4, 3]
     for row in rows:
         check(row)

@@ -25,7 +25,8 @@ def test_bubble_theory_and_microbatch_choice():
 
 def test_pipeline_matches_sequential_layers_on_eight_devices():
     rows = run_worker("tests.sharding.pipeline_worker")
-    assert [(r["stages"], r["layers"], r["microbatches"]) for r in rows] == [(4, 6, 8), (2, 5, 4), (4, 4, 1)]
+    assert [(r["stages"], r["layers"], r["microbatches"], r["repeats"]) for r in rows] == [
+        (4, 6, 8, 1), (2, 5, 4, 1), (4, 4, 1, 1), (4, 8, 4, 2), (2, 5, 3, 2), (4, 6, 8, 2)]
     for r in rows:
         assert r["out_rel"] < 1e-6 and r["aux_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
         assert r["ppermute"], r
@@ -52,3 +53,19 @@ def test_microbatch_split_is_inverted_and_keeps_device_blocks():
     # 12 rows in 2 device blocks of 6: each microbatch takes 2 rows from each block.
     assert all(sorted(r // 6 for r in mb[i, :, 0] // 3) == [0, 0, 1, 1] for i in range(3))
     np.testing.assert_array_equal(np.asarray(pipeline.merge_microbatches(mb)), x)
+
+
+def test_circular_slots_bubble_and_microbatches():
+    # 5 layers, 2 stages x 2 rounds = 4 chunks of 2 slots: chunk sizes 2, 1, 1, 1 in layer order;
+    # stage 0 holds chunks 0 and 2 (layers 0-1, 3), stage 1 chunks 1 and 3 (layers 2, 4).
+    index, valid = pipeline.layer_slots(5, 2, repeats=2)
+    assert index.tolist() == [0, 1, 3, 0, 2, 0, 4, 0]
+    assert valid.tolist() == [True, True, True, False, True, False, True, False]
+    assert pipeline.slots_per_stage(5, 2, repeats=2) == 4
+    assert pipeline.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
+    # the circular schedule needs M >= S: 16 rows over 8 shards allow M in {1, 2}, both < 4 stages
+    with pytest.raises(ValueError, match="at least 4 microbatches"):
+        pipeline.resolve_microbatches(16, 4, batch_shards=8, repeats=2)
+    with pytest.raises(ValueError, match="fewer than the 4 stages"):
+        pipeline.resolve_microbatches(16, 4, batch_shards=1, requested=2, repeats=2)
+    assert pipeline.resolve_microbatches(64, 4, batch_shards=2, repeats=2) == 8  # 3/19 <= 0.2 < 3/11
