@@ -52,7 +52,7 @@ def test_671b_pipeline_on_16_uneven_stages_lowers_and_fits():
                 "--config.mesh.data=1", "--config.data.batch_size=1024", "--config.data.seq_len=4096")
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert "58 MoE layers on 16 stages (10 x 4 + 6 x 3), 64 microbatches" in text  # 1024 rows / 16 shards
+    assert "58 MoE layers on 16 stages (10 x 4 + 6 x 3), 1 round(s) (GPipe), 64 microbatches" in text  # 1024 / 16
     assert int(re.search(r"collective_permute\): (\d+)", text).group(1)) >= 2  # forward and backward
     params = _row(text, "parameters (float32)")
     assert 682.64e9 * 4 / 256 / GiB <= params < 1.5 * 682.64e9 * 4 / 256 / GiB
