@@ -84,17 +84,31 @@ def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.A
                          check_vma=False)(x_NxD, experts_NxK, weights_NxK, *expert_weights)
 
 
+def _by_destination(experts_NxK: jax.Array, local_experts: int, p: int):
+    """(flat expert ids [M], destination device [M], row order grouping destinations [M], rows per
+    destination [P]) for this device's (token, slot) rows."""
+    flat = experts_NxK.reshape(-1)
+    dest_M = flat // local_experts
+    order_M = jnp.argsort(dest_M, stable=True)
+    return flat, dest_M, order_M, jnp.zeros((p,), jnp.int32).at[dest_M].add(1)
+
+
+def _combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
+    """sum_k weights[n, k] * y[n * K + k] in fp32, returned in `dtype`."""
+    n, k = weights_NxK.shape
+    out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, -1), weights_NxK.astype(y_MxD.dtype),
+                     preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+
 def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor):
     def body(x_NxD, experts_NxK, weights_NxK, *local_weights):
         n, k = experts_NxK.shape
         d = x_NxD.shape[1]
         m = n * k
         c = capacity(m, p, capacity_factor)
-        flat = experts_NxK.reshape(-1)
-        dest_M = flat // local_experts
-        order_M = jnp.argsort(dest_M, stable=True)
+        flat, dest_M, order_M, counts_P = _by_destination(experts_NxK, local_experts, p)
         dest_sorted = dest_M[order_M]
-        counts_P = jnp.zeros((p,), jnp.int32).at[dest_M].add(1)
         slot_M = jnp.arange(m) - (jnp.cumsum(counts_P) - counts_P)[dest_sorted]
         keep_M = slot_M < c
         slot_M = jnp.where(keep_M, slot_M, c)  # out of bounds: dropped by the scatter below
@@ -112,9 +126,7 @@ def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str,
         back_PxCxD = jax.lax.all_to_all(y_RxD.reshape(p, c, d), expert_axis, 0, 0)
         y_sorted_MxD = back_PxCxD.at[dest_sorted, slot_M].get(mode="fill", fill_value=0)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, d), weights_NxK.astype(y_MxD.dtype),
-                         preferred_element_type=jnp.float32)
-        return out.astype(x_NxD.dtype)
+        return _combine(y_MxD, weights_NxK, x_NxD.dtype)
 
     return body
 
@@ -127,15 +139,12 @@ def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str
         m = n * k
         c = capacity(m, p, capacity_factor)
         me = jax.lax.axis_index(expert_axis)
-        flat = experts_NxK.reshape(-1)
-        dest_M = flat // local_experts
-        order_M = jnp.argsort(dest_M, stable=True)  # rows grouped by destination device
-        counts_P = jnp.zeros((p,), jnp.int32).at[dest_M].add(1)
-        starts_P = jnp.cumsum(counts_P) - counts_P  # where each destination's rows start, sorted
-        send_P = jnp.minimum(counts_P, c)  # the first C rows of each group go; the rest are dropped
-        # Everyone's send sizes and group starts: [source, destination].
-        sent_PxP = jax.lax.all_gather(send_P, expert_axis)
-        starts_PxP = jax.lax.all_gather(starts_P, expert_axis)
+        flat, _, order_M, counts_P = _by_destination(experts_NxK, local_experts, p)
+        # Everyone's row counts [source, destination], in one collective; sizes and starts follow.
+        counts_PxP = jax.lax.all_gather(counts_P, expert_axis)
+        starts_PxP = jnp.cumsum(counts_PxP, axis=1) - counts_PxP  # where each destination's rows start, sorted
+        sent_PxP = jnp.minimum(counts_PxP, c)  # the first C rows of each group go; the rest are dropped
+        starts_P, send_P = starts_PxP[me], sent_PxP[me]
         recv_P = sent_PxP[:, me]  # rows arriving from each source
         recv_start_P = jnp.cumsum(recv_P) - recv_P  # sources in order in the receive buffer
         # Where my rows land on each destination j: after the rows of sources before me.
@@ -155,9 +164,7 @@ def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str
         y_sorted_MxD = ragged_all_to_all(y_RxD, jnp.zeros((m, d), x_NxD.dtype), recv_start_P, recv_P,
                                          starts_PxP[:, me], send_P, axis_name=expert_axis)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, d), weights_NxK.astype(y_MxD.dtype),
-                         preferred_element_type=jnp.float32)
-        return out.astype(x_NxD.dtype)
+        return _combine(y_MxD, weights_NxK, x_NxD.dtype)
 
     return body
 
