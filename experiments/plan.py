@@ -127,16 +127,8 @@ def plan(config) -> dict:
     batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
     tokens_per_device = batch * seq // batch_shards
     stages = mesh.shape["pipeline"]
-    micro = 1
-    if stages > 1:
-        if stages * cfg.pipeline_repeats > cfg.num_moe_layers:
-            raise sharding.MeshError(f"mesh.pipeline={stages} stages x {cfg.pipeline_repeats} repeats exceed the "
-                                     f"{cfg.num_moe_layers} MoE layers")
-        stage_shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES)
-        micro = pipeline.resolve_microbatches(batch, stages, stage_shards, cfg.pipeline_microbatches,
-                                              cfg.pipeline_repeats)
-    stack_tokens = batch * seq // math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES) if stages > 1 \
-        else tokens_per_device
+    micro = sharded.check_pipeline(cfg, mesh, batch)
+    stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
     acts = activation_bytes(cfg, seq, [
         (cfg.num_dense_layers + cfg.num_mtp_layers, tokens_per_device, tokens_per_device),
         (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,

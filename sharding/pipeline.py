@@ -33,12 +33,15 @@ DualPipe's bidirectional schedule is not implemented.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from sharding.rules import STAGE_BATCH_AXES
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -96,10 +99,10 @@ def pad_layers(stacked: Any, num_stages: int, repeats: int = 1) -> tuple[Any, ja
     return jax.tree.map(lambda x: x[index], stacked), jnp.asarray(valid)
 
 
-def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> jax.Array:
+def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
     """Slot position of each real layer (the inverse of `layer_slots` on its valid slots)."""
     if repeats == 1 and num_layers % num_stages == 0:
-        return jnp.arange(num_layers)
+        return np.arange(num_layers)
     index, valid = layer_slots(num_layers, num_stages, repeats)
     slots = np.nonzero(valid)[0]
     return slots[np.argsort(index[slots], kind="stable")]
@@ -144,9 +147,9 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
             step = jnp.clip(t - stage, 0, repeats * m - 1)
             rnd, micro = step // m, step % m  # this stage runs microbatch `micro` of round `rnd`
             if repeats > 1:  # stage 0 keeps what comes round the ring until its next round starts
-                back = t - s
-                loop = jnp.where((stage == 0) & (back >= 0),
-                                 jax.lax.dynamic_update_index_in_dim(loop, buf, jnp.maximum(back, 0) % m, 0), loop)
+                slot = jnp.maximum(t - s, 0) % m
+                keep = (stage == 0) & (t >= s)
+                loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(keep, buf, loop[slot]), slot, 0)
                 first = jnp.where(t < m, xs[jnp.minimum(t, m - 1)], loop[t % m])
             else:
                 first = xs[jnp.minimum(t, m - 1)]
@@ -206,6 +209,22 @@ def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2
         if bubble_fraction(num_stages, m, repeats) <= target_bubble:
             return m
     return feasible[-1]
+
+
+def stage_batch_shards(mesh) -> int:
+    """Devices one microbatch's rows are split over inside the stack (rules.STAGE_BATCH_AXES)."""
+    return math.prod(mesh.shape.get(a, 1) for a in STAGE_BATCH_AXES)
+
+
+def check_schedule(mesh, *, num_layers: int, batch: int, microbatches: int = 0, repeats: int = 1,
+                   axis: str = "pipeline") -> int:
+    """The microbatch count for `batch` rows on `mesh`'s `axis` stages, after checking that every
+    stage gets a layer (chunks of the circular schedule may be empty) and that the microbatches
+    split over the stage batch shards. Raises ValueError naming what does not fit."""
+    stages = mesh.shape[axis]
+    if stages > num_layers:
+        raise ValueError(f"{axis}={stages} stages exceed the {num_layers} layers they split")
+    return resolve_microbatches(batch, stages, stage_batch_shards(mesh), microbatches, repeats)
 
 
 def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, requested: int = 0,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -14,7 +13,7 @@ from dsv3_jax.model.attention import MLA
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
-from sharding import pipeline, rules
+from sharding import pipeline
 
 
 class Context(NamedTuple):
@@ -70,11 +69,10 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     Same results as `run_stack`: stats are summed (expert counts) or averaged (the sequence-wise
     balance loss, a mean over equal-sized microbatches) over the microbatches.
     """
-    b = x_BxTxD.shape[0]
-    stages = mesh.shape["pipeline"]
-    batch_shards = math.prod(mesh.shape.get(a, 1) for a in rules.STAGE_BATCH_AXES)
-    m = pipeline.resolve_microbatches(b, stages, batch_shards, microbatches, repeats)
     graphdef, state = nnx.split(blocks)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    m = pipeline.check_schedule(mesh, num_layers=num_layers, batch=x_BxTxD.shape[0], microbatches=microbatches,
+                                repeats=repeats)
 
     def layer(p, x, side):
         return nnx.merge(graphdef, p)(x, Context(*side))

@@ -14,7 +14,6 @@ counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `
 
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -121,6 +120,20 @@ class MeshTraining(NamedTuple):
         return multihost.global_batch(batch, batch_sharding(self.mesh, self.rules), rows)
 
 
+def check_pipeline(cfg, mesh, batch: int) -> int:
+    """Microbatches of the MoE stack's pipeline schedule on `mesh` (1 without a pipeline axis), or a
+    MeshError naming the config fields that do not fit."""
+    if not pipeline.is_active(mesh):
+        return 1
+    try:
+        return pipeline.check_schedule(mesh, num_layers=cfg.num_moe_layers, batch=batch,
+                                       microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats)
+    except ValueError as e:
+        raise sharding.MeshError(f"{e} (fields: mesh.pipeline, model.pipeline_microbatches, model.pipeline_repeats, "
+                                 "data.batch_size; the MoE layers are model.num_layers - model.num_dense_layers)"
+                                 ) from None
+
+
 def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTraining | None:
     """The `mesh` section of a training config (sizes per axis, one may be -1; `rules` preset) on
     all devices; None when the mesh is a single device (the plain jit step is used then)."""
@@ -132,17 +145,5 @@ def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTr
     cfg = model.config
     check_batch(config.data.batch_size * jax.process_count(), mesh, rules)
     sharding.check_divides("model.num_routed_experts", cfg.num_routed_experts, mesh, ("expert",))
-    stages = mesh.shape["pipeline"]
-    if stages > 1 and stages * cfg.pipeline_repeats > cfg.num_moe_layers:
-        raise sharding.MeshError(f"mesh.pipeline={stages} stages x model.pipeline_repeats={cfg.pipeline_repeats} "
-                                 f"chunks exceed the {cfg.num_moe_layers} MoE layers "
-                                 "(model.num_layers - model.num_dense_layers) they split")
-    if stages > 1:
-        shards = math.prod(mesh.shape[a] for a in sharding.STAGE_BATCH_AXES if a in mesh.shape)
-        try:
-            pipeline.resolve_microbatches(config.data.batch_size * jax.process_count(), stages, shards,
-                                          cfg.pipeline_microbatches, cfg.pipeline_repeats)
-        except ValueError as e:
-            raise sharding.MeshError(f"{e} (model.pipeline_microbatches, model.pipeline_repeats, "
-                                     "data.batch_size)") from None
+    check_pipeline(cfg, mesh, config.data.batch_size * jax.process_count())
     return MeshTraining(mesh, rules, train_state_shardings(model, state, mesh, rules))

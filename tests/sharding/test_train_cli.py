@@ -57,7 +57,7 @@ def test_mesh_overrides_give_the_single_device_loss_curve(tmp_path, one_device_c
      "pipeline_microbatches=3 must divide the batch of 8 rows"),
     (["--config.mesh.pipeline=2", "--config.mesh.data=4", "--config.model.pipeline_repeats=2",
       "--config.model.pipeline_microbatches=1"], "pipeline_microbatches=1 is fewer than the 2 stages"),
-    (["--config.mesh.pipeline=8", "--config.mesh.data=1"], "mesh.pipeline=8 stages x model.pipeline_repeats=1 chunks exceed the 4 MoE layers"),
+    (["--config.mesh.pipeline=8", "--config.mesh.data=1"], "pipeline=8 stages exceed the 4 layers they split"),
 ])
 def test_bad_mesh_is_a_clear_error(tmp_path, flags, message):
     env = workers.fake_device_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
