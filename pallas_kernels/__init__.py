@@ -7,6 +7,8 @@ Mosaic TPU on TPU, Triton on NVIDIA/AMD GPUs; every public kernel takes `backend
 
 from pallas_kernels._backend import Backend, resolve as resolve_backend
 from pallas_kernels.fp8_grouped_matmul import fp8_grouped_matmul, fp8_grouped_matmul_reference
+from pallas_kernels.fp8_grouped_wgrad import (fp8_grouped_wgrad, fp8_grouped_wgrad_reference,
+                                              group_aligned_rows)
 from pallas_kernels.fp8_matmul import BlockSizes as BlockSizesFp8
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.mla_decode import BlockSizes as BlockSizesMlaDecode
@@ -20,6 +22,7 @@ __all__ = [
     "Backend", "resolve_backend",
     "BlockSizesFp8", "fp8_matmul", "fp8_matmul_reference",
     "fp8_grouped_matmul", "fp8_grouped_matmul_reference",
+    "fp8_grouped_wgrad", "fp8_grouped_wgrad_reference", "group_aligned_rows",
     "BlockSizesMlaDecode", "mla_decode", "mla_decode_reference",
     "BlockSizesMlaPrefill", "mla_prefill", "mla_prefill_reference",
     "quantize_1x128", "quantize_128x128", "dequantize_1x128", "dequantize_128x128",

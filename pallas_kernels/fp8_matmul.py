@@ -3,8 +3,10 @@
 out[m, n] = sum_kb (sum_{k in kb} f32(x_q[m, k]) * f32(w_q[n, k])) * x_scale[m, kb] * w_scale[n // 128, kb]
 
 Each 128-wide K block's partial product is accumulated in fp32 and scaled there, so the
-scales never enter the low-precision dot. Letters: M rows, N output features, K contraction,
-KB = K/128 blocks; `bm, bn, bk` block sizes.
+scales never enter the low-precision dot. The right operand's scale is per 128x128 block
+([NB, KB]: a weight, Fprop and Dgrad) or per row ([N, KB]: 1x128 tiles of an activation, the
+Wgrad GEMM, whose K is the token axis); `rhs_row_scale` tells them apart by shape.
+Letters: M rows, N output features, K contraction, KB = K/128 blocks; `bm, bn, bk` block sizes.
 """
 
 from __future__ import annotations
@@ -115,11 +117,29 @@ def pad_x_operands(x_q, x_scale, rows: int, kp: int):
   return x, xs.T[:, :, None]
 
 
+def rhs_row_scale(w_scale, n: int):
+  """Block scale [..., NB, KB] or per-row scale [..., N, KB] -> per-row fp32 [..., N, KB].
+
+  The two shapes coincide only for N == 1, where they also mean the same thing."""
+  w_scale = w_scale.astype(jnp.float32)
+  if w_scale.shape[-2] == n:
+    return w_scale
+  return jnp.repeat(w_scale, TILE, axis=-2)[..., :n, :]
+
+
+def check_rhs_scale(name: str, w_q, w_scale) -> None:
+  """Accepts a 128x128 block scale or a per-row (1x128 tile) scale for `w_q` [..., N, K]."""
+  if w_scale.shape[-2] == w_q.shape[-2]:
+    check_scale_shapes(name, w_q, w_scale, 1)
+  else:
+    check_scale_shapes(name, w_q, w_scale, TILE)
+
+
 def pad_w_operands(w_q, w_scale, np_: int, kp: int):
-  """w_q [...,N,K] -> [...,Np,Kp]; w_scale [...,NB,KB] -> per-row [...,KBp,1,Np]."""
+  """w_q [...,N,K] -> [...,Np,Kp]; w_scale [...,NB|N,KB] -> per-row [...,KBp,1,Np]."""
   n = w_q.shape[-2]
   w = pad_axis(pad_axis(w_q, -2, np_), -1, kp)
-  ws = jnp.repeat(w_scale.astype(jnp.float32), TILE, axis=-2)[..., :n, :]
+  ws = rhs_row_scale(w_scale, n)
   ws = pad_axis(pad_axis(ws, -2, np_), -1, kp // TILE)
   return w, jnp.swapaxes(ws, -1, -2)[..., :, None, :]
 
@@ -127,7 +147,7 @@ def pad_w_operands(w_q, w_scale, np_: int, kp: int):
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "backend", "interpret"))
 def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
                block_sizes: BlockSizes | None = None, backend=None, interpret=None):
-  """x_q [M,K] e4m3, x_scale [M,KB] f32, w_q [N,K] e4m3, w_scale [NB,KB] f32 -> [M,N].
+  """x_q [M,K] e4m3, x_scale [M,KB] f32, w_q [N,K] e4m3, w_scale [NB,KB] or [N,KB] f32 -> [M,N].
 
   Partial edge blocks are zero padded inside; `backend`/`interpret` override the dispatcher.
   """
@@ -137,7 +157,7 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
   if x_q.ndim != 2 or w_q.ndim != 2 or x_q.shape[1] != w_q.shape[1]:
     raise ValueError(f"need x_q [M,K], w_q [N,K] with equal K; got {x_q.shape=}, {w_q.shape=}")
   check_scale_shapes("x_q", x_q, x_scale, 1)
-  check_scale_shapes("w_q", w_q, w_scale, TILE)
+  check_rhs_scale("w_q", w_q, w_scale)
   (m, k), n = x_q.shape, w_q.shape[0]
   mp, np_, kp = round_up(m, bs.block_m), round_up(n, bs.block_n), round_up(k, bs.block_k)
   x, xs = pad_x_operands(x_q, x_scale, mp, kp)
@@ -186,5 +206,5 @@ def fp8_matmul_reference(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16, 
   x = pad_axis(x_q.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
   w = pad_axis(w_q.astype(jnp.float32), 1, kb * TILE).reshape(n, kb, TILE)
   part_MxNxKB = jnp.einsum("mbk,nbk->mnb", x, w, precision=lax.Precision.HIGHEST)
-  ws_NxKB = jnp.repeat(w_scale.astype(jnp.float32), TILE, axis=0)[:n]
+  ws_NxKB = rhs_row_scale(w_scale, n)
   return jnp.sum(part_MxNxKB * x_scale[:, None, :] * ws_NxKB[None], axis=-1).astype(out_dtype)

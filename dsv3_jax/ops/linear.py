@@ -1,9 +1,17 @@
 """Projections: x contracted with the leading axes of a weight, in the compute dtype or in FP8.
 
-FP8 follows the DeepSeek-V3 recipe: activations quantised per 1x128 tile, weights per 128x128
-block (e4m3, scale = amax / 448), each 128-wide K block's partial product accumulated and scaled in
-fp32 (`pallas_kernels.fp8_matmul`). The backward pass is straight-through in the compute dtype:
-master weights and gradients never see the quantisation error's discontinuities.
+FP8 is the DeepSeek-V3 training recipe (paper section 3.3; docs/fp8.md): all three GEMMs of a
+linear layer run on e4m3 operands with fine-grained scales (`scale = amax / 448`), each 128-wide
+block of the contraction accumulated and scaled in fp32 (`pallas_kernels.fp8_matmul`):
+
+- Fprop  y = x . w:      x in 1x128 tiles (per token, 128 features), w in 128x128 blocks.
+- Dgrad  dx = dy . w^T:  dy in 1x128 tiles, the forward's 128x128 weight blocks transposed.
+- Wgrad  dw = x^T . dy:  the contraction is the token axis, so x and dy are both quantised in
+                         128x1 tiles (128 tokens, one feature).
+
+What the backward needs is saved in FP8 with its scales: x as its 128x1 tiles, w as its forward
+blocks; the bf16/fp32 input is not kept. Master weights and the returned gradients stay in their
+own dtypes. Letters: M tokens (rows), K input features, N output features, G groups (experts).
 """
 
 from __future__ import annotations
@@ -14,6 +22,62 @@ import jax
 import jax.numpy as jnp
 
 
+def _kernels():
+    """The Pallas kernels where the backend compiles them (TPU, GPU); elsewhere their jnp twins,
+    which compute the same quantised products in the same promotion order."""
+    import pallas_kernels as pk  # kernels carry no model knowledge; imported only on the FP8 path
+
+    if jax.default_backend() in ("tpu", "gpu"):
+        return pk.fp8_matmul, pk.fp8_grouped_matmul, pk.fp8_grouped_wgrad
+    return pk.fp8_matmul_reference, pk.fp8_grouped_matmul_reference, pk.fp8_grouped_wgrad_reference
+
+
+def _quantize_tokens(a_MxK):
+    """1x128 tiles along the feature axis: ([M,K] e4m3, [M,KB] scales)."""
+    from pallas_kernels import quantize_1x128
+    return quantize_1x128(a_MxK.astype(jnp.float32))
+
+
+def _quantize_tokens_t(a_MxK):
+    """128x1 tiles (128 tokens, one feature), stored transposed: ([K,M] e4m3, [K,MB] scales)."""
+    return _quantize_tokens(a_MxK.T)
+
+
+def _quantize_weight_t(w_KxN):
+    """128x128 blocks of w^T: ([N,K] e4m3, [NB,KB] scales); transposed, the same blocks serve Dgrad."""
+    from pallas_kernels import quantize_128x128
+    return quantize_128x128(w_KxN.T.astype(jnp.float32))
+
+
+def _dtype_carriers(x, w):
+    """Empty arrays of x's and w's dtypes: the backward returns gradients in the primal dtypes."""
+    return jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype) -> jax.Array:
+    """x . w with all three GEMMs in FP8 (module docstring). Returns [M, N] in `out_dtype`."""
+    return _fp8_fwd(x_MxK, w_KxN, out_dtype)[0]
+
+
+def _fp8_fwd(x_MxK, w_KxN, out_dtype):
+    mm = _kernels()[0]
+    w_q, w_s = _quantize_weight_t(w_KxN)
+    y_MxN = mm(*_quantize_tokens(x_MxK), w_q, w_s, out_dtype=out_dtype)
+    return y_MxN, (_quantize_tokens_t(x_MxK), (w_q, w_s), *_dtype_carriers(x_MxK, w_KxN))
+
+
+def _fp8_bwd(out_dtype, res, dy_MxN):
+    (xt_q, xt_s), (w_q, w_s), x_like, w_like = res
+    mm = _kernels()[0]
+    dx_MxK = mm(*_quantize_tokens(dy_MxN), w_q.T, w_s.T, out_dtype=jnp.float32)
+    dw_KxN = mm(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
+    return dx_MxK.astype(x_like.dtype), dw_KxN.astype(w_like.dtype)
+
+
+fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
+
+
 def _flatten(x, w, contract: int):
     k = 1
     for d in w.shape[:contract]:
@@ -21,40 +85,16 @@ def _flatten(x, w, contract: int):
     return x.reshape(-1, k), w.reshape(k, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_matmul(x_MxK, w_KxN, out_dtype):
-    import pallas_kernels  # kernels carry no model knowledge; imported only on the FP8 path
-
-    x_q, x_scale = pallas_kernels.quantize_1x128(x_MxK.astype(jnp.float32))
-    w_q, w_scale = pallas_kernels.quantize_128x128(w_KxN.T.astype(jnp.float32))
-    return pallas_kernels.fp8_matmul(x_q, x_scale, w_q, w_scale, out_dtype=out_dtype)
-
-
-def _fp8_fwd(x, w, out_dtype):
-    return _fp8_matmul(x, w, out_dtype), (x, w)
-
-
-def _fp8_bwd(out_dtype, res, g):
-    x, w = res
-    g = g.astype(x.dtype)
-    dx = jnp.einsum("MN,KN->MK", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    dw = jnp.einsum("MK,MN->KN", x, g, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
-
-
 def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bool = False) -> jax.Array:
     """x [..., *w.shape[:contract]] . w -> [..., *w.shape[contract:]] in `compute_dtype`.
 
-    The plain path is one einsum with fp32 accumulation; `fp8` routes through the FP8 kernel.
+    The plain path is one einsum with fp32 accumulation; `fp8` routes through `fp8_matmul`.
     """
     batch, out = x.shape[: x.ndim - contract], w.shape[contract:]
     x, w = x.astype(compute_dtype), w.astype(compute_dtype)
     if fp8:
         x2, w2 = _flatten(x, w, contract)
-        return _fp8_matmul(x2, w2, jnp.dtype(compute_dtype)).reshape(*batch, *out)
+        return fp8_matmul(x2, w2, jnp.dtype(compute_dtype)).reshape(*batch, *out)
     y = jax.lax.dot_general(x, w, (((tuple(range(x.ndim - contract, x.ndim))), tuple(range(contract))), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.astype(compute_dtype)
@@ -62,26 +102,44 @@ def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bo
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype) -> jax.Array:
-    """Rows sorted by group times their group's weight, through the FP8 grouped kernel.
+    """Rows sorted by group times their group's weight, all three GEMMs in FP8 (module docstring).
 
-    Backward is straight-through via `ragged_dot` in x's dtype.
+    Wgrad contracts each group's tokens: they are laid out group-aligned (every 128-token tile in
+    one group, `pallas_kernels.fp8_grouped_wgrad`) before the 128x1 quantisation.
     """
-    import pallas_kernels
-
-    x_q, x_scale = pallas_kernels.quantize_1x128(x_MxK.astype(jnp.float32))
-    w_q, w_scale = jax.vmap(pallas_kernels.quantize_128x128)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
-    return pallas_kernels.fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes_G, out_dtype=out_dtype)
+    return _grouped_fwd(x_MxK, w_GxKxN, group_sizes_G, out_dtype)[0]
 
 
-def _grouped_fwd(x, w, sizes, out_dtype):
-    return fp8_grouped_matmul(x, w, sizes, out_dtype), (x, w, sizes)
+def _quantize_weights_t(w_GxKxN):
+    from pallas_kernels import quantize_128x128
+    return jax.vmap(quantize_128x128)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
 
 
-def _grouped_bwd(out_dtype, res, g):
-    x, w, sizes = res
-    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32), x, w)
-    dx, dw = vjp(g.astype(jnp.float32))
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+def _group_aligned_t(a_MxK, sizes_G):
+    """128x1 tiles of each group's tokens: ([K,T] e4m3, [K,TB] scales), T in the aligned layout."""
+    from pallas_kernels import group_aligned_rows
+    dest_M, tile_group = group_aligned_rows(sizes_G, a_MxK.shape[0])
+    a_TxK = jnp.zeros((tile_group.shape[0] * 128, a_MxK.shape[1]), jnp.float32)
+    a_TxK = a_TxK.at[dest_M].set(a_MxK.astype(jnp.float32), mode="drop")
+    return _quantize_tokens_t(a_TxK), tile_group
+
+
+def _grouped_fwd(x_MxK, w_GxKxN, sizes_G, out_dtype):
+    grouped = _kernels()[1]
+    w_q, w_s = _quantize_weights_t(w_GxKxN)
+    y_MxN = grouped(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
+    xt, _ = _group_aligned_t(x_MxK, sizes_G)
+    return y_MxN, (xt, (w_q, w_s), sizes_G, *_dtype_carriers(x_MxK, w_GxKxN))
+
+
+def _grouped_bwd(out_dtype, res, dy_MxN):
+    (xt_q, xt_s), (w_q, w_s), sizes_G, x_like, w_like = res
+    _, grouped, wgrad = _kernels()
+    w_t = (jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2))
+    dx_MxK = grouped(*_quantize_tokens(dy_MxN), *w_t, sizes_G, out_dtype=jnp.float32)
+    (dyt_q, dyt_s), tile_group = _group_aligned_t(dy_MxN, sizes_G)
+    dw_GxKxN = wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
+    return dx_MxK.astype(x_like.dtype), dw_GxKxN.astype(w_like.dtype), None
 
 
 fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

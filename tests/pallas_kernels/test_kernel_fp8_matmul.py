@@ -57,3 +57,21 @@ def test_fp8_matmul_lowers(style_, platform):
   _, _, ops = _operands(200, 260, 300)
   f = functools.partial(fp8_matmul, out_dtype=jnp.bfloat16, backend=style_, interpret=False)
   lowers(f, ops, platform)
+
+
+@pytest.mark.parametrize("m,n,k", [(130, 200, 256), (64, 128, 384)])
+def test_fp8_matmul_per_row_rhs_scale(m, n, k, style):
+  """The Wgrad GEMM: both operands activations in 1x128 tiles along the contraction (tokens)."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(m, k)).astype(np.float32)
+  g = rng.normal(size=(n, k)).astype(np.float32) * rng.uniform(0.01, 2, size=(n, 1))
+  ops = (*quantize_1x128(x), *quantize_1x128(g))
+  assert ops[3].shape == (n, -(-k // 128))
+  out = fp8_matmul(*ops, out_dtype=jnp.float32, backend=style, interpret=True)
+  want = numpy_promoted_matmul(*ops)
+  assert np.abs(np.asarray(out) - want).max() / np.abs(want).max() < 1e-5
+  ref = fp8_matmul_reference(*ops, out_dtype=jnp.float32)
+  assert np.abs(np.asarray(ref) - want).max() / np.abs(want).max() < 1e-5
+  exact = x.astype(np.float64) @ g.T.astype(np.float64)
+  o = np.asarray(out, np.float64)
+  assert 1 - 2 * np.sum(o * exact) / np.sum(o**2 + exact**2) < 1e-3
