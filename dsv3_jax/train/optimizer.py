@@ -9,10 +9,15 @@ Decay mask: weight decay applies to matrices only, i.e. every parameter with two
 logical axes besides the stacked `layers` axis: projections, experts, router weights, the
 embedding and the output head. Vectors (RMSNorm gains) are not decayed, and the router bias is
 not a parameter at all (see `balancing`), so the optimizer never sees it.
+
+Moments: `moment_dtype` "bfloat16" stores AdamW's first and second moments in bf16, as the paper
+does (section 3.3.3); each update is computed in fp32 from the widened moments and only the
+stored state is rounded. Master weights and gradients stay fp32.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,6 +33,7 @@ DEEPSEEK_CONSTANT_END = 10.0 / 14.8
 DEEPSEEK_COSINE_END = 14.3 / 14.8
 DEEPSEEK_FINAL_START = (14.8 - 0.167) / 14.8
 SCHEDULES = ("deepseek", "wsd")
+MOMENT_DTYPES = ("float32", "bfloat16")
 
 
 def warmup_factor(step, warmup_steps: int):
@@ -92,10 +98,37 @@ def decay_mask(param_state: nnx.State) -> dict:
     return nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
 
 
+def scale_by_adam_stored_in(dtype, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Adam's direction mu_hat / (sqrt(nu_hat) + eps) with mu and nu kept in `dtype` between steps."""
+    def init(params):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros)
+
+    def update(grads, state, params=None):
+        del params
+        f32 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.float32))
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, f32(state.mu), f32(grads))
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, f32(state.nu), f32(grads))
+        count = optax.safe_increment(state.count)
+        c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
+        updates = jax.tree.map(lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), mu, nu, grads)
+        store = functools.partial(jax.tree.map, lambda a: a.astype(dtype))
+        return updates, optax.ScaleByAdamState(count=count, mu=store(mu), nu=store(nu))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransformation:
-    """clip_by_global_norm(opt.clip_norm) then AdamW with the schedule and the decay mask."""
-    return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
-        optax.adamw(make_schedule(opt, total_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                    weight_decay=opt.weight_decay, mask=mask),
-    )
+    """clip_by_global_norm(opt.clip_norm) then AdamW with the schedule, the decay mask and the
+    moments stored in `opt.moment_dtype` (float32 when the section predates the field)."""
+    moment_dtype = opt.get("moment_dtype", "float32")
+    if moment_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"optimizer.moment_dtype={moment_dtype!r} is not one of {MOMENT_DTYPES}")
+    clip = optax.clip_by_global_norm(opt.clip_norm)
+    lr = make_schedule(opt, total_steps)
+    if moment_dtype == "float32":
+        return optax.chain(clip, optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                             weight_decay=opt.weight_decay, mask=mask))
+    return optax.chain(clip, scale_by_adam_stored_in(jnp.bfloat16, b1=opt.b1, b2=opt.b2, eps=opt.eps),
+                       optax.add_decayed_weights(opt.weight_decay, mask),
+                       optax.scale_by_learning_rate(lr))

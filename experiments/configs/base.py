@@ -37,6 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.eps = 1e-8  # AdamW epsilon
     c.optimizer.weight_decay = 0.1  # on matrices only (see dsv3_jax/train/optimizer.py)
     c.optimizer.clip_norm = 1.0  # global gradient-norm clipping
+    c.optimizer.moment_dtype = "float32"  # AdamW moments: "float32" or "bfloat16" (paper's FP8 recipe)
 
     c.loss = ml_collections.ConfigDict()
     c.loss.mtp_weight = 0.3  # lambda on the MTP loss (paper: 0.3 for the first 10T tokens, then 0.1)

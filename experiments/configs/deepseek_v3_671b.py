@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.seq_len = 4096  # T
     c.data.batch_size = 15360  # the paper's final global batch (it ramps up from 3072); per process
     c.optimizer.warmup_steps = 2000  # paper
+    c.optimizer.moment_dtype = "bfloat16"  # paper: AdamW moments in BF16, master weights in FP32
     c.train.workdir = "runs/deepseek_v3_671b"  # default output folder
     c.train.steps = 235000  # 14.8T tokens / (15360 x 4096) tokens per step
     c.train.log_every = 10  # metrics line every 10 steps
