@@ -25,6 +25,8 @@ _WINDOW = flags.DEFINE_integer("window", 50, "Steps at the end whose mean loss i
 _ONLY = flags.DEFINE_enum("only", None, ["bf16", "fp8"], "Run just this one.")
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Read the two runs' metrics; train nothing.")
 _PNG = flags.DEFINE_string("png", "docs/fp8_loss.png", "Where the two curves go.")
+_MEMORY = flags.DEFINE_bool("memory", False, "Print the bytes saved for backward per MoE layer (bf16 vs FP8 "
+                            "caching) and the optimizer-state bytes (fp32 vs bf16 moments); train nothing.")
 
 # Widths of the tiny preset raised to multiples of 128 where they feed an FP8 GEMM.
 MODEL = dict(compute_dtype="bfloat16", moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=128)
@@ -84,8 +86,66 @@ def plot(result: dict, window: int, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
+def saved_for_backward(model_overrides: dict, num_layers: int, tokens: int) -> tuple[int, int]:
+    """(bytes, bytes of which FP8) the backward keeps: outputs of `jax.vjp`'s forward in the jaxpr
+    that are not parameters passed straight through (those are held anyway)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from experiments.train import model_config
+
+    c = run_config("bf16", "", 1)
+    c.model.update({**model_overrides, "num_layers": num_layers})
+    model = nnx.eval_shape(lambda: DeepSeekV3(model_config(c), rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens_BxT = jax.ShapeDtypeStruct((tokens // c.data.seq_len, c.data.seq_len), jnp.int32)
+
+    def loss(p, r, t):
+        return jnp.mean(nnx.merge(graphdef, p, r).forward(t).logits.astype(jnp.float32) ** 2)
+
+    vjp = lambda p, r, t: jax.vjp(lambda q, b: loss(q, b, t), p, r)[1]  # noqa: E731 (nnx: one trace level)
+    closed = jax.make_jaxpr(vjp)(params, rest, tokens_BxT)
+    inputs = set(map(id, closed.jaxpr.invars))
+    saved = [v.aval for v in closed.jaxpr.outvars if id(v) not in inputs and hasattr(v, "aval")]
+    size = lambda a: a.size * a.dtype.itemsize  # noqa: E731
+    return sum(map(size, saved)), sum(size(a) for a in saved if a.dtype == jnp.float8_e4m3fn)
+
+
+def optimizer_bytes(moment_dtype: str) -> int:
+    import jax
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.train import optimizer as optimizer_lib
+    from experiments.train import model_config
+
+    c = run_config("fp8", "", 1)
+    c.optimizer.moment_dtype = moment_dtype
+    params = nnx.eval_shape(lambda: nnx.state(DeepSeekV3(model_config(c), rngs=nnx.Rngs(0)), nnx.Param))
+    pure = nnx.to_pure_dict(params)
+    tx = optimizer_lib.make_optimizer(c.optimizer, 10, jax.tree.map(lambda _: True, pure))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(tx.init, pure)))
+
+
+def print_memory() -> None:
+    """One MoE layer = the model with 3 layers minus the model with 2 (1 dense layer in both)."""
+    tokens = 8 * 64
+    for name in RECIPES:
+        overrides = RECIPES[name]["model"]
+        (b3, f3), (b2, f2) = (saved_for_backward(overrides, n, tokens) for n in (3, 2))
+        print(f"{name}: saved for backward per MoE layer, {tokens} tokens: {b3 - b2:,} bytes "
+              f"({f3 - f2:,} of them FP8); whole 3-layer model {b3:,}")
+    b32, b16 = optimizer_bytes("float32"), optimizer_bytes("bfloat16")
+    print(f"optimizer state: fp32 moments {b32:,} bytes, bf16 moments {b16:,} bytes ({b16 / b32:.3f}x)")
+
+
 def main(argv):
     del argv
+    if _MEMORY.value:
+        print_memory()
+        return
     if not _PLOT_ONLY.value:
         from experiments.train import train
 

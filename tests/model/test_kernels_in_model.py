@@ -55,16 +55,18 @@ def fp8(tokens):
     return _run(CFG.replace(fp8_matmul=True), tokens, seg)
 
 
-def test_fp8_kernel_equals_the_jnp_recipe_in_the_model(tokens, fp8, monkeypatch):
-    """Same quantisation, fp32 emulation of the per-128 promotion instead of the kernels (dense
-    projections and routed experts)."""
-    import pallas_kernels
+def test_fp8_kernels_equal_the_jnp_recipe_in_the_model(tokens, fp8, monkeypatch):
+    """The Pallas kernels (interpret mode) in place of their jnp twins, the CPU default: same
+    quantisation and promotion order (forward here; every backward GEMM of both paths is held to
+    the numpy emulation in tests/model/test_fp8_linear.py, kernels in interpret mode included)."""
+    import pallas_kernels as pk
+    from dsv3_jax.ops import linear
 
-    monkeypatch.setattr(pallas_kernels, "fp8_matmul", pallas_kernels.fp8_matmul_reference)
-    monkeypatch.setattr(pallas_kernels, "fp8_grouped_matmul", pallas_kernels.fp8_grouped_matmul_reference)
+    monkeypatch.setattr(linear, "_kernels", lambda: (pk.fp8_matmul, pk.fp8_grouped_matmul, pk.fp8_grouped_wgrad))
     seg = jnp.array([[1] * 10 + [2] * 14, [1] * 24])
-    logits, _ = _run(CFG.replace(fp8_matmul=True), tokens, seg)
-    assert np.max(np.abs(logits - fp8[0])) <= 1e-5 * np.max(np.abs(fp8[0]))
+    model = DeepSeekV3(CFG.replace(fp8_matmul=True), rngs=nnx.Rngs(0))
+    logits = nnx.jit(lambda m: m.forward(tokens, segment_ids=seg).logits)(model)
+    assert np.max(np.abs(np.asarray(logits) - fp8[0])) <= 1e-5 * np.max(np.abs(fp8[0]))
 
 
 def test_fp8_projection_meets_the_recipe_bound():
@@ -79,13 +81,18 @@ def test_fp8_projection_meets_the_recipe_bound():
 
 
 def test_fp8_model_tracks_full_precision(fp8, xla):
-    """Whole model: ~15 quantised projections compound (and flip a few routing choices), so the
-    bound is looser than one matmul's; gradients (straight-through) stay finite and aligned."""
+    """Whole model, forward and all three backward GEMMs in FP8, against fp32.
+
+    Bounds from measurement (this seed and config, jax 0.10.2 CPU): logits 0.0376, all gradients
+    together 0.0603; the forward-only FP8 with a straight-through backward measured 0.0376 / 0.0572,
+    so the FP8 Dgrad/Wgrad add ~0.003. One GEMM is ~5e-4 (tests/model/test_fp8_linear.py); ~15
+    quantised projections compound in this 64-wide model, and a few routing choices flip, moving
+    a token's output and gradient to another expert. The bounds leave ~30% headroom over those
+    figures for other platforms' rounding; a regression in any GEMM of the recipe exceeds them.
+    """
     logits, grads = fp8
     ref_logits, ref_grads = xla
-    assert 0 < _closeness(logits, ref_logits) < 0.1
+    assert 0 < _closeness(logits, ref_logits) < 0.05
     flat = np.concatenate([np.ravel(a) for a in jax.tree.leaves(grads)])
     ref_flat = np.concatenate([np.ravel(a) for a in jax.tree.leaves(ref_grads)])
-    # Per expert the gradients can differ a lot (a flipped route moves a token's gradient to
-    # another expert); the gradient as a whole stays aligned.
-    assert np.all(np.isfinite(flat)) and _closeness(flat, ref_flat) < 0.1
+    assert np.all(np.isfinite(flat)) and _closeness(flat, ref_flat) < 0.08
