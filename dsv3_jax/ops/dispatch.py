@@ -10,7 +10,7 @@ Three grouped-matmul implementations compute the same function:
   one batched einsum. Cost ~ (M + E*t) rows; `t` is chosen so that E*t <= M, so the cost follows
   the activated experts, not the total.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
-- `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), straight-through backward.
+- `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _data(m, k, n, seed=0):
     return x, w, dy
 
 
-@pytest.mark.parametrize("m,k,n", [(256, 256, 128), (200, 300, 130)])
+@pytest.mark.parametrize("m,k,n", [(200, 300, 130)])  # partial tiles on every axis
 def test_dense_fprop_dgrad_wgrad(m, k, n, kernels):
     x, w, dy = _data(m, k, n)
     y, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, jnp.float32), x, w)
