@@ -187,15 +187,12 @@ def train(config) -> list[dict]:
     records, window_start, t_window = [], start, time.perf_counter()
     try:
         with checkpointing.SigtermFlag() as sigterm:
+            previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 state, m = train_step(state, next(train_iter))
-                consecutive = int(state.consecutive_skips)
-                if consecutive >= tc.max_consecutive_skips:
-                    raise TrainingError(
-                        f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
-                        f"(last loss {float(m['loss'])}, grad norm {float(m['grad_norm'])}); stopping. Lower "
-                        f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips="
-                        f"{tc.max_consecutive_skips}.")
+                if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
+                    _check_skips(*previous, tc.max_consecutive_skips)
+                previous = (step, state.consecutive_skips, m["loss"], m["grad_norm"])
                 if step % tc.log_every == 0 or step == tc.steps:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
@@ -209,10 +206,21 @@ def train(config) -> list[dict]:
                 if sigterm.requested:
                     logging.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
                     break
+            if previous is not None:
+                _check_skips(*previous, tc.max_consecutive_skips)
     finally:
         ckpt.close()
         writer.close()
     return records
+
+
+def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):
+    consecutive = int(consecutive_skips)
+    if consecutive >= limit:
+        raise TrainingError(
+            f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
+            f"(last loss {float(loss)}, grad norm {float(grad_norm)}); stopping. Lower "
+            f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips={limit}.")
 
 
 def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:

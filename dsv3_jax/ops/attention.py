@@ -1,9 +1,17 @@
 """Causal (document-aware) softmax attention in plain jnp: the XLA path and the kernels' reference.
 
 Letters: B batch, T query length, S key length, H heads, K q/k head dim, V value head dim.
+
+`attention` saves only q, k, v, the output and the [B, H, T] log-normaliser for its backward and
+recomputes the probabilities there (the flash-attention backward, untiled):
+    P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
+Autodiff of the plain form would keep the fp32 [B, H, T, S] probabilities of every layer until the
+backward pass; this keeps O(B T H) per layer. `attention_reference` is the plain form.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +30,50 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
               segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention; scores and softmax in fp32, output in q's dtype. Returns [B, T, H, V]."""
     batch, length = q_BxTxHxK.shape[:2]
-    scores = jnp.einsum("BTHK,BSHK->BHTS", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
-    scores = jnp.where(causal_mask(segment_ids, batch, length), scores * softmax_scale, -jnp.inf)
+    return _attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, causal_mask(segment_ids, batch, length), softmax_scale)
+
+
+def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
+    """The same function by plain autodiff-able jnp (jax.nn.softmax), for tests."""
+    batch, length = q_BxTxHxK.shape[:2]
+    scores = _scores(q_BxTxHxK, k_BxSxHxK, causal_mask(segment_ids, batch, length), softmax_scale)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BHTS,BSHV->BTHV", probs.astype(v_BxSxHxV.dtype), v_BxSxHxV,
-                     preferred_element_type=jnp.float32)
-    return out.astype(q_BxTxHxK.dtype)
+    return _weighted_values(probs, v_BxSxHxV).astype(q_BxTxHxK.dtype)
+
+
+def _scores(q, k, mask_Bx1xTxS, scale):
+    scores = jnp.einsum("BTHK,BSHK->BHTS", q, k, preferred_element_type=jnp.float32)
+    return jnp.where(mask_Bx1xTxS, scores * scale, -jnp.inf)
+
+
+def _weighted_values(probs_BxHxTxS, v):
+    return jnp.einsum("BHTS,BSHV->BTHV", probs_BxHxTxS.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, mask, scale):
+    return _attention_fwd(q, k, v, mask, scale)[0]
+
+
+def _attention_fwd(q, k, v, mask, scale):
+    scores = _scores(q, k, mask, scale)
+    lse_BxHxTx1 = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # the diagonal is always visible: finite
+    out = _weighted_values(jnp.exp(scores - lse_BxHxTx1), v).astype(q.dtype)
+    return out, (q, k, v, mask, out, lse_BxHxTx1)
+
+
+def _attention_bwd(scale, res, dout_BxTxHxV):
+    q, k, v, mask, out, lse = res
+    probs = jnp.exp(_scores(q, k, mask, scale) - lse)
+    dout = dout_BxTxHxV.astype(v.dtype)
+    dv = jnp.einsum("BHTS,BTHV->BSHV", probs.astype(v.dtype), dout, preferred_element_type=jnp.float32)
+    dprobs = jnp.einsum("BTHV,BSHV->BHTS", dout, v, preferred_element_type=jnp.float32)
+    rowsum = jnp.einsum("BTHV,BTHV->BHT", dout.astype(jnp.float32), out.astype(jnp.float32))[..., None]
+    dscores = (probs * (dprobs - rowsum) * scale).astype(q.dtype)
+    dq = jnp.einsum("BHTS,BSHK->BTHK", dscores, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("BHTS,BTHK->BSHK", dscores, q, preferred_element_type=jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

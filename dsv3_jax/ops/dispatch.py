@@ -6,9 +6,9 @@ J row tiles, t rows per tile.
 Three grouped-matmul implementations compute the same function:
 - `ragged`: `jax.lax.ragged_dot`, sparse on TPU/GPU. XLA:CPU computes it as if every row met every
   expert (DESIGN.md section 4), so it is not used on CPU by default.
-- `tiled`: rows padded per expert to a multiple of a tile, each tile gathers its expert's weights,
-  one batched einsum. Cost ~ (M + E*t) rows; `t` is chosen so that E*t <= M, so the cost follows
-  the activated experts, not the total.
+- `tiled`: rows padded per expert to a multiple of a tile, a loop over tiles runs each through its
+  expert's weights read in place (`tile_loop_swiglu`, its own backward). Cost ~ (M + E*t) rows; `t`
+  is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
 """
@@ -70,17 +70,74 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
     start_E = jnp.cumsum(rows.group_sizes_E) - rows.group_sizes_E
     pos_M = padded_end_E[rows.expert_M] - padded_E[rows.expert_M] + jnp.arange(m) - start_E[rows.expert_M]
     tile_expert_J = jnp.searchsorted(padded_end_E, jnp.arange(num_tiles) * t, side="right")
-    tile_expert_J = jnp.minimum(tile_expert_J, num_experts - 1)
+    tile_expert_J = jnp.minimum(tile_expert_J, num_experts - 1).astype(jnp.int32)
 
     x_JxtxD = jnp.zeros((num_tiles * t, x_MxD.shape[1]), x_MxD.dtype).at[pos_M].set(x_MxD)
-    x_JxtxD = x_JxtxD.reshape(num_tiles, t, -1)
-
-    def mm(lhs, w):
-        return jnp.einsum("JtD,JDF->JtF", lhs, w[tile_expert_J],
-                          preferred_element_type=jnp.float32).astype(lhs.dtype)
-
-    y_JxtxD = mm(_swiglu(mm(x_JxtxD, w1_ExDxF), mm(x_JxtxD, w3_ExDxF)), w2_ExFxD)
+    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, -1), tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)
     return y_JxtxD.reshape(num_tiles * t, -1)[pos_M]
+
+
+def _at(w_ExAxB, e):
+    return jax.lax.dynamic_index_in_dim(w_ExAxB, e, axis=0, keepdims=False)
+
+
+def _add_at(acc_ExAxB, e, value_AxB):
+    return jax.lax.dynamic_update_index_in_dim(acc_ExAxB, _at(acc_ExAxB, e) + value_AxB, e, axis=0)
+
+
+def _mm(eq, a, b):
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def tile_loop_swiglu(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
+
+    Each step reads its expert's weights in place (no [J, D, F] copy of them) and the backward
+    adds each tile's weight gradient into its expert's slot of one [E, D, F] buffer, so memory
+    follows the rows, not tiles x weights.
+    """
+    return _tile_loop_fwd(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)[0]
+
+
+def _tile_loop_fwd(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    dt = x_JxtxD.dtype
+
+    def tile(_, xs):
+        x_txD, e = xs
+        gate, up = (_mm("tD,DF->tF", x_txD, _at(w, e)).astype(dt) for w in (w1_ExDxF, w3_ExDxF))
+        y_txD = _mm("tF,FD->tD", _swiglu(gate, up), _at(w2_ExFxD, e)).astype(dt)
+        return None, (y_txD, gate, up)
+
+    _, (y_JxtxD, gate_JxtxF, up_JxtxF) = jax.lax.scan(tile, None, (x_JxtxD, tile_expert_J))
+    return y_JxtxD, (x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF)
+
+
+def _tile_loop_bwd(res, dy_JxtxD):
+    x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF = res
+    dt = x_JxtxD.dtype
+
+    def tile(dw, xs):
+        dw1, dw3, dw2 = dw
+        x, e, gate, up, dy = xs
+        gate32 = gate.astype(jnp.float32)
+        sig = jax.nn.sigmoid(gate32)
+        act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
+        dh = _mm("tD,FD->tF", dy, _at(w2_ExFxD, e))
+        dup = dh * act.astype(jnp.float32)
+        dgate = dh * up.astype(jnp.float32) * sig * (1 + gate32 * (1 - sig))
+        dgate, dup = dgate.astype(dt), dup.astype(dt)
+        dx = _mm("tF,DF->tD", dgate, _at(w1_ExDxF, e)) + _mm("tF,DF->tD", dup, _at(w3_ExDxF, e))
+        dw = (_add_at(dw1, e, _mm("tD,tF->DF", x, dgate)), _add_at(dw3, e, _mm("tD,tF->DF", x, dup)),
+              _add_at(dw2, e, _mm("tF,tD->FD", act * up, dy)))
+        return dw, dx.astype(dt)
+
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
+    (dw1, dw3, dw2), dx_JxtxD = jax.lax.scan(tile, zeros, (x_JxtxD, tile_expert_J, gate_JxtxF, up_JxtxF, dy_JxtxD))
+    return (dx_JxtxD, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype))
+
+
+tile_loop_swiglu.defvjp(_tile_loop_fwd, _tile_loop_bwd)
 
 
 def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dsv3_jax.ops.cross_entropy import token_nll
+
 
 class Losses(NamedTuple):
     total: jax.Array  # [] lm + mtp_weight * mtp + balance_weight * balance
@@ -44,8 +46,7 @@ def inputs_and_targets(batch: dict, depth: int = 0) -> tuple[jax.Array, jax.Arra
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
     """Returns (summed -log p(target) over masked tokens, number of masked tokens), fp32."""
-    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1)[..., 0]
+    nll = token_nll(logits_BxTxV, targets_BxT)
     m = mask_BxT.astype(jnp.float32)
     return jnp.sum(nll * m), jnp.sum(m)
 

@@ -1,0 +1,449 @@
+"""Speed of dsv3-jax beside HF transformers on this machine, each measure in its own processes.
+
+    python -m experiments.bench                         # everything, 3 alternating repeats
+    python -m experiments.bench --only=train,experts --repeats=2
+    python -m experiments.bench --baseline=/tmp/base    # adds a "before" column: dsv3-jax from that tree
+
+Measures (the issue-11 config: vocab 4096, hidden 256, 4 layers of which 1 dense, 4 heads, q/kv
+LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2, 1 shared,
+expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
+- train: fwd + bwd + clipped AdamW tokens/s and MFU against the fp32 matmul peak measured in this
+  run (the best of jax's and torch's 2048^3 matmul); `small` at batch 1 x 1024 with --small.
+- experts: step time at 8, 32 and 128 routed experts (same top-2, same tokens).
+- decode: greedy decode tokens/s (after prefill) at batch 1 and 8 for 1K and 4K prompts.
+- trainer: `experiments.train` end to end (data, loop, metrics) against the bare step.
+Every worker is a fresh process; frameworks alternate within a repeat and the order flips between
+repeats. Medians over repeats; ratios are taken between figures of the same run. Writes the JSON
+(--json) and the markdown report (--out, default docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:  # run as a script (the --baseline worker) as well as with -m
+    sys.path.append(_ROOT)
+
+ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                    num_layers=4, num_dense_layers=1, num_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_routed_experts=16,
+                    num_shared_experts=1, num_experts_per_token=2, num_expert_groups=4, num_groups_per_token=2,
+                    num_mtp_layers=0, yarn=None, max_position_embeddings=8192, param_dtype="float32",
+                    compute_dtype="float32", initializer_range=0.02)
+
+
+def model_config(name: str, experts: int | None = None):
+    from dsv3_jax import ModelConfig
+
+    if name == "issue":
+        fields = dict(ISSUE_CONFIG)
+        if experts:
+            fields["num_routed_experts"] = experts
+        return ModelConfig(**fields)
+    from experiments.configs import small
+
+    return ModelConfig.from_dict(dict(small.get_config().model.to_dict(), compute_dtype="float32", num_mtp_layers=0))
+
+
+# ----------------------------------------------------------------------------------- workers
+def _timed_steps(run_step, steps: int) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    run_step()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - start)
+    return first, times
+
+
+def jax_train(name, experts, batch, seq, steps):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.train import optimizer as optimizer_lib, state as state_lib, step as step_lib
+    from experiments.configs.base import base_config
+
+    cfg = model_config(name, experts)
+    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    opt = base_config().optimizer
+    _, params, _ = state_lib.split_model(model)
+    tx = optimizer_lib.make_optimizer(opt, 1000, optimizer_lib.decay_mask(params))
+    graphdef, state = state_lib.init_train_state(model, tx, 0)
+    train_step = step_lib.make_train_step(graphdef, tx, optimizer_lib.make_schedule(opt, 1000), mtp_weight=0.3,
+                                          balance_weight=1e-4, bias_update_speed=1e-3)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
+    data = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+            "positions": jnp.broadcast_to(jnp.arange(seq + 1, dtype=jnp.int32), tokens.shape)}
+    holder = [state]
+
+    def run_step():
+        holder[0], metrics = train_step(holder[0], data)
+        jax.block_until_ready(metrics["loss"])
+
+    first, times = _timed_steps(run_step, steps)
+    return {"first_step_s": first, "step_s": times, "peak": jax_peak()}
+
+
+def hf_model(cfg):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg.to_hf_config())).float()
+
+
+def hf_train(name, experts, batch, seq, steps):
+    import torch
+
+    cfg = model_config(name, experts)
+    model = hf_model(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def run_step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    first, times = _timed_steps(run_step, steps)
+    return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
+
+
+def jax_decode(prompt, batch, new_tokens):
+    import jax
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.inference import generate
+
+    model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
+
+    def run(n):
+        start = time.perf_counter()
+        jax.block_until_ready(generate(model, prompts, n))
+        return time.perf_counter() - start
+
+    compile_s = run(new_tokens)
+    return {"compile_s": compile_s, "short_s": run(1), "long_s": run(new_tokens)}
+
+
+def hf_decode(prompt, batch, new_tokens):
+    import torch
+
+    model = hf_model(model_config("issue")).eval()
+    ids = torch.randint(0, 4096, (batch, prompt), generator=torch.Generator().manual_seed(1))
+
+    def run(n):
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    return {"compile_s": run(2), "short_s": run(1), "long_s": run(new_tokens)}
+
+
+def jax_trainer(steps):
+    """experiments.train end to end on the issue config and the bundled corpus: mean step time of
+    each logging window of `steps` steps after the first (which compiles)."""
+    from experiments import train
+    from experiments.configs import tiny
+
+    config = tiny.get_config()
+    with config.unlocked():
+        config.model.update({k: v for k, v in ISSUE_CONFIG.items() if k != "yarn"})
+        config.model.yarn = None
+        config.data.seq_len, config.data.batch_size = 256, 8
+        config.train.update(steps=3 * steps, log_every=steps, eval_every=0, checkpoint_every=10**9, compilation_cache="",
+                            workdir=tempfile.mkdtemp(prefix="bench_trainer_"))
+    records = train.train(config)
+    return {"step_s": [8 * 256 / r["tokens_per_sec"] for r in records[1:]]}
+
+
+def jax_peak(n: int = 2048) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    return 2.0 * n**3 / min(_once(lambda: mm(a).block_until_ready()) for _ in range(5))
+
+
+def torch_peak(n: int = 2048) -> float:
+    import torch
+
+    a = torch.ones((n, n))
+    return 2.0 * n**3 / min(_once(lambda: a @ a) for _ in range(5))
+
+
+def _once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+WORKERS = {"jax_train": jax_train, "hf_train": hf_train, "jax_decode": jax_decode, "hf_decode": hf_decode,
+           "jax_trainer": jax_trainer}
+
+
+# ------------------------------------------------------------------------------------ driver
+def run_worker(fn: str, kwargs: dict, tree: str, timeout: int) -> dict:
+    """One worker in a fresh process with `tree` first on the path; its result and peak RSS."""
+    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps([fn, kwargs])],
+                                cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+        start = time.perf_counter()
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.2)
+        proc.returncode = status
+        out.seek(0)
+        text = out.read()
+    lines = [ln for ln in text.splitlines() if ln.startswith("BENCH_RESULT ")]
+    if not lines:
+        print(f"  worker {fn}{kwargs} failed (status {status}):\n" + text[-3000:], flush=True)
+        return {"error": text[-500:]}
+    result = json.loads(lines[-1][len("BENCH_RESULT "):])
+    result["peak_rss_gb"] = usage.ru_maxrss / 2**20
+    return result
+
+
+def plan(args) -> list[tuple[str, str, str, dict]]:
+    """(measure, framework, worker, kwargs) for one repeat."""
+    jobs = []
+    if "train" in args.only:
+        jobs.append(("train issue", "train", dict(name="issue", experts=None, batch=8, seq=256, steps=args.steps)))
+        if args.small:
+            jobs.append(("train small", "train", dict(name="small", experts=None, batch=1, seq=1024, steps=2)))
+    if "experts" in args.only:
+        for e in (8, 32, 128):
+            jobs.append((f"experts {e}", "train", dict(name="issue", experts=e, batch=8, seq=256, steps=args.steps)))
+    if "decode" in args.only:
+        for prompt in (1024, 4096):
+            for batch in (1, 8):
+                jobs.append((f"decode {prompt // 1024}K b{batch}", "decode",
+                             dict(prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
+    if "trainer" in args.only:
+        jobs.append(("trainer", "trainer", dict(steps=args.steps)))
+    out = []
+    for measure, kind, kwargs in jobs:
+        for fw in frameworks(args, kind):
+            worker = "jax_trainer" if kind == "trainer" else f"{'hf' if fw == 'hf' else 'jax'}_{kind}"
+            out.append((measure, fw, worker, kwargs))
+    return out
+
+
+def frameworks(args, kind: str) -> list[str]:
+    fws = ["jax"] + (["before"] if args.baseline else [])
+    if kind != "trainer" and not args.no_hf:
+        fws.append("hf")
+    return fws
+
+
+def summarize(results: dict, args) -> dict:
+    """Medians over repeats of tokens/s, step times, MFU, compile time; ratios between frameworks."""
+    from dsv3_jax.train.metrics import flops_per_token
+
+    peaks = [r["peak"] for runs in results.values() for r in runs if "peak" in r]
+    peak = max(peaks) if peaks else float("nan")
+    table = {}
+    for (measure, fw), runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            table[f"{measure} | {fw}"] = {"error": runs[-1].get("error", "")[-200:]}
+            continue
+        row = {"peak_rss_gb": max(r["peak_rss_gb"] for r in ok)}
+        if "long_s" in ok[0]:
+            batch, n = (int(x) for x in (measure.split(" b")[1], args.new_tokens))
+            rates = [batch * (n - 1) / max(r["long_s"] - r["short_s"], 1e-9) for r in ok]
+            row.update(tokens_per_s=statistics.median(rates), compile_s=ok[0]["compile_s"])
+        else:
+            step = statistics.median(statistics.median(r["step_s"]) for r in ok)
+            kw = next(j[3] for j in plan(args) if j[0] == measure)
+            tokens = kw.get("batch", 8) * kw.get("seq", 256)
+            row.update(step_s=step, tokens_per_s=tokens / step)
+            if "first_step_s" in ok[0]:
+                row["compile_s"] = ok[0]["first_step_s"] - step
+                cfg = model_config(kw["name"], kw["experts"])
+                row["mfu"] = flops_per_token(cfg, kw["seq"]) * tokens / step / peak
+        table[f"{measure} | {fw}"] = row
+    return {"peak_flops": peak, "rows": table}
+
+
+def markdown(summary: dict, args, meta: dict) -> str:
+    rows, fws = summary["rows"], ["jax", "before", "hf"]
+    lines = [f"Machine: {meta['machine']}; load average {meta['load_start']} at the start, "
+             f"{meta['load_end']} at the end; {meta['versions']}.", "",
+             f"Command: `{meta['command']}` ({args.repeats} alternating repeats, medians; "
+             f"fp32 matmul peak measured in the run: {summary['peak_flops'] / 1e9:.1f} GFLOP/s).", "",
+             "| measure | framework | tokens/s | step s | MFU | compile s | peak RSS GB | vs HF | vs before |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    measures = list(dict.fromkeys(k.split(" | ")[0] for k in rows))
+    for measure in measures:
+        for fw in fws:
+            row = rows.get(f"{measure} | {fw}")
+            if row is None:
+                continue
+            if "error" in row:
+                lines.append(f"| {measure} | {fw} | failed: {row['error'][-80:]!r} | | | | | | |")
+                continue
+            cells = [measure, fw, f"{row['tokens_per_s']:,.0f}", _fmt(row.get("step_s"), ".3f"),
+                     _fmt(100 * row["mfu"] if "mfu" in row else None, ".1f", "%"), _fmt(row.get("compile_s"), ".1f"),
+                     _fmt(row["peak_rss_gb"], ".2f")]
+            for other in ("hf", "before"):
+                ref = rows.get(f"{measure} | {other}")
+                good = fw != other and ref and "error" not in ref
+                cells.append(f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if good else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *derived(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def derived(rows: dict) -> list[str]:
+    out = []
+    for fw in ("jax", "before", "hf"):
+        e8, e128 = rows.get(f"experts 8 | {fw}"), rows.get(f"experts 128 | {fw}")
+        if e8 and e128 and "error" not in e8 and "error" not in e128:
+            out.append(f"- {fw}: step time at 128 experts / 8 experts = {e128['step_s'] / e8['step_s']:.2f}")
+    for fw in ("jax", "before"):
+        trainer, bare = rows.get(f"trainer | {fw}"), rows.get(f"train issue | {fw}")
+        if trainer and bare and "error" not in trainer and "error" not in bare:
+            out.append(f"- {fw}: experiments.train end to end / bare step tokens/s = "
+                       f"{trainer['tokens_per_s'] / bare['tokens_per_s']:.2f}")
+    return out
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "" if value is None else f"{value:{spec}}{suffix}"
+
+
+def machine() -> dict:
+    import jax
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    versions = f"jax {jax.__version__}"
+    try:
+        import torch
+        import transformers
+
+        versions += f", torch {torch.__version__}, transformers {transformers.__version__}"
+    except ImportError:
+        pass
+    return {"machine": f"{platform.machine()} {os.cpu_count()} cores, {mem:.0f} GiB RAM, {jax.default_backend()}",
+            "versions": versions, "load_start": _load(), "command": "python -m experiments.bench " + " ".join(sys.argv[1:])}
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--only", default="train,experts,decode,trainer", type=lambda s: s.split(","))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed train steps per process (after one warm-up)")
+    p.add_argument("--new_tokens", type=int, default=33, help="generated tokens per decode measure")
+    p.add_argument("--small", action="store_true", help="also train `small` at batch 1 x 1024 (slow)")
+    p.add_argument("--baseline", help="a source tree of dsv3-jax to measure as 'before'")
+    p.add_argument("--no_hf", action="store_true", help="skip transformers even when torch is installed")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
+    p.add_argument("--json", default="runs/bench.json")
+    p.add_argument("--out", default="docs/benchmarks.md")
+    args = p.parse_args(argv)
+    if args.worker:
+        fn, kwargs = json.loads(args.worker)
+        print("BENCH_RESULT " + json.dumps(WORKERS[fn](**kwargs)), flush=True)
+        return
+    args.no_hf = args.no_hf or not _has_torch()
+    meta, results, jobs = machine(), {}, plan(args)
+    for repeat in range(args.repeats):
+        for i, (measure, fw, worker, kwargs) in enumerate(_alternate(jobs, repeat)):
+            tree = os.path.abspath(args.baseline) if fw == "before" else _ROOT
+            r = run_worker(worker, kwargs, tree, args.timeout)
+            results.setdefault((measure, fw), []).append(r)
+            print(f"[repeat {repeat + 1}/{args.repeats}, {i + 1}/{len(jobs)}] {measure} {fw}: "
+                  f"{_short(r)}", flush=True)
+    meta["load_end"] = _load()
+    summary = summarize(results, args)
+    text = markdown(summary, args, meta)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "summary": summary, "raw": {" | ".join(k): v for k, v in results.items()}}, f, indent=1)
+    write_report(args.out, text)
+
+
+def _alternate(jobs, repeat: int):
+    """Frameworks of one measure in turn; the order flips every repeat."""
+    if repeat % 2 == 0:
+        return jobs
+    out, i = [], 0
+    while i < len(jobs):
+        j = i
+        while j < len(jobs) and jobs[j][0] == jobs[i][0]:
+            j += 1
+        out += jobs[i:j][::-1]
+        i = j
+    return out
+
+
+def _short(r: dict) -> str:
+    if "error" in r:
+        return "failed"
+    if "step_s" in r:
+        return f"median step {statistics.median(r['step_s']):.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
+    return f"generate {r['long_s']:.2f} s, 1 token {r['short_s']:.2f} s"
+
+
+def write_report(path: str, table: str) -> None:
+    """Replaces the generated section of `path` (between the markers), keeping the rest."""
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    text = open(path).read() if os.path.exists(path) else f"# Benchmarks\n\n{begin}\n{end}\n"
+    if begin not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"{head}{begin}\n{table}{end}{tail}")
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
