@@ -40,8 +40,9 @@ def _dropped_fraction(*stats) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
                     mtp_weight: float, balance_weight: float, bias_update_speed: float,
-                    jit_kwargs: dict | None = None):
-    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU.
+                    jit_kwargs: dict | None = None, donate: bool | None = None):
+    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU
+    (`donate` None), or as `donate` says (a plan of a TPU step compiled on a CPU host).
 
     batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
@@ -82,8 +83,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 
     # Donating the state halves its memory on accelerators. Not on CPU: there numpy views of the
     # arrays (an async Orbax save in flight) share the buffers a donation would hand back to XLA.
-    donate = () if jax.default_backend() == "cpu" else (0,)
-    jitted = jax.jit(train_step, donate_argnums=donate, **(jit_kwargs or {}))
+    donate = jax.default_backend() != "cpu" if donate is None else donate
+    jitted = jax.jit(train_step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # gamma is an argument, not a constant, so runs that differ only in it share one executable.
     return functools.partial(jitted, bias_update_speed=jnp.float32(bias_update_speed))
 
