@@ -35,11 +35,6 @@ def sort_by_expert(experts_NxK: jax.Array, num_experts: int) -> SortedRows:
     return SortedRows(order // experts_NxK.shape[1], flat[order], order, sizes)
 
 
-def resolve_impl(impl: str) -> str:
-    """`auto` picks ragged_dot where the backend runs it sparsely and the tiled path on CPU."""
-    if impl != "auto":
-        return impl
-    return "tiled" if jax.default_backend() == "cpu" else "ragged"
 
 
 def tile_rows(num_rows: int, num_experts: int, max_tile: int) -> int:
@@ -103,8 +98,14 @@ def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD):
 
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
                        w2_ExFxD: jax.Array, *, impl: str = "auto", max_tile: int = 128) -> jax.Array:
-    """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D]."""
-    impl = resolve_impl(impl)
+    """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D].
+
+    `auto` picks ragged_dot where the platform runs it sparsely and the tiled path on CPU, for
+    the platform the program is lowered for (a TPU lowering on a CPU host gets ragged_dot)."""
+    if impl == "auto":
+        return jax.lax.platform_dependent(
+            cpu=lambda: _tiled_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile),
+            default=lambda: _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD))
     if impl == "ragged":
         return _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD)
     if impl == "tiled":
