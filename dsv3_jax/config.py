@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 _DTYPES = ("float32", "bfloat16", "float16")
 MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+EXPERT_EXCHANGES = ("auto", "ragged", "padded")
 ATTENTION_IMPLS = ("xla", "pallas")
 
 
@@ -90,10 +91,15 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     compute_dtype: str = "bfloat16"  # matmuls; router, softmax and norms always run in fp32
     # Implementation switches (each fast path has a reference twin held equal by tests).
-    moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU
+    moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU (the lowering's platform)
     moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
     attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
     fp8_matmul: bool = False  # MLA, MLP and expert projections through the FP8 block-scaled kernels
+    # Expert parallelism (mesh expert > 1; sharding/expert_parallel.py). None: dropless, each
+    # device's receive buffer holds the worst case (P x its own rows); cf: buffers of cf x the
+    # rows, (token, expert) pairs past them dropped and counted (metrics `dropped_fraction`).
+    expert_capacity_factor: float | None = None
+    expert_exchange: str = "auto"  # auto: ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
     remat: bool = False  # rematerialise each layer in the backward pass
     # Microbatches of the pipeline schedule when the mesh has pipeline > 1 (0: the fewest that keep
     # the bubble (S - 1) / (M + S - 1) <= 0.2, as far as the batch divides; sharding/pipeline.py).
@@ -222,6 +228,11 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.expert_exchange not in EXPERT_EXCHANGES:
+            raise ConfigError(f"expert_exchange must be one of {EXPERT_EXCHANGES}, got {self.expert_exchange!r}")
+        cf = self.expert_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ConfigError(f"expert_capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 

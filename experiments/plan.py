@@ -7,7 +7,15 @@
 Nothing is allocated: the model and train state are shapes (`nnx.eval_shape` / `jax.eval_shape`),
 the mesh is a `jax.sharding.AbstractMesh` of `--devices` devices, and the train step is traced and
 lowered to StableHLO for it, which checks every sharding and shape. Prints the bytes per device of
-parameters, gradients, AdamW state (2 fp32 moments) and an activation estimate (below).
+parameters, gradients, AdamW state (2 moments, in their dtype) and an activation estimate (below):
+saved layer inputs, one layer's working set, the logits, the expert-parallel exchange buffers
+(dropless: the worst case of P x the device's rows; with `model.expert_capacity_factor` cf: cf x
+them) and the pipeline's microbatch buffers. The `auto` implementation choices (expert exchange,
+grouped matmul) are made for `--platform`, not for this host: the 671B TPU plan lowers the
+ragged all-to-all and `ragged_dot`.
+
+`--check_compiled` compiles the step for this host's devices instead (e.g. 8 fake CPU devices)
+and prints XLA's own per-device figures (`memory_analysis()`) beside the plan's.
 
 `data.batch_size` here is the global batch (all devices).
 """
@@ -26,7 +34,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
-from sharding import pipeline
+from sharding import expert_parallel, pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
 
@@ -37,15 +45,19 @@ _MODEL = flags.DEFINE_enum("model", "config", ["config", "deepseek_v3", "tiny"],
                            "Architecture: config.model, or a ModelConfig preset (671B / tiny).")
 _LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step for the abstract mesh.")
 _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.")
+_CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this host's devices (the mesh must "
+                              "use them all) and compare memory_analysis() with the plan.")
 
 GiB = 1024 ** 3
 
 
 def model_config(config) -> ModelConfig:
+    """The planned architecture; presets take the config's expert-parallel choices."""
+    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange") if k in config.model}
     if _MODEL.value == "deepseek_v3":
-        return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16")
+        return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16", **ep)
     if _MODEL.value == "tiny":
-        return ModelConfig.tiny()
+        return ModelConfig.tiny(**ep)
     return ModelConfig.from_dict(config.model.to_dict())
 
 
@@ -75,7 +87,17 @@ def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     return model, box["graphdef"], state
 
 
-def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int]]) -> dict[str, int]:
+def expert_exchange_rows(cfg: ModelConfig, tokens: int, experts_axis: int, capacity_factor) -> int:
+    """Rows of one device's expert-parallel receive buffer for `tokens` tokens: P * C, C the rows
+    sent to each peer (sharding/expert_parallel.py); the tokens' own M = tokens * K without EP."""
+    m = tokens * cfg.num_experts_per_token
+    if experts_axis <= 1:
+        return m
+    return experts_axis * expert_parallel.capacity(m, experts_axis, capacity_factor)
+
+
+def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int]], *, experts_axis: int = 1,
+                     stages: int = 1) -> dict[str, int]:
     """Estimate, bytes per device, for a step with per-layer rematerialisation (cfg.remat).
 
     groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once):
@@ -84,32 +106,50 @@ def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, in
     - saved: each layer's input [tokens, D] in compute dtype, for every layer the device runs;
     - working: the largest live set of one layer while it is recomputed and differentiated: q/k/v
       of every head, attention probabilities [heads, T, T] per sequence (naive attention), and the
-      MoE's K routed copies of each token through [D + 3F] (x, gate, up, hidden) twice (fwd + bwd);
-    - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient.
-    Without remat, `saved` grows by the working set of every layer instead.
+      MoE's rows through [D + 3F] (x, gate, up, hidden) twice (fwd + bwd);
+    - expert-parallel buffers (experts_axis P > 1): the exchange's R = P * C rows (receive buffer,
+      its expert-sorted copy, results, return buffer: 4 x D) twice (fwd + bwd); dropless
+      C = M is the worst case (every peer sending all its rows to this device);
+    - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient;
+    - pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
+    Without remat, `saved` grows by the working set (and exchange buffers) of every layer instead.
     """
     cb = jnp.dtype(cfg.compute_dtype).itemsize
-    d, h = cfg.hidden_size, cfg.num_heads
+    d, h, f = cfg.hidden_size, cfg.num_heads, cfg.moe_intermediate_size
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+    def exchange(tokens: int) -> int:
+        if experts_axis <= 1:
+            return 0
+        return 2 * expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor) * 4 * d * cb
 
     def working(tokens: int) -> int:
         t = max(1, min(tokens, seq))
         seqs = max(1, tokens // t)
         attn = tokens * h * (2 * qk + cfg.v_head_dim) * cb + seqs * h * t * t * 4
-        moe = 2 * tokens * cfg.num_experts_per_token * (d + 3 * cfg.moe_intermediate_size) * cb
+        rows = expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
+        moe = 2 * rows * (d + 3 * f) * cb
         return attn + moe + 8 * tokens * d * 4
 
-    saved = sum(n * (saved_tokens * d * cb + (0 if cfg.remat else working(live))) for n, saved_tokens, live in groups)
-    live_set = max(working(live) for _, _, live in groups)
-    logits = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
-    return {"saved layer inputs": saved, "one layer working set": live_set, "logits (+grad)": logits}
+    def per_layer(tokens: int) -> int:
+        return 0 if cfg.remat else working(tokens) + exchange(tokens)
+
+    saved = sum(n * (saved_tokens * d * cb + per_layer(live)) for n, saved_tokens, live in groups)
+    live = max(live for _, _, live in groups)
+    out = {"saved layer inputs": saved, "one layer working set": working(live)}
+    if experts_axis > 1:
+        out["expert-parallel buffers"] = exchange(live)
+    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
+    if stages > 1:
+        out["pipeline buffers"] = 2 * groups[-1][1] * d * cb
+    return out
 
 
 def plan(config) -> dict:
     cfg = model_config(config)
     sizes = mesh_sizes(config)
     n = num_devices(sizes)
-    mesh = sharding.abstract_mesh(sizes, n)
+    mesh = sharding.make_mesh(sizes) if _CHECK.value else sharding.abstract_mesh(sizes, n)
     rules = sharding.get_rules(config.mesh.get("rules", "default"))
     batch, seq = config.data.batch_size, config.data.seq_len
     sharded.check_batch(batch, mesh, rules)
@@ -126,18 +166,54 @@ def plan(config) -> dict:
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
     tokens_per_device = batch * seq // batch_shards
-    stages = mesh.shape["pipeline"]
+    stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
     acts = activation_bytes(cfg, seq, [
         (cfg.num_dense_layers + cfg.num_mtp_layers, tokens_per_device, tokens_per_device),
         (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
-         stack_tokens // micro)])
+         stack_tokens // micro)], experts_axis=experts_axis, stages=stages)
+    moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
+                            if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
-            ("gradients", params_b), ("AdamW moments (2 x fp32)", opt_b)]
+            ("gradients", params_b), (f"AdamW moments (2 x {'/'.join(moment_dtypes)})", opt_b)]
     rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
     total = sum(v for _, v in rows)
 
+    _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
+                stack_tokens // micro)
+    lowered_s, compiled = None, None
+    if _LOWER.value or _CHECK.value:
+        t0 = time.perf_counter()
+        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
+        lowered_s = time.perf_counter() - t0
+        text = lowered.as_text()
+        ragged = text.count("ragged_all_to_all")
+        print(f"train step traced and lowered ({_platform()}) for the {'' if _CHECK.value else 'abstract '}{n}-device "
+              f"mesh in {lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')} "
+              f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
+              f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
+        if _CHECK.value:
+            compiled = compiled_bytes(lowered)
+            print(f"compiled on this host: {compiled / GiB:.3f} GiB per device (arguments + outputs - aliased + "
+                  f"temporaries); plan / compiled = {total / compiled:.3f}")
+    return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
+            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
+
+
+def compiled_bytes(lowered) -> int:
+    """XLA's per-device bytes for the compiled step: its buffers in, out (less those aliased to
+    inputs by donation) and its temporaries."""
+    m = lowered.compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def _platform() -> str:
+    return jax.default_backend() if _CHECK.value else _PLATFORM.value
+
+
+def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro, live):
+    stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     if stages > 1:
         per_stage = pipeline.stage_layers(cfg.num_moe_layers, stages)
         print(f"pipeline: {cfg.num_moe_layers} MoE layers on {stages} stages ({per_stage.count(max(per_stage))} x "
@@ -146,6 +222,14 @@ def plan(config) -> dict:
               f"), {cfg.pipeline_repeats} round(s) ({'circular' if cfg.pipeline_repeats > 1 else 'GPipe'}), "
               f"{micro} microbatches, bubble (S-1)/(R*M+S-1) = "
               f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}")
+    if experts_axis > 1:
+        cb, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
+        dropless = expert_exchange_rows(cfg, live, experts_axis, None)
+        capped = expert_exchange_rows(cfg, live, experts_axis, cfg.expert_capacity_factor or 1.0)
+        print(f"expert parallelism: {experts_axis} devices, receive buffer per MoE layer {dropless} rows "
+              f"({dropless * d * cb / GiB:.3f} GiB) dropless, {capped} rows ({capped * d * cb / GiB:.3f} GiB) with "
+              f"capacity factor {cfg.expert_capacity_factor or 1.0}; planned: "
+              f"{'dropless' if cfg.expert_capacity_factor is None else f'capacity factor {cfg.expert_capacity_factor}'}")
     mesh_text = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
     print(f"model: {total_params / 1e9:.2f}B parameters; mesh ({mesh_text}) = {n} devices; rules "
           f"{config.mesh.get('rules', 'default')!r}; global batch {batch} x {seq} tokens, "
@@ -154,18 +238,6 @@ def plan(config) -> dict:
     for name, value in rows:
         print(f"  {name:<42}{value / GiB:>10.3f}")
     print(f"  {'total':<42}{total / GiB:>10.3f}")
-
-    lowered_s = None
-    if _LOWER.value:
-        t0 = time.perf_counter()
-        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
-        lowered_s = time.perf_counter() - t0
-        text = lowered.as_text()
-        print(f"train step traced and lowered ({_PLATFORM.value}) for the abstract {n}-device mesh in "
-              f"{lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')}, "
-              f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
-    return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
-            "total_bytes": total, "lowered_s": lowered_s}
 
 
 def _decay_mask_for(cfg: ModelConfig):
@@ -179,11 +251,15 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
     step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
                                     balance_weight=config.loss.balance_weight,
                                     bias_update_speed=config.balancing.bias_update_speed,
-                                    jit_kwargs={"out_shardings": (shardings, sharding.replicated(mesh))})
+                                    jit_kwargs={"out_shardings": (shardings, sharding.replicated(mesh))},
+                                    donate=True)  # as on TPU and GPU: the new state takes the old one's buffers
     jitted, kwargs = (step.func, step.keywords) if isinstance(step, functools.partial) else (step, {})
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     row = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharded.batch_sharding(mesh, rules))
     batch_sds = {"tokens": row, "segment_ids": row, "positions": row}
+    if _CHECK.value:  # a concrete mesh of this host's devices, lowered for them
+        with jax.set_mesh(mesh):
+            return jitted.trace(abstract, batch_sds, **kwargs).lower()
     with jax.sharding.use_abstract_mesh(mesh):
         return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(_PLATFORM.value,))
 

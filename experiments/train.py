@@ -227,7 +227,7 @@ def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_s
     seconds = max(time.perf_counter() - t_window, 1e-9)
     steps = step - window_start
     record = {"step": step}
-    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr"):
+    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr", "dropped_fraction"):
         record[key] = float(m[key])
     record["tokens_per_sec"] = steps * tokens_per_step / seconds
     record["mfu"] = steps * flops_per_step / seconds / peak

@@ -8,12 +8,16 @@ Per device, inside `shard_map` over the whole mesh (tokens split over `token_axe
 split on their leading dimension over `expert_axis`):
 1. rows are grouped by destination device (expert // (E/P)) and packed into a [P, C, D] buffer;
 2. `all_to_all` over the expert axis: row block p goes to device p, which receives [P, C, D];
-3. `local_fn` runs the grouped matmul on the local experts only (invalid padding rows masked);
+3. `local_fn` runs the grouped matmul on the local experts over the rows received: padding rows
+   belong to no expert (`valid_R` False), so the work summed over devices is the N*K routed rows
+   plus tile rounding, not P x that;
 4. `all_to_all` back, rows return to their (token, slot) and are combined with the gate weights.
 
 Dropless by default: C = M, the worst case (every row of a device choosing one device), so no
-token is ever dropped, at the price of P x M received rows of buffer. `capacity_factor` cf sets
-C = ceil(cf * M / P); rows past it are dropped (their contribution is zero), as in GShard.
+token is ever dropped, at the price of a P x M-row receive buffer (memory, not work).
+`capacity_factor` cf sets C = ceil(cf * M / P): a P*C = cf*M-row buffer; rows past C are dropped
+(their contribution is zero), as in GShard, and counted: `expert_parallel` returns the number of
+dropped (token, expert) pairs over the mesh.
 
 Two exchanges, same results (`exchange=`):
 - "padded": `all_to_all` of the [P, C, D] buffer, padding rows included. Runs on every backend;
@@ -21,16 +25,19 @@ Two exchanges, same results (`exchange=`):
 - "ragged": `jax.lax.ragged_all_to_all` sends each device only its filled rows (sorted by
   destination, sizes from one all_gather of the [P] send counts) into a [P * C, D] buffer, and the
   results come back the same way; traffic follows the routed rows, not the worst case. XLA:CPU
-  has no ragged-all-to-all thunk (DESIGN.md section 4), so on CPU the tests run this path with
+  has no ragged-all-to-all thunk, so a program lowered for CPU runs this path with
   `ragged_all_to_all_by_gather`, an all_gather emulation of the collective's documented
-  semantics, and check that the real collective lowers for TPU and CUDA.
-"auto" (the default) takes "ragged" on TPU and GPU and "padded" elsewhere.
+  semantics; the tests check that the real collective lowers for TPU and CUDA.
+"auto" (the default) takes "ragged" on TPU and GPU and "padded" on CPU. Every such choice is made
+by `jax.lax.platform_dependent`, i.e. for the platform the program is lowered for (a TPU lowering
+on a CPU host gets the TPU program), not the host's default backend.
 
 No model knowledge: the caller passes the expert weights and the function that applies them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -38,7 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-LocalFn = Callable[..., jax.Array]  # (x_RxD, local_expert_R, valid_R, *local_weights) -> y_RxD
+# (x_RxD, local_expert_R, valid_R, *local_weights) -> y_RxD; rows with valid_R False are padding
+# (local_expert_R -1): belonging to no expert, they must cost no work and give zero.
+LocalFn = Callable[..., jax.Array]
 EXCHANGES = ("auto", "padded", "ragged")
 
 
@@ -58,30 +67,43 @@ def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.A
                     expert_weights: Sequence[jax.Array], local_fn: LocalFn, *, mesh, num_experts: int,
                     expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp", "expert"),
                     capacity_factor: float | None = None, exchange: str = "auto",
-                    ragged_all_to_all: Callable | None = None) -> jax.Array:
+                    ragged_all_to_all: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]) with experts split over `expert_axis`.
 
     x [N, D] (global), experts/weights [N, K]; each of `expert_weights` has experts on dim 0.
     `exchange`: "auto", "padded" or "ragged" (module docstring); `ragged_all_to_all` replaces the
-    collective of the ragged exchange (default jax.lax.ragged_all_to_all). Returns [N, D] in x's dtype.
+    collective of the ragged exchange (default: jax.lax.ragged_all_to_all, its all_gather
+    emulation on CPU). Returns ([N, D] in x's dtype, int32 [] dropped (token, expert) pairs, 0
+    when dropless).
     """
     p = mesh.shape[expert_axis]
     if num_experts % p:
         raise ValueError(f"num_experts={num_experts} is not divisible by mesh axis {expert_axis}={p}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     token_axes = tuple(a for a in token_axes if a in mesh.shape and mesh.shape[a] > 1)
     tokens = P(token_axes or None, None)
     weight_specs = tuple(P(expert_axis, *([None] * (w.ndim - 1))) for w in expert_weights)
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    exchange_ops = ragged_all_to_all or _ragged_collective
+    bodies = {"padded": _local_body(local_fn, p, num_experts // p, expert_axis, capacity_factor, token_axes),
+              "ragged": _ragged_body(local_fn, p, num_experts // p, expert_axis, capacity_factor, token_axes,
+                                     exchange_ops)}
+
+    def run(name):
+        return lambda *args: jax.shard_map(bodies[name], mesh=mesh, in_specs=(tokens, tokens, tokens, *weight_specs),
+                                           out_specs=(tokens, P()), check_vma=False)(*args)
+
+    args = (x_NxD, experts_NxK, weights_NxK, *expert_weights)
     if exchange == "auto":
-        exchange = "ragged" if jax.default_backend() in ("tpu", "gpu") else "padded"
-    if exchange == "ragged":
-        body = _ragged_body(local_fn, p, num_experts // p, expert_axis, capacity_factor,
-                            ragged_all_to_all or jax.lax.ragged_all_to_all)
-    else:
-        body = _local_body(local_fn, p, num_experts // p, expert_axis, capacity_factor)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *weight_specs), out_specs=tokens,
-                         check_vma=False)(x_NxD, experts_NxK, weights_NxK, *expert_weights)
+        return jax.lax.platform_dependent(*args, cpu=run("padded"), default=run("ragged"))
+    return run(exchange)(*args)
+
+
+def _ragged_collective(*args, axis_name: str):
+    """jax.lax.ragged_all_to_all, or its all_gather emulation in a program lowered for CPU."""
+    return jax.lax.platform_dependent(
+        *args, cpu=functools.partial(ragged_all_to_all_by_gather, axis_name=axis_name),
+        default=functools.partial(jax.lax.ragged_all_to_all, axis_name=axis_name))
 
 
 def _by_destination(experts_NxK: jax.Array, local_experts: int, p: int):
@@ -101,7 +123,13 @@ def _combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
     return out.astype(dtype)
 
 
-def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor):
+def _dropped(counts_P: jax.Array, c: int, token_axes) -> jax.Array:
+    """(token, expert) pairs past the capacity, summed over every device holding distinct tokens."""
+    mine = jnp.sum(jnp.maximum(counts_P - c, 0)).astype(jnp.int32)
+    return jax.lax.psum(mine, token_axes) if token_axes else mine
+
+
+def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor, token_axes):
     def body(x_NxD, experts_NxK, weights_NxK, *local_weights):
         n, k = experts_NxK.shape
         d = x_NxD.shape[1]
@@ -119,19 +147,17 @@ def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str,
 
         recv_PxCxD = jax.lax.all_to_all(send_PxCxD, expert_axis, 0, 0)
         recv_e_R = jax.lax.all_to_all(send_e_PxC, expert_axis, 0, 0).reshape(-1)
-        valid_R = recv_e_R >= 0
-        y_RxD = local_fn(recv_PxCxD.reshape(p * c, d), jnp.where(valid_R, recv_e_R, 0), valid_R, *local_weights)
-        y_RxD = jnp.where(valid_R[:, None], y_RxD, 0).astype(x_NxD.dtype)
+        y_RxD = local_fn(recv_PxCxD.reshape(p * c, d), recv_e_R, recv_e_R >= 0, *local_weights).astype(x_NxD.dtype)
 
         back_PxCxD = jax.lax.all_to_all(y_RxD.reshape(p, c, d), expert_axis, 0, 0)
         y_sorted_MxD = back_PxCxD.at[dest_sorted, slot_M].get(mode="fill", fill_value=0)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        return _combine(y_MxD, weights_NxK, x_NxD.dtype)
+        return _combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
 
     return body
 
 
-def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor,
+def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str, capacity_factor, token_axes,
                  ragged_all_to_all: Callable):
     def body(x_NxD, experts_NxK, weights_NxK, *local_weights):
         n, k = experts_NxK.shape
@@ -156,15 +182,13 @@ def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str
                                      recv_P, axis_name=expert_axis)
         recv_e_R = ragged_all_to_all(local_e_M[:, None], jnp.full((p * c, 1), -1, jnp.int32), starts_P, send_P,
                                      land_P, recv_P, axis_name=expert_axis)[:, 0]
-        valid_R = recv_e_R >= 0
-        y_RxD = local_fn(recv_RxD, jnp.where(valid_R, recv_e_R, 0), valid_R, *local_weights)
-        y_RxD = jnp.where(valid_R[:, None], y_RxD, 0).astype(x_NxD.dtype)
+        y_RxD = local_fn(recv_RxD, recv_e_R, recv_e_R >= 0, *local_weights).astype(x_NxD.dtype)
 
         # Back: the block from source i returns to where source i's rows for me started.
         y_sorted_MxD = ragged_all_to_all(y_RxD, jnp.zeros((m, d), x_NxD.dtype), recv_start_P, recv_P,
                                          starts_PxP[:, me], send_P, axis_name=expert_axis)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        return _combine(y_MxD, weights_NxK, x_NxD.dtype)
+        return _combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
 
     return body
 

@@ -67,7 +67,7 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     sharding/pipeline.py.
 
     Same results as `run_stack`: stats are summed (expert counts) or averaged (the sequence-wise
-    balance loss, a mean over equal-sized microbatches) over the microbatches.
+    balance loss and the dropped fraction, means over equal-sized microbatches) over the microbatches.
     """
     graphdef, state = nnx.split(blocks)
     num_layers = jax.tree.leaves(state)[0].shape[0]
@@ -82,5 +82,6 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
     y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh,
                                        repeats=repeats)
-    stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1))
+    stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1),
+                        jnp.mean(stats.dropped_fraction, axis=1))
     return pipeline.merge_microbatches(y), stats

@@ -19,6 +19,7 @@ from sharding import expert_parallel
 class RouterStats(NamedTuple):
     expert_counts: jax.Array  # float32 [E]: valid tokens routed to each expert (for the bias update)
     balance_loss: jax.Array  # float32 []: sequence-wise balance loss before its weight alpha
+    dropped_fraction: jax.Array  # float32 []: (token, expert) pairs past the expert-parallel capacity
 
 
 class Router(nnx.Module):
@@ -59,24 +60,30 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(b * t, d)
         route = self.gate(x_NxD)
         dt = cfg.compute_dtype
-        y = self._routed(x_NxD.astype(dt), route).reshape(b, t, d)
+        y, dropped = self._routed(x_NxD.astype(dt), route)
+        y = y.reshape(b, t, d)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BxTxD)
         mask_N = None if token_mask_BxT is None else token_mask_BxT.reshape(-1)
         stats = RouterStats(routing.expert_counts(route.experts_NxK, cfg.num_routed_experts, mask_N),
-                            routing.sequence_balance_loss(route, b, token_mask_BxT))
+                            routing.sequence_balance_loss(route, b, token_mask_BxT),
+                            dropped / route.experts_NxK.size)
         return y, stats
 
-    def _routed(self, x_NxD: jax.Array, route: routing.Routing) -> jax.Array:
+    def _routed(self, x_NxD: jax.Array, route: routing.Routing) -> tuple[jax.Array, jax.Array]:
         """Routed experts: all-to-all expert parallelism when the context mesh (`jax.set_mesh`)
-        splits experts over `expert`, the single-device dispatch otherwise. Same function."""
+        splits experts over `expert`, the single-device dispatch otherwise. Same function when
+        dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         weights = (self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt))
         impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
         mesh = jax.sharding.get_abstract_mesh()
         if expert_parallel.is_active(mesh):
             local = functools.partial(dispatch.local_expert_mlp, impl=impl, max_tile=cfg.moe_tile_size)
-            return expert_parallel.expert_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, local,
-                                                   mesh=mesh, num_experts=cfg.num_routed_experts)
+            y, dropped = expert_parallel.expert_parallel(
+                x_NxD, route.experts_NxK, route.weights_NxK, weights, local, mesh=mesh,
+                num_experts=cfg.num_routed_experts, capacity_factor=cfg.expert_capacity_factor,
+                exchange=cfg.expert_exchange)
+            return y, dropped.astype(jnp.float32)
         return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *weights, impl=impl,
-                                       max_tile=cfg.moe_tile_size)
+                                       max_tile=cfg.moe_tile_size), jnp.float32(0)

@@ -35,11 +35,6 @@ def sort_by_expert(experts_NxK: jax.Array, num_experts: int) -> SortedRows:
     return SortedRows(order // experts_NxK.shape[1], flat[order], order, sizes)
 
 
-def resolve_impl(impl: str) -> str:
-    """`auto` picks ragged_dot where the backend runs it sparsely and the tiled path on CPU."""
-    if impl != "auto":
-        return impl
-    return "tiled" if jax.default_backend() == "cpu" else "ragged"
 
 
 def tile_rows(num_rows: int, num_experts: int, max_tile: int) -> int:
@@ -160,8 +155,14 @@ def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD):
 
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
                        w2_ExFxD: jax.Array, *, impl: str = "auto", max_tile: int = 128) -> jax.Array:
-    """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D]."""
-    impl = resolve_impl(impl)
+    """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D].
+
+    `auto` picks ragged_dot where the platform runs it sparsely and the tiled path on CPU, for
+    the platform the program is lowered for (a TPU lowering on a CPU host gets ragged_dot)."""
+    if impl == "auto":
+        return jax.lax.platform_dependent(
+            cpu=lambda: _tiled_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile),
+            default=lambda: _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD))
     if impl == "ragged":
         return _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD)
     if impl == "tiled":
@@ -187,15 +188,80 @@ def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Ar
     return out.astype(x_NxD.dtype)
 
 
+def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
+    """One row tile through one expert's SwiGLU (the unit of work of `_active_tiles_mlp`)."""
+    def mm(lhs, w):
+        return jnp.einsum("tD,DF->tF", lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+    return mm(_swiglu(mm(x_txD, w1_DxF), mm(x_txD, w3_DxF)), w2_FxD)
+
+
+def _active_tiles_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
+    """The tiled grouped SwiGLU computing only tiles that hold rows: sorted rows past sum(sizes_E)
+    belong to no expert and cost nothing. The tile count is static (a buffer sized for the worst
+    case), so each tile is a `lax.cond` in a scan: an empty tile is skipped at run time, forward
+    and backward, and the work follows the rows received, not the buffer."""
+    (m, d), e = x_MxD.shape, sizes_E.shape[0]
+    t = tile_rows(m, e, max_tile)
+    num_tiles = -(-m // t) + min(e, m)  # bound on sum_e ceil(size_e / t)
+    tiles_E = (sizes_E + t - 1) // t
+    first_tile_E = jnp.cumsum(tiles_E) - tiles_E
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    j = jnp.arange(num_tiles)
+    expert_J = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), j, side="right"), e - 1)
+    within_J = j - first_tile_E[expert_J]  # tile index inside its expert's rows
+    active_J = within_J < tiles_E[expert_J]
+    first_J = start_E[expert_J] + within_J * t  # first sorted row of tile j
+    x_pad = jnp.concatenate([x_MxD, jnp.zeros((t, d), x_MxD.dtype)])  # a last tile may run past M
+
+    def tile(_, tile_j):
+        expert, first, active = tile_j
+        return None, jax.lax.cond(
+            active, lambda: _tile_swiglu(jax.lax.dynamic_slice_in_dim(x_pad, first, t), w1_ExDxF[expert],
+                                         w3_ExDxF[expert], w2_ExFxD[expert]),
+            lambda: jnp.zeros((t, d), x_MxD.dtype))
+
+    _, y_JxtxD = jax.lax.scan(tile, None, (expert_J, first_J, active_J))
+    # sorted row r of expert e sits in tile first_tile_E[e] + (r - start_E[e]) // t, at row (r - start_E[e]) % t
+    row = jnp.arange(m)
+    expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), row, side="right"), e - 1)
+    offset_M = row - start_E[expert_M]
+    y_MxD = y_JxtxD.reshape(num_tiles * t, d).at[(first_tile_E[expert_M] + offset_M // t) * t + offset_M % t].get(
+        mode="fill", fill_value=0)
+    return jnp.where((row < jnp.sum(sizes_E))[:, None], y_MxD, 0)
+
+
 def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,
                      w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
                      max_tile: int = 128) -> jax.Array:
     """Expert-parallel receive side: row r through its local expert (one expert per row, K = 1).
 
-    Rows with `valid_R` False are padding from the all-to-all; their outputs are zero.
+    Rows with `valid_R` False are padding from the all-to-all. They sort after every expert's rows
+    and belong to no group (excluded from the group sizes), so the grouped matmuls (`ragged_dot`,
+    the fp8 kernel, the active-tile loop) never compute them; their outputs are zero. `auto`
+    follows the platform the program is lowered for: the tiled loop on CPU, `ragged_dot` elsewhere.
     """
-    rows = sort_by_expert(expert_R[:, None], w1_ExDxF.shape[0])
-    y_MxD = grouped_expert_mlp(x_RxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, impl=impl,
-                               max_tile=max_tile)
+    e = w1_ExDxF.shape[0]
+    rows = sort_by_expert(jnp.where(valid_R, expert_R, e)[:, None], e)  # padding: expert e, no group
+    x_MxD = x_RxD[rows.token_M]
+    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+
+    def tiled():
+        return _active_tiles_mlp(x_MxD, rows.group_sizes_E, *weights, max_tile)
+
+    def ragged():
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights)
+
+    if impl == "auto":
+        y_MxD = jax.lax.platform_dependent(cpu=tiled, default=ragged)
+    elif impl == "tiled":
+        y_MxD = tiled()
+    elif impl == "ragged":
+        y_MxD = ragged()
+    elif impl == "fp8":
+        y_MxD = _fp8_mlp(x_MxD, rows.group_sizes_E, *weights)
+    else:  # the dense reference computes every row, padding included (clamped to a real expert)
+        clamped = rows._replace(expert_M=jnp.minimum(rows.expert_M, e - 1))
+        y_MxD = grouped_expert_mlp(x_MxD, clamped, *weights, impl=impl, max_tile=max_tile)
     y_RxD = jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD)
     return jnp.where(valid_R[:, None], y_RxD, 0)

@@ -32,24 +32,32 @@ def _counts(stats):
     return None if stats is None else stats.expert_counts
 
 
+def _dropped_fraction(*stats) -> jax.Array:
+    """Mean over the MoE layers (main and MTP) of each layer's dropped (token, expert) fraction."""
+    per_layer = [s.dropped_fraction for s in stats if s is not None]
+    return jnp.mean(jnp.concatenate(per_layer)) if per_layer else jnp.float32(0)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
                     mtp_weight: float, balance_weight: float, bias_update_speed: float,
-                    jit_kwargs: dict | None = None):
-    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU.
+                    jit_kwargs: dict | None = None, donate: bool | None = None):
+    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU
+    (`donate` None), or as `donate` says (a plan of a TPU step compiled on a CPU host).
 
     batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
-    dropped), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
+    dropped), `dropped_fraction` ((token, expert) pairs past the expert capacity; 0 when dropless), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
     """
 
     def loss_fn(params, biases, batch):
         out = _forward(graphdef, params, biases, batch, with_mtp=True)
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
-        return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats))
+        return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
+                             _dropped_fraction(out.router_stats, out.mtp_router_stats))
 
     def train_step(state: TrainState, batch: dict, bias_update_speed: jax.Array):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (parts, main_counts, mtp_counts)), grads = grad_fn(state.params, state.router_bias, batch)
+        (loss, (parts, main_counts, mtp_counts, dropped)), grads = grad_fn(state.params, state.router_bias, batch)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -65,7 +73,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             opt_state=guard(opt_state, state.opt_state), rng=_next_key(state.rng), skipped=state.skipped + skip,
             consecutive_skips=(state.consecutive_skips + 1) * skip)
         metrics = {"loss": loss, "lm_loss": parts.lm, "mtp_loss": parts.mtp, "balance_loss": parts.balance,
-                   "grad_norm": grad_norm, "lr": schedule(state.step - state.skipped), "skipped": skip}
+                   "grad_norm": grad_norm, "lr": schedule(state.step - state.skipped), "skipped": skip,
+                   "dropped_fraction": dropped}
         if main_counts is not None:
             metrics["expert_counts"] = main_counts
         if mtp_counts is not None:
@@ -74,8 +83,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 
     # Donating the state halves its memory on accelerators. Not on CPU: there numpy views of the
     # arrays (an async Orbax save in flight) share the buffers a donation would hand back to XLA.
-    donate = () if jax.default_backend() == "cpu" else (0,)
-    jitted = jax.jit(train_step, donate_argnums=donate, **(jit_kwargs or {}))
+    donate = jax.default_backend() != "cpu" if donate is None else donate
+    jitted = jax.jit(train_step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # gamma is an argument, not a constant, so runs that differ only in it share one executable.
     return functools.partial(jitted, bias_update_speed=jnp.float32(bias_update_speed))
 

@@ -44,6 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
         moe_tile_size=128,  # tile bound of the tiled grouped matmul (CPU only)
         attention_impl="xla",  # "pallas" for the flash kernel
         fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
+        expert_capacity_factor=ml_collections.config_dict.placeholder(float),  # None: dropless; cf x the rows
+        expert_exchange="auto",  # ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
         remat=True,  # recompute activations in the backward pass, as the paper does
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)

@@ -84,5 +84,12 @@ def test_tile_keeps_padding_bounded_by_activated_rows():
         assert t & (t - 1) == 0 and 8 <= t <= 128
 
 
-def test_auto_is_tiled_on_cpu():
-    assert dispatch.resolve_impl("auto") == ("tiled" if jax.default_backend() == "cpu" else "ragged")
+def test_auto_follows_the_platform_lowered_for():
+    """`auto` is ragged_dot in a TPU or CUDA program and the tiled path in a CPU one, whatever the host."""
+    args = _problem(32, 2, 4, d=16, f=8, seed=0)
+
+    def text(platform):
+        return jax.jit(lambda *a: dispatch.routed_experts(*a, impl="auto")).trace(*args).lower(
+            lowering_platforms=(platform,)).as_text()
+
+    assert "ragged_dot" in text("tpu") and "ragged_dot" in text("cuda") and "ragged_dot" not in text("cpu")

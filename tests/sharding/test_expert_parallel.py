@@ -1,12 +1,26 @@
-"""Expert parallelism: all-to-all in shard_map equals the single-device dispatch (8 fake devices).
+"""Expert parallelism: all-to-all in shard_map equals the single-device dispatch (8 fake devices),
+and the receive side computes only the rows it received.
 
-Dropless (and a capacity that cannot drop) give the same outputs and gradients as
-`dispatch.routed_experts`; a small capacity factor drops exactly the rows a numpy model of the
-rule drops (per source device and destination, rows past the capacity in (token, slot) order).
+On meshes expert=8 and data=2 x expert=4, with routing uniform and all-to-one-device, both
+exchanges give the outputs and gradients of the dense single-device dispatch; the rows the local
+tiled matmul computes (counted at run time, one callback per executed tile) equal the received
+rows rounded up to the tile per expert: N*K plus rounding, not the P*N*K of a receive side that
+runs its whole buffer. A capacity factor of 1.0 on the skewed routing drops exactly the pairs a
+numpy model of the rule drops, and reports their number.
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv3_jax import ModelConfig
+from dsv3_jax.config import ConfigError
+from dsv3_jax.ops import dispatch
 from sharding import expert_parallel
 from tests.sharding.workers import run_worker
+
+N, K, E, TILE = 64, 4, 32, 8  # as in tests/sharding/ep_worker.py
 
 
 def test_capacity():
@@ -16,25 +30,79 @@ def test_capacity():
     assert expert_parallel.capacity(32, 4, 100.0) == 32
 
 
-def test_expert_parallel_matches_single_device_dispatch():
-    """Both exchanges (padded all_to_all; ragged_all_to_all, run through its all_gather emulation
-    on CPU) give the single-device dispatch, dropless and with a capacity factor, and the real
-    ragged collective lowers for TPU and CUDA."""
-    rows = run_worker("tests.sharding.ep_worker")
-    for exchange in ("padded", "ragged"):
-        mine = [r for r in rows if r.get("exchange") == exchange]
-        ops = mine[0]
-        if exchange == "padded":
-            assert ops["all_to_all_ops"] >= 3, ops  # there (tokens, expert ids) and back
-        else:
-            assert ops["all_to_all_ops"] == 0 and ops["all_gather_ops"] > 0, ops
-        dropless = [r for r in mine if "cf" in r and r["cf"] in (None, 4.0)]
-        assert len(dropless) == 2
-        for r in dropless:  # cf=4 = P: never drops
-            assert r["out_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
-        dropping = [r for r in mine if r.get("cf") in (0.5, 1.0)]
-        assert len(dropping) == 2
-        for r in dropping:  # the skewed routing overflows: dropped rows contribute zero, as the numpy model says
-            assert r["dropped"] > 0 and r["out_rel"] < 1e-6 and r["differs_from_dropless"] > 0.1, r
-    lowered = {r["lowered"]: r["ragged_all_to_all_ops"] for r in rows if "lowered" in r}
-    assert lowered.keys() == {"tpu", "cuda"} and min(lowered.values()) >= 3, lowered
+@pytest.mark.parametrize("field, value", [("expert_capacity_factor", 0.0), ("expert_capacity_factor", "1"),
+                                          ("expert_exchange", "nccl")])
+def test_expert_fields_are_validated(field, value):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.tiny(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def ep_rows():
+    return run_worker("tests.sharding.ep_worker")
+
+
+def test_expert_parallel_matches_single_device_and_computes_only_received_rows(ep_rows):
+    runs = [r for r in ep_rows if "mesh" in r]
+    assert {(r["mesh"], r["exchange"], r["routing"]) for r in runs} == {
+        (m, x, k) for m in ("expert8", "data2_expert4") for x in ("padded", "ragged") for k in ("uniform", "one_device")}
+    for r in runs:
+        assert r["out_rel"] < 1e-5 and r["grad_rel"] < 1e-5 and r["dropped"] == 0, r
+        assert r["rows_computed"] == r["rows_expected"], r  # the theoretical tile-rounded count
+        groups = 8 // r["p"]  # exchange groups (one per data index), each rounds each expert up once
+        assert N * K <= r["rows_computed"] <= N * K + groups * E * (r["tile"] - 1), r
+        assert r["rows_computed"] < r["p"] * N * K, r  # the old receive side ran all P*C rows per device
+    one_device = [r for r in runs if r["routing"] == "one_device"]
+    assert all(r["rows_computed"] <= N * K + (8 // r["p"]) * (E // r["p"]) * (TILE - 1) for r in one_device)
+
+
+def test_capacity_factor_drops_the_pairs_the_numpy_rule_drops(ep_rows):
+    capped = [r for r in ep_rows if r.get("cf") == 1.0]
+    assert len(capped) == 4  # both meshes, both exchanges, all-to-one-device routing
+    for r in capped:
+        assert r["cf_dropped"] == r["cf_dropped_ref"] > 0, r
+        assert r["cf_out_rel"] < 1e-5, r
+        assert r["cf_rows_computed"] == r["cf_rows_expected"], r
+
+
+def test_auto_follows_the_platform_lowered_for(ep_rows):
+    """From this CPU host: TPU and CUDA programs hold the ragged collective and ragged_dot, the CPU
+    program neither. Exchanges: 3 forward (rows, expert ids, results), 2 backward (rows, results)."""
+    lowered = {r["lowered"]: r for r in ep_rows if "lowered" in r}
+    assert lowered.keys() == {"tpu", "cuda", "cpu"}
+    for platform in ("tpu", "cuda"):
+        assert lowered[platform]["ragged_all_to_all_ops"] >= 5 and lowered[platform]["ragged_dot_ops"] >= 6, lowered
+    assert lowered["cpu"]["ragged_all_to_all_ops"] == 0 and lowered["cpu"]["ragged_dot_ops"] == 0, lowered
+    assert lowered["cpu"]["all_to_all_ops"] >= 5, lowered
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged", "fp8"])
+def test_receive_side_gives_padding_to_no_expert(impl, monkeypatch):
+    """One device's receive buffer, 20 of 48 rows padding: the grouped matmul is handed exactly the
+    28 received rows (group sizes for ragged_dot and the fp8 kernel, executed tiles for the tiled
+    loop), padding outputs are zero, received rows match the dense reference."""
+    rng = np.random.default_rng(0)
+    r, d, f, e = 48, 128, 128, 4
+    x = jnp.asarray(rng.standard_normal((r, d)), jnp.float32)
+    valid = np.zeros(r, bool)
+    valid[rng.choice(r, 28, replace=False)] = True
+    expert = jnp.asarray(np.where(valid, rng.integers(0, e, r), -1), jnp.int32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    handed = []
+    for name in ("_ragged_mlp", "_fp8_mlp"):
+        fn = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda x_, sizes, *ws, fn=fn: handed.append(int(jnp.sum(sizes))) or
+                            fn(x_, sizes, *ws))
+    tile = dispatch._tile_swiglu
+    monkeypatch.setattr(dispatch, "_tile_swiglu", lambda x_, *ws: jax.debug.callback(
+        lambda: handed.append(x_.shape[0])) or tile(x_, *ws))
+
+    y = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl=impl, max_tile=8)
+    jax.effects_barrier()
+    y_ref = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl="dense")
+    counts = np.bincount(np.asarray(expert)[valid], minlength=e)
+    assert sum(handed) == (int(np.sum(-(-counts // 8) * 8)) if impl == "tiled" else 28), handed
+    assert np.all(np.asarray(y)[~valid] == 0)
+    a, b = np.asarray(y, np.float64)[valid], np.asarray(y_ref, np.float64)[valid]
+    tol = 2e-3 if impl == "fp8" else 1e-10  # fp8: the block-scaled recipe's error (tests/model/test_dispatch.py)
+    assert 1 - 2 * np.sum(a * b) / np.sum(a * a + b * b) < tol

@@ -20,21 +20,39 @@ def _row(stdout: str, name: str) -> float:
     return float(re.search(re.escape(name) + r"\s+([0-9.]+)", stdout).group(1))
 
 
+MESH_671B = ("--model=deepseek_v3", "--devices=256", "--config.mesh.expert=16", "--config.mesh.fsdp=16",
+             "--config.mesh.data=1", "--config.data.batch_size=256", "--config.data.seq_len=4096")
+
+
 def test_671b_lowers_on_an_abstract_256_device_mesh():
-    out = _plan("--model=deepseek_v3", "--devices=256", "--config.mesh.expert=16", "--config.mesh.fsdp=16",
-                "--config.mesh.data=1", "--config.data.batch_size=256", "--config.data.seq_len=4096")
+    """With a capacity factor of 1.0 the step fits a 95 GiB chip, and the TPU program, lowered on
+    this CPU host, exchanges tokens with ragged_all_to_all (the `auto` choice for TPU)."""
+    out = _plan(*MESH_671B, "--config.model.expert_capacity_factor=1.0")
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "682.64B parameters" in text  # 671.03B main model + 11.6B MTP module
     assert "= 256 devices" in text and "4096 tokens per device" in text
     assert "traced and lowered (tpu) for the abstract 256-device mesh" in text
-    assert int(re.search(r"expert all-to-alls in the program: (\d+)", text).group(1)) >= 8  # EP, fwd + bwd
-    params, moments = _row(text, "parameters (float32)"), _row(text, "AdamW moments (2 x fp32)")
+    # EP in the scanned MoE layer and the MTP layer: rows, expert ids and results forward, 2 backward
+    assert int(re.search(r"\((\d+) ragged_all_to_all\)", text).group(1)) >= 10
+    assert int(re.search(r"grouped matmuls \(ragged_dot\): (\d+)", text).group(1)) >= 6
+    params, moments = _row(text, "parameters (float32)"), _row(text, "AdamW moments (2 x float32)")
     # fp32 master weights of 682.64B parameters split 256 ways at best; the fsdp-only and replicated
     # tensors (attention, dense layers, embeddings: ~5% of the bytes) cost the rest.
     assert 682.64e9 * 4 / 256 / GiB <= params < 1.5 * 682.64e9 * 4 / 256 / GiB
     assert abs(moments - 2 * params) < 0.01  # mu and nu follow their parameters
     assert _row(text, "total") < 95  # fits a 95 GiB accelerator (e.g. TPU v5p) at this batch
+
+
+def test_671b_dropless_plan_counts_the_worst_case_receive_buffer():
+    """Dropless, each of the 16 expert devices must be able to receive every peer's rows: 16 x 4096
+    tokens x top-8 = 524288 rows of 7168 bf16 values (7 GiB) per MoE layer, which does not fit."""
+    out = _plan(*MESH_671B, "--lower=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "receive buffer per MoE layer 524288 rows (7.000 GiB) dropless, 32768 rows (0.438 GiB)" in out.stdout
+    capped = _plan(*MESH_671B, "--lower=false", "--config.model.expert_capacity_factor=1.0")
+    gap = _row(out.stdout, "total") - _row(capped.stdout, "total")
+    assert gap > 2 * 7 - 2 * 0.438, gap  # at least the fwd + bwd receive buffers
 
 
 def test_plan_rejects_a_batch_the_mesh_does_not_divide():

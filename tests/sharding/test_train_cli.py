@@ -30,6 +30,7 @@ def train_losses(workdir, devices: int, *mesh_flags) -> list[float]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["dropped_fraction"] == 0.0 for r in records)  # dropless by default, on every mesh
     return [r["loss"] for r in records], out.stderr
 
 
