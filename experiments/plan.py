@@ -26,6 +26,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
+from sharding import multihost
 from sharding import pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
@@ -191,6 +192,7 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    multihost.initialize()
     try:
         plan(_CONFIG.value)
     except (sharding.MeshError, sharding.ShardingRuleError) as e:
