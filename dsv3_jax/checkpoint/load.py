@@ -4,9 +4,9 @@ FP8) -> `DeepSeekV3`, each parameter built shard by shard where it will live.
 The model is built abstractly (`nnx.eval_shape`, nothing allocated). Each parameter's sharding
 comes from `sharding/rules.py`, the table training uses (`NamedSharding(mesh, spec)` from its
 logical axes; one device without a mesh). From an HF folder every parameter is made with
-`jax.make_array_from_callback`: the callback reads, from the memory-mapped safetensors, only the
-rows and columns of the index a device asks for (FP8 dequantised window by window), so a process
-reads and holds only its own devices' shards, never a whole stacked leaf. From an Orbax checkpoint
+`build_array` (`jax.make_array_from_callback`, one block at a time): a block reads, from the
+memory-mapped safetensors, only the rows and columns of the index a device holds (FP8
+dequantised window by window), so a process reads and holds only its own devices' shards, never a whole stacked leaf. From an Orbax checkpoint
 (`python -m dsv3_jax.convert`) Orbax restores each array into its sharding (again per shard);
 parameters kept in FP8 (`--keep-fp8`) are dequantised shard by shard from the `fp8` item.
 Every missing, extra, misshaped or wrongly typed tensor is an error naming the tensor and its file,
@@ -53,17 +53,20 @@ def placement(mesh, rules):
 
 
 def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
-    """`jax.make_array_from_callback` where `shard(index)` makes one device's numpy block; devices
-    holding the same block (replicas) share one read."""
-    made: dict = {}
-
-    def callback(index):
+    """The global array `shape` with sharding `where`, each of this process's devices given
+    `shard(index)` (a numpy block of ours[index]): what `jax.make_array_from_callback` does, but one
+    block at a time, copied to the devices that hold it (replicas share one read) and dropped before
+    the next is made, so the host never holds more than one block of a parameter."""
+    by_index: dict = {}
+    for device, index in where.addressable_devices_indices_map(tuple(shape)).items():
         key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-        if key not in made:
-            made[key] = shard(index)
-        return made[key]
-
-    return jax.make_array_from_callback(tuple(shape), where, callback)
+        by_index.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in by_index.values():
+        block = np.asarray(shard(index), dtype)
+        arrays += [jax.device_put(block, d) for d in devices]
+        del block
+    return jax.make_array_from_single_device_arrays(tuple(shape), where, arrays)
 
 
 def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, progress: bool | None = None,
