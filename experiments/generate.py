@@ -2,7 +2,11 @@
 
     python -m experiments.generate --checkpoint=CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
-        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--stats]
+        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--stats] \
+        [--mesh=fsdp=2,expert=4 [--rules=default]]
+
+With --mesh the weights are loaded straight onto the device mesh, each parameter built from the
+shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host.
 
 One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
 printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
@@ -17,6 +21,8 @@ import sys
 
 import numpy as np
 
+import sharding
+from sharding import multihost
 from dsv3_jax import load_pretrained
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
@@ -37,7 +43,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")
     p.add_argument("--stats", action="store_true", help="print expert activation frequencies of the prompts")
+    p.add_argument("--mesh", default=None, type=_mesh_sizes,
+                   help="device mesh to load onto, e.g. fsdp=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
+    p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
     return p.parse_args(argv)
+
+
+def _mesh_sizes(text: str) -> dict[str, int]:
+    try:
+        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
+    unknown = sorted(set(sizes) - set(sharding.AXES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
+    return sizes
 
 
 def encode_prompts(tokenizer, prompts: list[str], bos: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +86,9 @@ def print_expert_frequencies(counts_LxE: np.ndarray, first_moe_layer: int, top_k
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model = load_pretrained(args.checkpoint, dtype=args.dtype)
+    multihost.initialize()
+    mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules)
     tokenizer = load_tokenizer(args.tokenizer)
     prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
     gen = Generation(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.checkpoint import fp8, hf_names
-from dsv3_jax.checkpoint.hf_to_orbax import leaf_slices
+from dsv3_jax.checkpoint.hf_names import leaf_slices
+from dsv3_jax.checkpoint.hf_reader import scale_name
 from dsv3_jax.checkpoint.safetensors_io import write_safetensors
 from dsv3_jax.config import ModelConfig
 
@@ -70,7 +71,7 @@ def make_checkpoint(cfg: ModelConfig, folder: str, *, dtype: str = "bfloat16", u
             x = _random(rng, name, shape)
             if use_fp8 and fp8.quantizable(name):
                 q, s = fp8.quantize(x)
-                tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = q, s
+                tensors[name], tensors[scale_name(name)] = q, s
             else:
                 tensors[name] = x.astype(np.float32 if name.endswith("e_score_correction_bias") else dt)
             if name in copies.values():

@@ -34,7 +34,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
-from sharding import expert_parallel, pipeline
+from sharding import expert_parallel, multihost, pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
 
@@ -267,6 +267,7 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    multihost.initialize()
     try:
         plan(_CONFIG.value)
     except (sharding.MeshError, sharding.ShardingRuleError) as e:

@@ -6,6 +6,12 @@ MTP and sequence-wise balance losses, auxiliary-loss-free bias balancing, Orbax 
         --steps=2000 --config.optimizer.peak_lr=1e-3 --config.data.path='corpus/*.jsonl'
     python -m experiments.train --init_from=CKPT ...             # start from converted weights
 
+Multi-host (a TPU pod, a SLURM job, several processes on one machine): every process runs the same
+command; they join through `jax.distributed` first, from --coordinator_address / --num_processes /
+--process_id, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else the
+cluster's own environment (experiments/launch/ starts them; docs/pods.md). config.data.batch_size
+is then the rows per process; process 0 writes the metrics.
+
 Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ and Orbax
 checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
 checkpoint (parameters, optimizer, router biases, step, RNG and data position), so a killed run
@@ -25,6 +31,8 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+import sharding
+from sharding import multihost
 from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
 from dsv3_jax.data import DataConfig, load_tokenizer, make_train_and_eval
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
@@ -37,6 +45,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default: config.tra
 _STEPS = flags.DEFINE_integer("steps", None, "Total train steps; default: config.train.steps.")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "Converted Orbax checkpoint or HF folder to start "
                                  "from (ignored when WORKDIR already holds a checkpoint).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 "
+                                   "(default: JAX_COORDINATOR_ADDRESS or the cluster's environment).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
 
 
 class TrainingError(RuntimeError):
@@ -46,6 +58,7 @@ class TrainingError(RuntimeError):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config = _CONFIG.value
     with config.unlocked():
         if _WORKDIR.value is not None:
@@ -87,7 +100,10 @@ def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
         logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
                      "implementation switches come from config.model", config.train.init_from)
         policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
-        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, **policy)
+        # On a mesh each process reads only the shards its devices hold, placed as training places them.
+        mesh = sharded.config_mesh(config)
+        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
+                               rules=config.mesh.get("rules", "default"), **policy)
     return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
 
 
@@ -130,8 +146,10 @@ def train(config) -> list[dict]:
     enable_compilation_cache(tc.compilation_cache)
     workdir = os.path.abspath(tc.workdir)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint_every,
                                       keep=tc.keep_checkpoints)
     model_json = os.path.join(workdir, "model_config.json")
@@ -143,8 +161,9 @@ def train(config) -> list[dict]:
     else:
         model = build_model(config, model_config(config))
         cfg = model.config
-        with open(model_json, "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+        if lead:
+            with open(model_json, "w") as f:
+                json.dump(cfg.to_dict(), f, indent=2)
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     graphdef, params, _ = state_lib.split_model(model)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
@@ -173,6 +192,11 @@ def train(config) -> list[dict]:
         def train_step(state, batch):
             return mesh_step(state, on_mesh.place_batch(batch))
     eval_step = step_lib.make_eval_step(graphdef)
+    if on_mesh is not None:
+        host_eval_step = eval_step
+
+        def eval_step(state, batch):
+            return host_eval_step(state, on_mesh.place_batch(batch))
     tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
     flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
     peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
@@ -182,7 +206,7 @@ def train(config) -> list[dict]:
                  counts["total"] / 1e6, counts["activated"] / 1e6, counts["mtp"] / 1e6, tokens_per_step,
                  peak, peak_source)
 
-    writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start) if lead else _NoWriter()
     progress = metrics_lib.Progress(start, tc.steps)
     records, window_start, t_window = [], start, time.perf_counter()
     try:
@@ -221,6 +245,16 @@ def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):
             f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
             f"(last loss {float(loss)}, grad norm {float(grad_norm)}); stopping. Lower "
             f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips={limit}.")
+
+
+class _NoWriter:
+    """Processes other than 0 log to the console only."""
+
+    def write(self, record):
+        pass
+
+    def close(self):
+        pass
 
 
 def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:

@@ -20,14 +20,28 @@ def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
     return tuple(-(-n // block) for n in shape)
 
 
-def dequantize(q: np.ndarray, scale_inv: np.ndarray, *, block: int = BLOCK) -> np.ndarray:
-    """fp32(q) * s[i // 128, j // 128] (partial edge blocks allowed), in float32."""
+def dequantize(q: np.ndarray, scale_inv: np.ndarray, *, block: int = BLOCK, row0: int = 0,
+               col0: int = 0) -> np.ndarray:
+    """fp32(q) * s[i // 128, j // 128] (partial edge blocks allowed), in float32.
+
+    `q` may be a window of the stored tensor starting at (row0, col0); `scale_inv` is then the
+    window of the scales that covers it (`scale_window`), so a shard is dequantised without
+    reading the rest of the tensor.
+    """
     rows, cols = q.shape
-    s_rows = np.repeat(scale_inv.astype(np.float32), block, axis=0)[:rows]  # [rows, ceil(cols/128)]
+    rb = np.arange(row0, row0 + rows) // block - row0 // block
+    s_rows = np.asarray(scale_inv, np.float32)[rb]  # [rows, column blocks]: a few floats per row
     out = _E4M3_TO_F32[np.asarray(q).view(np.uint8)]  # a 256-entry table: several times faster than astype
-    for j in range(s_rows.shape[1]):  # in place, one column block at a time: no full-size scale array
-        out[:, j * block:(j + 1) * block] *= s_rows[:, j:j + 1]
+    for j in range(col0 // block, -(-(col0 + cols) // block)):  # in place, one column block at a time
+        lo, hi = max(j * block - col0, 0), min((j + 1) * block - col0, cols)
+        out[:, lo:hi] *= s_rows[:, j - col0 // block:j - col0 // block + 1]
     return out
+
+
+def scale_window(rows: slice, cols: slice, block: int = BLOCK) -> tuple[slice, slice]:
+    """The block rows and columns of `weight_scale_inv` that cover q[rows, cols] (both with start
+    and stop set); pass them with row0=rows.start, col0=cols.start to `dequantize`."""
+    return (slice(rows.start // block, -(-rows.stop // block)), slice(cols.start // block, -(-cols.stop // block)))
 
 
 def quantize(w: np.ndarray, *, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:

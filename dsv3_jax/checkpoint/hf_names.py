@@ -27,6 +27,17 @@ class Leaf:
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
     to_hf: Callable[[np.ndarray], list[np.ndarray]]
     hf_shapes: Callable[[], list[tuple[int, ...]]]  # expected HF shapes of one slice
+    layout: "Layout"  # how one HF tensor's dims become ours: for reading a shard of a slice alone
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Our slice = HF tensor (transposed if `transposed`), each of its dims split into `split[i]`
+    consecutive dims of ours (row-major). E.g. q_b_proj [H*K, Q] -> ours [Q, H, K]: transposed,
+    split (1, 2). Experts: each HF [F, D] is one [D, F] slice of ours [E, D, F]."""
+
+    transposed: bool
+    split: tuple[int, ...]
 
 
 def _t(shape_ours: tuple[int, ...]):
@@ -39,7 +50,7 @@ def _t(shape_ours: tuple[int, ...]):
     def to_hf(x):
         return [x.reshape(fan_in, -1).T]
 
-    return to_ours, to_hf, lambda: [(int(np.prod(shape_ours[1:])), fan_in)]
+    return to_ours, to_hf, lambda: [(int(np.prod(shape_ours[1:])), fan_in)], Layout(True, (1, len(shape_ours) - 1))
 
 
 def _wo(h: int, v: int, d: int):
@@ -49,11 +60,11 @@ def _wo(h: int, v: int, d: int):
     def to_hf(x):
         return [x.reshape(h * v, d).T]
 
-    return to_ours, to_hf, lambda: [(d, h * v)]
+    return to_ours, to_hf, lambda: [(d, h * v)], Layout(True, (2, 1))
 
 
 def _same(shape: tuple[int, ...]):
-    return (lambda xs: xs[0]), (lambda x: [x]), lambda: [shape]
+    return (lambda xs: xs[0]), (lambda x: [x]), lambda: [shape], Layout(False, (1,) * len(shape))
 
 
 def _experts(e: int, shape_ours: tuple[int, int]):
@@ -65,7 +76,7 @@ def _experts(e: int, shape_ours: tuple[int, int]):
     def to_hf(x):
         return [xi.T for xi in x]  # any number of experts: export goes one expert at a time
 
-    return to_ours, to_hf, lambda: [(shape_ours[1], shape_ours[0])] * e
+    return to_ours, to_hf, lambda: [(shape_ours[1], shape_ours[0])] * e, Layout(True, (1, 1))
 
 
 def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...], Callable, tuple]]:
@@ -142,9 +153,39 @@ def leaves(cfg: ModelConfig) -> list[Leaf]:
     for stack, hf_layers, block in stacks:
         if not hf_layers:
             continue
-        for sub, names, (to_ours, to_hf, shapes) in block:
-            out.append(Leaf((stack,) + sub, names, hf_layers, to_ours, to_hf, shapes))
+        for sub, names, conv in block:
+            out.append(Leaf((stack,) + sub, names, hf_layers, *conv))
     return out
+
+
+def stacked_dims(leaf: Leaf) -> int:
+    """Leading dims of ours that index HF tensors: 0 unstacked, 1 [layer], 2 [layer, expert]."""
+    if leaf.hf_layers is None:
+        return 0
+    return 2 if len(leaf.hf_shapes()) > 1 else 1
+
+
+def leaf_slices(leaf: Leaf) -> list[tuple[tuple[int, ...], list[str]]]:
+    """(our index, HF names) per slice: () unstacked, (layer,) stacked, (layer, expert) for experts."""
+    if leaf.hf_layers is None:
+        return [((), leaf.hf(None))]
+    out = []
+    for i, layer in enumerate(leaf.hf_layers):
+        names = leaf.hf(layer)
+        if stacked_dims(leaf) == 2:  # routed experts: one slice per expert
+            out.extend(((i, j), [n]) for j, n in enumerate(names))
+        else:
+            out.append(((i,), names))
+    return out
+
+
+def slice_to_ours(leaf: Leaf, index: tuple[int, ...], xs: list[np.ndarray]) -> np.ndarray:
+    part = leaf.to_ours(xs)
+    return part[0] if len(index) == 2 else part
+
+
+def slice_to_hf(leaf: Leaf, index: tuple[int, ...], x: np.ndarray) -> list[np.ndarray]:
+    return leaf.to_hf(x[None]) if len(index) == 2 else leaf.to_hf(x)
 
 
 def mtp_shared_copies(cfg: ModelConfig) -> list[tuple[str, str]]:

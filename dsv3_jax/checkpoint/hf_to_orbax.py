@@ -1,39 +1,42 @@
 """HF DeepSeek-V3 folder (bf16, fp32 or the released FP8) -> our Orbax checkpoint, streamed.
 
 1. Plan: every parameter of `DeepSeekV3(cfg)` is matched with its HF tensors from the shard
-   headers alone (`hf_names.leaves`); any missing, unexpected, misshaped or wrongly typed tensor
-   fails here, before a byte is written, with the tensor and file named.
-2. Write: one slice at a time ([layer] or [layer, expert]), each HF tensor memory-mapped on its
-   own and unmapped after use, written into the Orbax arrays with tensorstore. Resident memory is
-   one slice (plus bounded write-behind), however many layers there are.
+   headers alone (`HFReader.check_all`); any missing, unexpected, misshaped or wrongly typed
+   tensor fails here, before a byte is written, with the tensor and file named.
+2. Write: each parameter in blocks of at most CHUNK_BYTES (`regions`): the stacked dims ([layer],
+   [layer, expert]) one index at a time and the dimension HF rows run along cut into row blocks,
+   so every block reads contiguous rows of one memory-mapped HF tensor (`hf_reader.read_shard`).
+   Each block is one chunk of the Orbax (zarr) array, written with tensorstore. Resident memory is
+   a few blocks plus bounded write-behind for any leaf, the 129280 x 7168 embedding and head
+   included, in any output dtype.
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
-   `verify`, re-read). Any error or interrupt removes the temporary folder.
+   `verify`, sampled blocks re-read and compared). Any error or interrupt removes the folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import logging
+import itertools
+import json
+import math
 import os
 import shutil
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
-from dsv3_jax.checkpoint.safetensors_io import CheckpointError, HFCheckpoint
+from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
+from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf, slice_to_ours  # noqa: F401  (re-exported)
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3
 
-_FLOATS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
-_ROW_BLOCK_BYTES = 64 << 20
-# Unstacked [V, D] tensors converted in row blocks: HF rows -> our rows (embed) or columns (head).
-_ROW_CHUNKED = {("embed",): False, ("head",): True}
+CHUNK_BYTES = 32 << 20  # one written block (and one Orbax chunk file), in the output dtype
 
 
 @dataclasses.dataclass
@@ -41,18 +44,18 @@ class LeafPlan:
     leaf: hf_names.Leaf
     shape: tuple[int, ...]  # ours
     dtype: np.dtype  # ours
-    slices: list[tuple[tuple[int, ...], list[str]]]  # (index into our array, HF names of that slice)
     fp8: bool  # every HF tensor is e4m3 + scale and --keep-fp8: stored as such in the `fp8` item
     source_dtype: str
     nbytes: int  # HF bytes read, scales included
+    hf_shape: tuple[int, ...]  # one HF tensor
 
     @property
     def key(self) -> str:
         return ".".join(self.leaf.path)
 
     @property
-    def stack_shape(self) -> tuple[int, ...]:
-        return self.shape[:len(self.slices[0][0])]
+    def stacked(self) -> int:
+        return hf_names.stacked_dims(self.leaf)
 
 
 def model_variables(cfg: ModelConfig) -> dict[tuple[str, ...], nnx.Variable]:
@@ -61,186 +64,131 @@ def model_variables(cfg: ModelConfig) -> dict[tuple[str, ...], nnx.Variable]:
             if isinstance(node, nnx.Variable)}
 
 
-def leaf_slices(leaf: hf_names.Leaf) -> list[tuple[tuple[int, ...], list[str]]]:
-    """(our index, HF names) per slice: () unstacked, (layer,) stacked, (layer, expert) for experts."""
-    if leaf.hf_layers is None:
-        return [((), leaf.hf(None))]
-    out = []
-    for i, layer in enumerate(leaf.hf_layers):
-        names = leaf.hf(layer)
-        if len(leaf.hf_shapes()) > 1:  # routed experts: one slice per expert
-            out.extend(((i, j), [n]) for j, n in enumerate(names))
-        else:
-            out.append(((i,), names))
-    return out
-
-
-def slice_to_ours(leaf: hf_names.Leaf, index: tuple[int, ...], xs: list[np.ndarray]) -> np.ndarray:
-    part = leaf.to_ours(xs)
-    return part[0] if len(index) == 2 else part
-
-
-def slice_to_hf(leaf: hf_names.Leaf, index: tuple[int, ...], x: np.ndarray) -> list[np.ndarray]:
-    return leaf.to_hf(x[None]) if len(index) == 2 else leaf.to_hf(x)
-
-
-def _scale_name(name: str) -> str:
-    return name[: -len(".weight")] + ".weight_scale_inv"
-
-
-class _Checker:
-    """Header-only checks of HF tensors against the shapes the config needs."""
-
-    def __init__(self, ckpt: HFCheckpoint, config_path: str):
-        self.ckpt, self.config_path, self.used = ckpt, config_path, set()
-        index = os.path.join(ckpt.folder, "model.safetensors.index.json")
-        self.listing = index if os.path.exists(index) else os.path.join(ckpt.folder, "model.safetensors")
-
-    def check(self, name: str, shape: tuple[int, ...]) -> tuple[np.dtype, bool, int]:
-        """-> (stored dtype, is fp8, bytes including the scale)."""
-        if name not in self.ckpt:
-            raise CheckpointError(f"tensor {name} is missing: {self.listing} does not list it, and "
-                                  f"{self.config_path} needs it")
-        got, dtype, nbytes = self.ckpt.header(name)
-        where = self.ckpt.where(name)
-        self.used.add(name)
-        if tuple(got) != tuple(shape):
-            raise CheckpointError(f"tensor {name} in {where} has shape {tuple(got)}, but {self.config_path} "
-                                  f"needs {tuple(shape)}")
-        if dtype == fp8.E4M3:
-            scale = _scale_name(name)
-            if scale not in self.ckpt:
-                raise CheckpointError(f"FP8 tensor {name} in {where} has no {scale} ({self.listing} lacks it)")
-            s_shape, s_dtype, s_bytes = self.ckpt.header(scale)
-            self.used.add(scale)
-            if tuple(s_shape) != fp8.scale_shape(shape):
-                raise CheckpointError(f"tensor {scale} in {self.ckpt.where(scale)} has shape {tuple(s_shape)}, "
-                                      f"expected {fp8.scale_shape(shape)} for {name} {tuple(shape)}")
-            if s_dtype != np.float32:
-                raise CheckpointError(f"tensor {scale} in {self.ckpt.where(scale)} has dtype {s_dtype}, "
-                                      "expected float32 block scales")
-            return dtype, True, nbytes + s_bytes
-        if dtype not in _FLOATS:
-            raise CheckpointError(f"tensor {name} in {where} has dtype {dtype}; expected float32, bfloat16, "
-                                  "float16 or float8_e4m3fn (with weight_scale_inv)")
-        return dtype, False, nbytes
-
-
-def plan(ckpt: HFCheckpoint, cfg: ModelConfig, config_path: str, keep_fp8: bool
-         ) -> tuple[list[LeafPlan], _Checker, dict[str, str]]:
+def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool) -> tuple[list[LeafPlan], dict[str, str]]:
     """Matches every parameter with its HF tensors; raises on any mismatch. Also returns
     {hf name: dtype} for tensors whose dtype differs from the rest of their parameter."""
     variables = model_variables(cfg)
-    checker = _Checker(ckpt, config_path)
+    infos = reader.check_all(cfg)
     plans, exceptions = [], {}
     for leaf in hf_names.leaves(cfg):
         var = variables[leaf.path]
-        slices = leaf_slices(leaf)
-        shape = leaf.hf_shapes()[0]  # experts: E equal shapes
-        infos = {n: checker.check(n, shape) for _, names in slices for n in names}
-        dtypes = [str(d) for d, _, _ in infos.values()]
+        mine = {n: infos[n] for _, names in leaf_slices(leaf) for n in names}
+        dtypes = [str(i.dtype) for i in mine.values()]
         common = max(set(dtypes), key=dtypes.count)
-        exceptions.update({n: str(d) for n, (d, _, _) in infos.items() if str(d) != common})
-        is_fp8 = [f for _, f, _ in infos.values()]
+        exceptions.update({n: str(i.dtype) for n, i in mine.items() if str(i.dtype) != common})
+        is_fp8 = [i.fp8 for i in mine.values()]
         if keep_fp8 and any(is_fp8) and not all(is_fp8):
-            bad = next(n for n, (_, f, _) in infos.items() if not f)
-            raise CheckpointError(f"--keep-fp8: tensor {bad} in {ckpt.where(bad)} is {infos[bad][0]} while "
+            bad = next(n for n, i in mine.items() if not i.fp8)
+            raise CheckpointError(f"--keep-fp8: tensor {bad} in {reader.ckpt.where(bad)} is {mine[bad].dtype} while "
                                   f"other slices of {'.'.join(leaf.path)} are FP8; convert without --keep-fp8")
-        plans.append(LeafPlan(leaf, tuple(var.shape), np.dtype(jnp.dtype(var.dtype)), slices,
-                              keep_fp8 and all(is_fp8), common, sum(b for _, _, b in infos.values())))
-    return plans, checker, exceptions
+        plans.append(LeafPlan(leaf, tuple(var.shape), np.dtype(jnp.dtype(var.dtype)), keep_fp8 and all(is_fp8),
+                              common, sum(i.nbytes for i in mine.values()), tuple(leaf.hf_shapes()[0])))
+    return plans, exceptions
 
 
-def _read(ckpt: HFCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
-    x = ckpt.read(name)
-    if x.dtype == fp8.E4M3:
-        return fp8.dequantize(x, ckpt.read(_scale_name(name))).astype(dtype)
-    return x.astype(dtype)
+def _row_dim(p: LeafPlan) -> int:
+    """Our dimension that the HF tensor's rows run along (the outer dim of its row group)."""
+    groups, d = [], p.stacked
+    for n in p.leaf.layout.split:
+        groups.append(d)
+        d += n
+    return groups[-1] if p.leaf.layout.transposed else groups[0]
 
 
-def _row_step(row_bytes: int) -> int:
-    return max(1, _ROW_BLOCK_BYTES // max(row_bytes, 1))
+def regions(p: LeafPlan) -> tuple[list[int], list[tuple[slice, ...]]]:
+    """(chunk shape, blocks) of our array: blocks of at most CHUNK_BYTES that each read a
+    contiguous run of HF rows, aligned with the Orbax chunks so no write touches another's chunk."""
+    cut = _row_dim(p)
+    per_unit = math.prod(p.shape[p.stacked:]) // p.shape[cut] * p.dtype.itemsize
+    step = min(p.shape[cut], max(1, CHUNK_BYTES // max(per_unit, 1)))
+    chunks = [1] * p.stacked + list(p.shape[p.stacked:])
+    chunks[cut] = step
+    return chunks, _blocks(p.shape, p.stacked, cut, step)
 
 
-def _row_blocks(rows: int, row_bytes: int):
-    step = _row_step(row_bytes)
-    for r0 in range(0, rows, step):
-        yield r0, min(rows, r0 + step)
+def _blocks(shape, stacked: int, cut: int, step: int) -> list[tuple[slice, ...]]:
+    out = []
+    for stack in itertools.product(*(range(n) for n in shape[:stacked])):
+        for r0 in range(0, shape[cut], step):
+            index = [slice(i, i + 1) for i in stack] + [slice(None)] * (len(shape) - stacked)
+            index[cut] = slice(r0, min(shape[cut], r0 + step))
+            out.append(tuple(index))
+    return out
 
 
-def _write_leaf(ckpt: HFCheckpoint, p: LeafPlan, params: orbax_layout.ItemWriter,
+def fp8_regions(p: LeafPlan) -> tuple[list[int], list[tuple[slice, ...]]]:
+    """Row blocks (multiples of the 128-row scale block) of the e4m3 tensors, HF orientation."""
+    rows, cols = p.hf_shape
+    step = min(rows, max(fp8.BLOCK, CHUNK_BYTES // cols // fp8.BLOCK * fp8.BLOCK))
+    shape = p.shape[:p.stacked] + (rows, cols)
+    return [1] * p.stacked + [step, cols], _blocks(shape, p.stacked, p.stacked, step)
+
+
+def _scale_index(index: tuple[slice, ...]) -> tuple[slice, ...]:
+    rows = index[-2]
+    return index[:-2] + (slice(rows.start // fp8.BLOCK, -(-rows.stop // fp8.BLOCK)), slice(None))
+
+
+def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
                 fp8_item: orbax_layout.ItemWriter | None, bar) -> None:
     if p.fp8:
-        names0 = p.slices[0][1]
-        hf_shape = ckpt.header(names0[0])[0]
-        k = len(p.stack_shape)
-        q_arr = fp8_item.create(p.leaf.path + ("qvalue",), p.stack_shape + tuple(hf_shape), fp8.E4M3, stacked=k)
-        s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), p.stack_shape + fp8.scale_shape(hf_shape),
-                                np.float32, stacked=k)
-        for index, (name,) in p.slices:
-            q, s = ckpt.read(name), ckpt.read(_scale_name(name))
-            fp8_item.write(q_arr[index] if index else q_arr, np.array(q))
-            fp8_item.write(s_arr[index] if index else s_arr, np.array(s))
+        chunks, blocks = fp8_regions(p)
+        stack = p.shape[:p.stacked]
+        q_arr = fp8_item.create(p.leaf.path + ("qvalue",), stack + p.hf_shape, fp8.E4M3, chunks=chunks)
+        s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), stack + fp8.scale_shape(p.hf_shape), np.float32,
+                                chunks=chunks[:-2] + [-(-chunks[-2] // fp8.BLOCK), -(-chunks[-1] // fp8.BLOCK)])
+        for index in blocks:
+            q, s = _raw_fp8(reader, p, index)
+            fp8_item.write(q_arr[index], q)
+            fp8_item.write(s_arr[_scale_index(index)], s)
             bar.update(q.nbytes + s.nbytes)
         return
-    if p.leaf.path in _ROW_CHUNKED and ckpt.header(p.slices[0][1][0])[1] != fp8.E4M3:
-        name, transposed = p.slices[0][1][0], _ROW_CHUNKED[p.leaf.path]
-        rows, cols = ckpt.header(name)[0]
-        step = _row_step(cols * 4)
-        arr = params.create(p.leaf.path, p.shape, p.dtype, chunks=[cols, step] if transposed else [step, cols])
-        for r0, r1 in _row_blocks(rows, cols * 4):
-            x = ckpt.read_rows(name, r0, r1)
-            params.write(arr[:, r0:r1] if transposed else arr[r0:r1], (x.T if transposed else x).astype(p.dtype))
-            bar.update(x.nbytes)
-        return
-    arr = params.create(p.leaf.path, p.shape, p.dtype, stacked=len(p.slices[0][0]))
-    for index, names in p.slices:
-        xs = [_read(ckpt, n, p.dtype) for n in names]
-        params.write(arr[index] if index else arr, slice_to_ours(p.leaf, index, xs))
-        bar.update(sum(ckpt.header(n)[2] for n in names)
-                   + sum(ckpt.header(_scale_name(n))[2] for n in names if ckpt.header(n)[1] == fp8.E4M3))
+    chunks, blocks = regions(p)
+    arr = params.create(p.leaf.path, p.shape, p.dtype, chunks=chunks)
+    window = reader.leaf_window(p.leaf, p.dtype)
+    for index in blocks:
+        before = reader.bytes_read
+        params.write(arr[index], read_shard(p.leaf, p.shape, index, window, p.dtype))
+        bar.update(reader.bytes_read - before)
 
 
-def _compare_copies(ckpt: HFCheckpoint, cfg: ModelConfig, checker: _Checker, bar) -> bool:
-    """MTP layers store the embedding and head again; warn where they differ from the main ones."""
-    present = False
-    for copy, main in hf_names.mtp_shared_copies(cfg):
-        if copy not in ckpt:
-            continue
-        present = True
-        shape = ckpt.header(main)[0]
-        checker.check(copy, shape)
-        same = True
-        for r0, r1 in _row_blocks(shape[0], int(np.prod(shape[1:])) * 4):
-            a, b = ckpt.read_rows(copy, r0, r1), ckpt.read_rows(main, r0, r1)
-            same = same and np.array_equal(a.astype(np.float32), b.astype(np.float32))
-            bar.update(a.nbytes + b.nbytes)
-        if not same:
-            logging.warning("%s (%s) differs from %s; the MTP module uses the main model's copy",
-                            copy, ckpt.where(copy), main)
-    return present
+def _raw_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The stored e4m3 rows of one block and their scale rows, as stored (HF orientation)."""
+    stack = tuple(s.start for s in index[:p.stacked])
+    names = p.leaf.hf(p.leaf.hf_layers[stack[0]] if stack else None)
+    name = names[stack[1] if len(stack) == 2 else 0]
+    rows = index[-2]
+    q = np.array(reader.ckpt.read_rows(name, rows.start, rows.stop))
+    sr = _scale_index(index)[-2]
+    s = np.array(reader.ckpt.read_rows(scale_name(name), sr.start, sr.stop))
+    reader.bytes_read += q.nbytes + s.nbytes
+    lead = (1,) * p.stacked
+    return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
 
 
-def _verify(ckpt: HFCheckpoint, plans: list[LeafPlan], root: str, samples: int) -> int:
-    """Re-reads `samples` slices (first, last and random ones) from the written arrays and compares
-    them bit for bit with a fresh conversion of the source."""
-    tasks = [(p, index, names) for p in plans for index, names in p.slices]
+def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) -> int:
+    """Re-reads `samples` blocks (first, last and random ones) from the written arrays and compares
+    them bit for bit with a fresh conversion of the same block of the source: only those blocks
+    are read, on both sides."""
+    tasks = [(p, index) for p in plans for index in (fp8_regions(p) if p.fp8 else regions(p))[1]]
     rng = np.random.default_rng(0)
     pick = sorted({0, len(tasks) - 1, *rng.choice(len(tasks), min(samples, len(tasks)), replace=False).tolist()})
+    pick = pick[:max(samples, 1)]
     readers = {item: orbax_layout.ItemReader(root, item) for item in (orbax_layout.PARAMS, orbax_layout.FP8)}
-    for t in pick[:max(samples, 1)]:
-        p, index, names = tasks[t]
+    for t in pick:
+        p, index = tasks[t]
         if p.fp8:
-            got = [readers[orbax_layout.FP8].read(p.leaf.path + (k,), index) for k in ("qvalue", "scale_inv")]
-            want = [np.asarray(ckpt.read(names[0])), np.asarray(ckpt.read(_scale_name(names[0])))]
+            got = [readers[orbax_layout.FP8].read(p.leaf.path + ("qvalue",), index),
+                   readers[orbax_layout.FP8].read(p.leaf.path + ("scale_inv",), _scale_index(index))]
+            want = list(_raw_fp8(reader, p, index))
         else:
             got = [readers[orbax_layout.PARAMS].read(p.leaf.path, index)]
-            want = [slice_to_ours(p.leaf, index, [_read(ckpt, n, p.dtype) for n in names]).astype(p.dtype)]
+            want = [read_shard(p.leaf, p.shape, index, reader.leaf_window(p.leaf, p.dtype), p.dtype)]
         for g, w in zip(got, want):
             if g.shape != w.shape or g.tobytes() != w.tobytes():
-                raise CheckpointError(f"--verify: {p.key}{list(index)} in {root} differs from "
-                                      f"{names[0]} in {ckpt.where(names[0])}")
-    return len(pick[:max(samples, 1)])
+                raise CheckpointError(f"--verify: {p.key}[{', '.join(f'{s.start}:{s.stop}' for s in index)}] in "
+                                      f"{root} differs from its source in {reader.folder}")
+    return len(pick)
 
 
 def _tmp_path(out: str) -> str:
@@ -269,29 +217,12 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
     hf_dir, out = os.fspath(hf_dir), os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
-    ckpt = HFCheckpoint(hf_dir)
-    config_path = os.path.join(hf_dir, "config.json")
-    cfg = ModelConfig.from_hf_config(config_path)
-    if cfg.num_mtp_layers and not any(n.startswith(f"model.layers.{cfg.num_layers}.") for n in ckpt.names()):
-        logging.warning("%s has %d MTP layer(s) but %s has no MTP tensors; converting without MTP",
-                        config_path, cfg.num_mtp_layers, hf_dir)
-        cfg = cfg.replace(num_mtp_layers=0)
-    if dtype is not None:
-        pdtype = np.dtype(jnp.dtype(dtype))
-    else:
-        emb = ckpt.header("model.embed_tokens.weight")[1] if "model.embed_tokens.weight" in ckpt else fp8.E4M3
-        pdtype = np.dtype(ml_dtypes.bfloat16) if emb == fp8.E4M3 else np.dtype(emb)
-    cfg = cfg.replace(param_dtype=pdtype.name, compute_dtype=pdtype.name)
-    plans, checker, exceptions = plan(ckpt, cfg, config_path, keep_fp8)
-    copies = [c for c, _ in hf_names.mtp_shared_copies(cfg) if c in ckpt]
-    for c in copies:
-        checker.used.add(c)
-    extra = sorted(set(ckpt.names()) - checker.used)
-    if extra:
-        shown = ", ".join(f"{n} ({ckpt.where(n)})" for n in extra[:5])
-        raise CheckpointError(f"{len(extra)} unexpected tensor(s) that {config_path} does not use: "
-                              f"{shown}{' ...' if len(extra) > 5 else ''}")
-    total = sum(p.nbytes for p in plans) + 2 * sum(ckpt.header(c)[2] for c in copies)
+    reader = HFReader(hf_dir)
+    pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
+    cfg = reader.config(param_dtype=pdtype.name, compute_dtype=pdtype.name)
+    plans, exceptions = plan(reader, cfg, keep_fp8)
+    copies = reader.mtp_copies(cfg)
+    total = sum(p.nbytes for p in plans) + 2 * sum(reader.ckpt.header(m)[2] for _, m in copies)
     tmp = _tmp_path(out)
     try:
         params = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.PARAMS))
@@ -300,18 +231,18 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
                   disable=not progress, smoothing=0.1) as bar:
             for p in plans:
                 bar.set_postfix_str(p.key, refresh=False)
-                _write_leaf(ckpt, p, params, fp8_item, bar)
-            mtp_copies = _compare_copies(ckpt, cfg, checker, bar)
+                _write_leaf(reader, p, params, fp8_item, bar)
+            mtp_copies = reader.compare_mtp_copies(cfg, bar.update)
         items = [orbax_layout.PARAMS]
         params.finish()
         if fp8_item is not None:
             fp8_item.finish()
             items.append(orbax_layout.FP8)
-        verified = _verify(ckpt, plans, tmp, verify) if verify else 0
+        verified = _verify(reader, plans, tmp, verify) if verify else 0
         os.sync()  # the chunk files were written without fsync
         source = {"hf_dir": os.path.abspath(hf_dir), "dtypes": {p.key: p.source_dtype for p in plans},
-                  "dtype_exceptions": exceptions, "weight_map": ckpt.weight_map, "mtp_shared_copies": mtp_copies,
-                  "hf_config": _read_json(config_path)}
+                  "dtype_exceptions": exceptions, "weight_map": reader.ckpt.weight_map,
+                  "mtp_shared_copies": mtp_copies, "hf_config": _read_json(reader.config_path)}
         orbax_layout.write_config(tmp, {"model": cfg.to_dict(), "fp8_leaves": [p.key for p in plans if p.fp8],
                                         "source": source}, items)
         commit(tmp, out, overwrite)
@@ -322,7 +253,5 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
 
 
 def _read_json(path: str) -> dict:
-    import json
-
     with open(path) as f:
         return json.load(f)

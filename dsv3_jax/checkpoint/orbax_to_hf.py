@@ -25,7 +25,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
-from dsv3_jax.checkpoint.hf_to_orbax import _tmp_path, commit, leaf_slices, slice_to_hf
+from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf
+from dsv3_jax.checkpoint.hf_reader import scale_name
+from dsv3_jax.checkpoint.hf_to_orbax import _tmp_path, commit
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter
 from dsv3_jax.config import ModelConfig
 
@@ -110,7 +112,7 @@ def _fp8_pair(src: _Source, leaf, index, k, name, shape, kept) -> list[_Tensor]:
     else:
         q = lambda: src.quantized(leaf, index, k)[0]  # noqa: E731
         s = lambda: src.quantized(leaf, index, k)[1]  # noqa: E731
-    scale = name[: -len(".weight")] + ".weight_scale_inv"
+    scale = scale_name(name)
     return [_Tensor(name, fp8.E4M3, tuple(shape), q, _layer_of(name)),
             _Tensor(scale, np.dtype(np.float32), fp8.scale_shape(shape), s, _layer_of(name))]
 

@@ -135,6 +135,20 @@ class ShardWriter:
             raise CheckpointError(f"{self.path}: got {name} {arr.dtype} {tuple(arr.shape)}, the header says {want}")
         self._f.write(np.ascontiguousarray(arr).tobytes())
 
+    def write_blocks(self, name: str, dtype, shape: tuple[int, ...], blocks: Iterable[np.ndarray]) -> None:
+        """Writes tensor `name` from consecutive row blocks (memory: one block)."""
+        want = self._pending.pop(0)
+        if (name, np.dtype(dtype), tuple(shape)) != want:
+            raise CheckpointError(f"{self.path}: got {name} {dtype} {tuple(shape)}, the header says {want}")
+        rows = 0
+        for block in blocks:
+            if block.dtype != want[1] or tuple(block.shape[1:]) != tuple(shape[1:]):
+                raise CheckpointError(f"{self.path}: block of {name} is {block.dtype} {block.shape}")
+            self._f.write(np.ascontiguousarray(block).tobytes())
+            rows += block.shape[0]
+        if rows != shape[0]:
+            raise CheckpointError(f"{self.path}: {name} got {rows} rows, the header says {shape[0]}")
+
     def close(self, check: bool = True) -> None:
         self._f.close()
         if check and self._pending:

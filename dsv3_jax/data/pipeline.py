@@ -3,13 +3,17 @@
     documents (TextSource | TokenSource)
       -> held-out split: a fixed ~eval_fraction of documents, chosen by a hash of the document
          index (independent of `seed`, so the eval set never moves), disjoint from train
-      -> shard by process: this process keeps every process_count-th document from process_index,
-         so hosts own fixed, disjoint document sets (done before shuffling; see `_shard`)
       -> train only: seeded shuffle, reshuffled every epoch; repeat (num_epochs, None = forever)
       -> tokenize: [BOS] + ids + EOS per document
       -> split documents longer than seq_len into chunks of seq_len (each chunk its own segment)
       -> first-fit pack into rows of seq_len (grain FirstFitPackIterDataset)
-      -> batch: train drops the last partial batch; eval pads it with all-padding rows
+      -> batch: the global batch of batch_size x process_count rows (train drops the last partial
+         batch; eval pads it with all-padding rows), of which this process keeps its own
+         batch_size consecutive rows (`_ProcessRows`): processes hold disjoint rows whose union is
+         exactly the batch one process with batch_size x process_count would read, so a run's
+         data (and loss curve) does not depend on how many hosts it is spread over. The price:
+         every host tokenizes and packs the global stream (cheap beside a step; pretokenized
+         TokenSource data makes it negligible).
       -> optional worker processes (`num_workers` > 0; 0 runs in the calling process)
 
 Every batch is a dict of int32 numpy arrays, each [batch_size, seq_len]:
@@ -45,7 +49,7 @@ class DataConfig:
   """What to read and how to batch it; every field is checked once, in `__post_init__`."""
 
   seq_len: int  # Row length in tokens; the trainer asks for T + 1.
-  batch_size: int  # Rows per batch on this process.
+  batch_size: int  # Rows per batch on this process (the global batch is batch_size x process_count).
   data: str | tuple[str, ...] | None = None  # None: bundled fortunes; else globs (sources.py).
   tokenizer: str | None = None  # tokenizer.json or HF folder; None: the bundled 2048-id BPE.
   text_field: str = "text"  # JSON field that holds a document in .jsonl files.
@@ -53,7 +57,7 @@ class DataConfig:
   eval_fraction: float = 0.01  # Share of documents held out for eval.
   seed: int = 0  # Shuffle and bin-order seed.
   num_epochs: int | None = None  # Train epochs; None repeats forever.
-  num_packing_bins: int | None = None  # First-fit window in rows; None: 4 * batch_size.
+  num_packing_bins: int | None = None  # First-fit window in rows; None: 4 x the global batch.
   num_workers: int = 0  # grain worker processes; 0 runs in the calling process.
 
   def __post_init__(self):
@@ -68,10 +72,6 @@ class DataConfig:
     for field, ok in checks.items():
       if not ok:
         raise ValueError(f"DataConfig.{field}={getattr(self, field)!r} is out of range.")
-
-  @property
-  def packing_bins(self) -> int:
-    return self.num_packing_bins or 4 * self.batch_size
 
 
 def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
@@ -94,21 +94,24 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
   tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
   source = sources_lib.open_source(config.data, text_field=config.text_field,
                                    vocab_size=tok.vocab_size)
-  indices = _shard(split_indices(len(source), config.eval_fraction)[split], process_index,
-                   process_count, split)
+  process_index, process_count = _process(process_index, process_count)
+  indices = split_indices(len(source), config.eval_fraction)[split]
   ds = grain.MapDataset.source(_Subset(source, indices))
   if split == "train":
     ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
   ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
   ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
+  rows = config.batch_size * process_count
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"tokens": config.seq_len}, num_packing_bins=config.packing_bins,
+      ds, length_struct={"tokens": config.seq_len}, num_packing_bins=config.num_packing_bins or 4 * rows,
       seed=config.seed, shuffle_bins=split == "train", padding_struct={"tokens": tok.pad_id})
   ds = ds.map(_rename_packed)
   if split == "train":
-    ds = ds.batch(config.batch_size, drop_remainder=True)
+    ds = ds.batch(rows, drop_remainder=True)
   else:
-    ds = ds.batch(config.batch_size, batch_fn=_PadBatch(config.batch_size, tok.pad_id))
+    ds = ds.batch(rows, batch_fn=_PadBatch(rows, tok.pad_id))
+  if process_count > 1:
+    ds = ds.map(_ProcessRows(process_index * config.batch_size, config.batch_size))
   if config.num_workers:
     _ensure_absl_flags_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
@@ -178,23 +181,25 @@ def _ensure_absl_flags_parsed():
     flags.FLAGS.mark_as_parsed()
 
 
-def _shard(indices: np.ndarray, process_index, process_count, split: str) -> np.ndarray:
-  """This process's documents: a strided slice, so every process gets a similar mix.
-
-  Sharding before the shuffle keeps each host's document set fixed across epochs and restarts,
-  so "disjoint across hosts" holds for the whole run, not just within an epoch.
-  """
+def _process(process_index, process_count) -> tuple[int, int]:
+  """(index, count) of this process; None asks JAX."""
   if process_index is None or process_count is None:
     import jax
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
     raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
-  mine = indices[process_index::process_count]
-  if len(mine) == 0:
-    raise sources_lib.DataError(
-        f"the {split} split has {len(indices)} documents, fewer than {process_count=}.")
-  return mine
+  return process_index, process_count
+
+
+class _ProcessRows(grain.transforms.Map):
+  """A global batch -> this process's consecutive rows [start, start + n)."""
+
+  def __init__(self, start: int, n: int):
+    self.start, self.n = start, n
+
+  def map(self, batch):
+    return {k: v[self.start:self.start + self.n] for k, v in batch.items()}
 
 
 def _uniform_hash(x: np.ndarray) -> np.ndarray:

@@ -134,11 +134,18 @@ def check_pipeline(cfg, mesh, batch: int) -> int:
                                  ) from None
 
 
+def config_mesh(config) -> jax.sharding.Mesh:
+    """The mesh of a training config's `mesh` section (sizes per axis, one may be -1) on all devices;
+    `dcn_data` > 1 (multi-slice) lays the data axis across slices."""
+    sizes = {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
+    slices = int(config.mesh.get("dcn_data", 1))
+    return sharding.make_mesh(sizes, dcn_sizes={"data": slices} if slices > 1 else None)
+
+
 def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTraining | None:
     """The `mesh` section of a training config (sizes per axis, one may be -1; `rules` preset) on
     all devices; None when the mesh is a single device (the plain jit step is used then)."""
-    sizes = {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
-    mesh = sharding.make_mesh(sizes)
+    mesh = config_mesh(config)
     if mesh.size == 1:
         return None
     rules = sharding.get_rules(config.mesh.get("rules", "default"))

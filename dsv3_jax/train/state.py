@@ -47,4 +47,9 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: 
                        rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)
     # Fresh buffers for every leaf (the step donates its state and XLA refuses one buffer twice),
     # committed to the device like a restored state, so both lower to the same program.
-    return graphdef, jax.device_put(jax.tree.map(jnp.array, state), jax.local_devices()[0])
+    # Leaves already spread over a mesh (parameters loaded with `load_pretrained(mesh=...)`) stay there.
+    def fresh(x):
+        x = jnp.array(x)
+        return x if len(x.sharding.device_set) > 1 else jax.device_put(x, jax.local_devices()[0])
+
+    return graphdef, jax.tree.map(fresh, state)

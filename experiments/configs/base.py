@@ -52,6 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # data parallel with parameters and optimizer state sharded (ZeRO-3)
     c.mesh.expert = 1  # routed experts split over this axis (tokens also split over it)
     c.mesh.tensor = 1  # heads / hidden / vocab split (Megatron-style)
+    c.mesh.dcn_data = 1  # multi-slice TPU: slices the data axis spans (the only axis crossing DCN)
     c.mesh.rules = "default"  # logical-axis rules preset (sharding/rules.py PRESETS)
 
     c.train = ml_collections.ConfigDict()

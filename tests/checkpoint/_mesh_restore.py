@@ -14,12 +14,16 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from dsv3_jax.checkpoint import load_pretrained  # noqa: E402
-from dsv3_jax.checkpoint.shardings import partition_spec  # noqa: E402
+import sharding  # noqa: E402
 from dsv3_jax.model.params import logical_axes  # noqa: E402
 
 
 def variables(model):
     return {".".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+
+
+def partition_spec(logical, shape, mesh, rules="default"):
+    return sharding.logical_to_spec(logical, shape, mesh, sharding.get_rules(rules))
 
 
 def check(model, mesh, spec_of):
@@ -43,12 +47,12 @@ def main(hf_dir, ckpt, kept):
     assert n >= 10, n
     assert variables(model)["moe_layers.ffn.w1"][...].sharding.spec == P(None, "expert", "fsdp", "tensor")
     np.testing.assert_allclose(np.asarray(model(tokens)), ref, rtol=1e-5, atol=1e-5)
-    # Rules as a dict (only experts sharded) and as a callable.
-    model = load_pretrained(ckpt, mesh=mesh, rules={"expert": "expert"})
+    # Rules as a dict (only experts sharded) and as a preset of sharding/rules.py.
+    only_experts = {a: None for a in sharding.get_rules("default")} | {"expert": "expert"}
+    model = load_pretrained(ckpt, mesh=mesh, rules=only_experts)
     check(model, mesh, lambda name, v: P(*[("expert" if a == "expert" else None) for a in logical_axes(v)]))
-    model = load_pretrained(ckpt, mesh=mesh, rules=lambda path, axes, shape: P(*(["fsdp"] + [None] * (len(shape) - 1))
-                                                                               if shape[0] % 2 == 0 else P()))
-    check(model, mesh, lambda name, v: P(*(["fsdp"] + [None] * (v.ndim - 1))) if v.shape[0] % 2 == 0 else P())
+    model = load_pretrained(ckpt, mesh=mesh, rules="fsdp")
+    check(model, mesh, lambda name, v: partition_spec(logical_axes(v), v.shape, mesh, "fsdp"))
     # FP8 kept in the checkpoint: dequantised on the host, then placed on the same shardings.
     model = load_pretrained(kept, mesh=mesh)
     check(model, mesh, lambda name, v: partition_spec(logical_axes(v), v.shape, mesh))

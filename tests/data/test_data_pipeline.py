@@ -123,16 +123,20 @@ def test_epochs_are_reshuffled(jsonl_path):
       [b["tokens"].tolist() for b in one[2:n - 2]]
 
 
-def test_processes_see_disjoint_data(jsonl_path):
-  def segments(index):
-    return _segments(_batches(make_dataset(_config(jsonl_path, batch_size=1, num_epochs=1),
-                                           process_index=index, process_count=2)))
+def test_processes_hold_disjoint_rows_of_one_process_batch(jsonl_path):
+  """Each of 2 processes reads batch_size rows; together they are the batch_size x 2 rows one
+  process reads, batch after batch, and no row is in both."""
+  def batches(index, count, batch_size):
+    return _batches(make_dataset(_config(jsonl_path, batch_size=batch_size, num_epochs=1),
+                                 process_index=index, process_count=count))
 
-  zero, one = segments(0), segments(1)
-  assert zero and one and not set(zero) & set(one)
-  everything = _segments(_batches(make_dataset(_config(jsonl_path, batch_size=1, num_epochs=1),
-                                               process_index=0, process_count=1)))
-  assert zero + one == everything
+  zero, one, alone = batches(0, 2, 3), batches(1, 2, 3), batches(0, 1, 6)
+  assert len(zero) == len(one) == len(alone) > 2
+  for a, b, both in zip(zero, one, alone):
+    for k in both:
+      assert a[k].shape[0] == b[k].shape[0] == 3
+      np.testing.assert_array_equal(np.concatenate([a[k], b[k]]), both[k])
+    assert not {r.tobytes() for r in a["tokens"]} & {r.tobytes() for r in b["tokens"]}
   with pytest.raises(ValueError, match="process_index"):
     make_dataset(_config(jsonl_path), process_index=2, process_count=2)
 

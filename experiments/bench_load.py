@@ -1,0 +1,181 @@
+"""Sharded loading benchmark: peak RSS of `load_pretrained` on a synthetic HF folder, unsharded (one
+process, one device) against two processes x 4 fake CPU devices (`jax.distributed` on 127.0.0.1)
+on an fsdp=2 x expert=4 mesh, and one process onto those 8 devices. Each load runs in its own
+subprocess; each also checks every parameter's sharding against the rules table and compares the
+logits with the unsharded load.
+
+    python -m experiments.bench_load [--workdir /tmp/dsv3_load] [--size-gb 1] [--fp8] [--keep]
+
+Pass criteria (issue 12): each process of the two-process load peaks below 0.6 x the unsharded
+load; the 8-device load below 1.3 x the model's bytes.
+
+    python -m experiments.bench_load worker HF_DIR OUT MODE [PORT PROCESS_ID]
+
+runs one load (MODE: unsharded, one8 or two) and writes OUT.<process>.json (+ .npy logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+MESH = {"fsdp": 2, "expert": 4}
+TOKENS = [[3, 17, 5, 90, 1, 64, 33, 8], [7, 7, 2, 41, 12, 0, 25, 60]]
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(hf_dir: str, out: str, mode: str, port: int = 0, process_id: int = 0, dtype: str | None = None) -> None:
+    devices = {"unsharded": 1, "one8": 8, "two": 4}[mode]
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+                               " --xla_cpu_collective_timeout_seconds=900")
+    from sharding import multihost
+
+    if mode == "two":
+        multihost.initialize(f"127.0.0.1:{port}", 2, process_id)
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    import sharding
+    from dsv3_jax.checkpoint import hf_reader, load_pretrained
+    from dsv3_jax.model.params import logical_axes
+
+    counted = {"bytes": 0}
+    window = hf_reader.HFReader.window
+
+    def counting_window(self, *args, **kwargs):  # every byte the loader reads goes through here
+        before = self.bytes_read
+        x = window(self, *args, **kwargs)
+        counted["bytes"] += self.bytes_read - before
+        return x
+
+    hf_reader.HFReader.window = counting_window
+    rss_before = _rss("VmRSS")
+    mesh = None if mode == "unsharded" else sharding.make_mesh(MESH)
+    # float32 arithmetic: sharded and unsharded logits then differ by summation order only
+    model = load_pretrained(hf_dir, dtype, mesh=mesh, compute_dtype="float32")
+    peak = _rss("VmHWM")
+    rules = sharding.get_rules("default")
+    checked, param_bytes, device_bytes = 0, 0, 0
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        value = var[...]
+        param_bytes += value.nbytes
+        device_bytes += sum(shard.data.nbytes for shard in value.addressable_shards)  # replicas included
+        if mesh is not None:
+            want = sharding.named_sharding(logical_axes(var), value.shape, mesh, rules)
+            assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding, want)
+            checked += 1
+    graphdef, state = nnx.split(model)
+    tokens = np.asarray(TOKENS, np.int32)
+    if mesh is not None:
+        tokens = jax.make_array_from_callback(tokens.shape, sharding.replicated(mesh), lambda i: tokens[i])
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    logits = multihost_utils.process_allgather(logits, tiled=True) if mesh is not None else np.asarray(logits)
+    pid = jax.process_index()
+    np.save(f"{out}.{pid}.npy", np.asarray(logits, np.float32))
+    with open(f"{out}.{pid}.json", "w") as f:
+        json.dump({"mode": mode, "process": pid, "peak_rss": peak, "rss_before": rss_before,
+                   "bytes_read": counted["bytes"], "param_bytes": param_bytes, "device_bytes": device_bytes, "shardings_checked": checked,
+                   "local_devices": jax.local_device_count()}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_load(hf_dir: str, out: str, mode: str, env: dict | None = None, timeout: float = 1800,
+             dtype: str | None = None) -> list[dict]:
+    """Runs one load (two processes for mode "two") and returns each process's report."""
+    base = [sys.executable, "-m", "experiments.bench_load", "worker", hf_dir, out, mode]
+    extra = ["--dtype", dtype] if dtype else []
+    if mode == "two":
+        port = str(_free_port())
+        cmds = [base + [port, str(pid)] + extra for pid in range(2)]
+    else:
+        cmds = [base + extra]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(p.args)} failed:\n{err[-3000:]}")
+    reports = []
+    for pid in range(len(cmds)):
+        with open(f"{out}.{pid}.json") as f:
+            reports.append(json.load(f))
+    return reports
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        p = argparse.ArgumentParser()
+        p.add_argument("hf_dir")
+        p.add_argument("out")
+        p.add_argument("mode", choices=["unsharded", "one8", "two"])
+        p.add_argument("port", type=int, nargs="?", default=0)
+        p.add_argument("process_id", type=int, nargs="?", default=0)
+        p.add_argument("--dtype")
+        a = p.parse_args(sys.argv[2:])
+        worker(a.hf_dir, a.out, a.mode, a.port, a.process_id, a.dtype)
+        return
+    import numpy as np
+
+    from experiments.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="/tmp/dsv3_load")
+    p.add_argument("--size-gb", type=float, default=1.0, help="GB of tensors in the synthetic folder")
+    p.add_argument("--fp8", action="store_true", help="the released FP8 format (e4m3 + block scales)")
+    p.add_argument("--keep", action="store_true", help="keep the synthetic folder")
+    args = p.parse_args()
+    tag = f"{args.size_gb:g}gb{'_fp8' if args.fp8 else ''}"
+    hf = os.path.join(args.workdir, tag)
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        layers = layers_for_size(args.size_gb * 1e9, "float8_e4m3fn" if args.fp8 else "bfloat16")
+        print(f"writing {hf}: {layers} layers", flush=True)
+        make_checkpoint(bench_config(layers), hf, use_fp8=args.fp8)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = os.path.join(args.workdir, "report")
+    results = {}
+    for mode in ("unsharded", "two", "one8"):
+        results[mode] = run_load(hf, f"{out}_{mode}", mode, env)
+        for r in results[mode]:
+            print(f"{mode:9s} process {r['process']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB (before loading "
+                  f"{r['rss_before'] / 1e9:.2f} GB), read {r['bytes_read'] / 1e9:.2f} GB, its devices hold "
+                  f"{r['device_bytes'] / 1e9:.2f} GB, "
+                  f"{r['shardings_checked']} shardings checked", flush=True)
+    ref = np.load(f"{out}_unsharded.0.npy")
+    model_bytes = results["unsharded"][0]["param_bytes"]
+    for mode in ("two", "one8"):
+        diff = max(float(np.max(np.abs(np.load(f"{out}_{mode}.{i}.npy") - ref))) for i in range(len(results[mode])))
+        print(f"{mode}: max |logits - unsharded| = {diff:.3g}")
+    unsharded = results["unsharded"][0]["peak_rss"]
+    worst = max(r["peak_rss"] for r in results["two"])
+    print(f"model {model_bytes / 1e9:.2f} GB; two processes: worst peak / unsharded peak = {worst / unsharded:.3f} "
+          f"(need < 0.6); one process on 8 devices: peak / model bytes = "
+          f"{results['one8'][0]['peak_rss'] / model_bytes:.3f} (need < 1.3), less the RSS before loading "
+          f"{(results['one8'][0]['peak_rss'] - results['one8'][0]['rss_before']) / model_bytes:.3f}")
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(hf, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""N training processes on this machine, joined through `jax.distributed` on 127.0.0.1: the
+multi-host code path without a cluster (e.g. 2 processes x 4 fake CPU devices).
+
+    python -m experiments.launch.local --processes 2 [--port 8476] [--dry_run] -- --workdir=runs/x ...
+
+Output of process 0 is shown; the others go to WORKDIR-less logs `launch_local.<i>.log` in the
+current folder. Exit code: the first non-zero one of the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from experiments.launch import hosts as hosts_lib
+
+
+def commands(processes: int, flags: list[str], port: int = hosts_lib.COORDINATOR_PORT) -> list[hosts_lib.HostCommand]:
+    return hosts_lib.commands(["127.0.0.1"] * processes, flags, port=port, python=sys.executable)
+
+
+def start(cmds: list[hosts_lib.HostCommand], env: dict | None = None, **popen) -> list[subprocess.Popen]:
+    """Starts every command here with its JAX_* variables added to `env` (default: os.environ)."""
+    base = dict(os.environ if env is None else env)
+    return [subprocess.Popen(c.argv, env={**base, **c.env}, **popen) for c in cmds]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--port", type=int, default=hosts_lib.COORDINATOR_PORT)
+    p.add_argument("--dry_run", action="store_true", help="print each process's command and exit")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags of experiments.train")
+    args = p.parse_args(argv)
+    if args.processes < 1:
+        p.error(f"--processes={args.processes} must be at least 1")
+    cmds = commands(args.processes, args.flags, args.port)
+    if args.dry_run:
+        for i, c in enumerate(cmds):
+            print(f"[process {i}] {c.shell()}")
+        return 0
+    logs = [None] + [open(f"launch_local.{i}.log", "w") for i in range(1, len(cmds))]
+    procs = [subprocess.Popen(c.argv, env={**os.environ, **c.env}, stdout=log, stderr=log)
+             for c, log in zip(cmds, logs)]
+    codes = [proc.wait() for proc in procs]
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
