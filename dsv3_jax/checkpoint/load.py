@@ -24,7 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import sharding
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, run_folder
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
@@ -163,8 +163,8 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
 
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None,
                     **config_overrides) -> DeepSeekV3:
-    """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`) or an
-    HF folder (`config.json` + safetensors).
+    """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
+    HF folder (`config.json` + safetensors), or a training run's folder (its latest step) or step folder.
 
     dtype: parameter dtype (default: as stored; bfloat16 for FP8); the compute dtype follows it.
     mesh: build each parameter directly in `NamedSharding(mesh, spec)`, each process reading only
@@ -173,10 +173,13 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
     path = os.fspath(path)
+    if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
+        return run_folder.load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
         return load_orbax(path, dtype, mesh=mesh, rules=rules, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         return load_hf(path, dtype, mesh=mesh, rules=rules, **config_overrides)
     raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
                           "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
-                          "config.json and model.safetensors or model.safetensors.index.json")
+                          "config.json and model.safetensors or model.safetensors.index.json, or a training run's "
+                          "folder (model_config.json, checkpoints/<step>)")
