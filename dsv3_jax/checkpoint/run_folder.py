@@ -84,7 +84,7 @@ def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overri
     """`DeepSeekV3` with the step's parameters and router biases (see `load_pretrained`)."""
     import orbax.checkpoint as ocp
 
-    from dsv3_jax.checkpoint.load import _placement, _variables
+    from dsv3_jax.checkpoint.load import _variables, placement
     from dsv3_jax.model import DeepSeekV3
     from dsv3_jax.model.params import RouterBias
 
@@ -94,7 +94,7 @@ def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overri
         config_overrides["param_dtype"] = jnp.dtype(dtype).name
     cfg = cfg.replace(**config_overrides)
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    variables, place = _variables(model), _placement(mesh, rules)
+    variables, place = _variables(model), placement(mesh, rules)
     target: dict = {}
     for p, var in variables.items():
         node = target.setdefault("router_bias" if isinstance(var, RouterBias) else "params", {})
