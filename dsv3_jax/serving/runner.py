@@ -70,7 +70,8 @@ class Runner:
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
         graphdef, self.state = nnx.split(model)
-        self.cache = init_cache(cfg, max_batch, max_seq_len, cache_dtype)
+        # committed to a device, as every step's output is: one compiled step for both
+        self.cache = jax.device_put(init_cache(cfg, max_batch, max_seq_len, cache_dtype), jax.devices()[0])
         self._prefill, self._decode = _compiled(graphdef, cache_dtype, max_seq_len)
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
