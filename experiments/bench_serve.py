@@ -2,7 +2,7 @@
 
     python -m experiments.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16]
 
-Without --checkpoint it writes a small random model (3 layers, hidden 512, 64 experts, fp32,
+Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
 the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
 side: sequential `generate()` calls on the same prompts (each shape compiled before timing), then
 `experiments.serve` in a subprocess driven over HTTP with streaming, `c` clients each sending
@@ -31,8 +31,9 @@ def make_model(folder: str) -> str:
     from dsv3_jax.convert import main as convert
     from experiments.make_synthetic_checkpoint import bench_config, make_checkpoint
 
-    cfg = bench_config(3, vocab_size=2048, num_mtp_layers=0, param_dtype="float32", compute_dtype="float32",
-                       max_position_embeddings=1024)
+    cfg = bench_config(3, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                       num_routed_experts=16, num_expert_groups=4, num_mtp_layers=0, param_dtype="float32",
+                       compute_dtype="float32", max_position_embeddings=1024)
     make_checkpoint(cfg, os.path.join(folder, "hf"), dtype="float32", seed=0)
     out = os.path.join(folder, "bench-model")
     if convert(["--no-progress", "--hf-dir", os.path.join(folder, "hf"), "--out", out]) != 0:
@@ -41,8 +42,9 @@ def make_model(folder: str) -> str:
 
 
 def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of four lengths (generate() compiles its prefill per length)."""
     rng = np.random.default_rng(seed)
-    return [[1] + rng.integers(3, 2048, int(rng.integers(8, 64))).tolist() for _ in range(n)]
+    return [[1] + rng.integers(3, 2048, (11, 23, 39, 55)[i % 4]).tolist() for i in range(n)]
 
 
 def bench_generate(checkpoint: str, prompts, max_tokens: int) -> dict:
@@ -69,7 +71,7 @@ def bench_generate(checkpoint: str, prompts, max_tokens: int) -> dict:
 class Server:
     def __init__(self, checkpoint: str, port: int, max_batch: int, max_seq_len: int):
         cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={checkpoint}", f"--port={port}",
-               f"--max_batch={max_batch}", f"--max_seq_len={max_seq_len}", "--chunk=64", "--max_queue=1024"]
+               f"--max_batch={max_batch}", f"--max_seq_len={max_seq_len}", "--chunk=32", "--max_queue=1024"]
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.port, self.model = port, os.path.basename(os.path.normpath(checkpoint))
@@ -141,13 +143,16 @@ def main(argv=None) -> None:
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_model(tmp.name)
     prompts = prompts_for(2 * args.requests)
+    print("sequential generate() ...", flush=True)
     rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens))]
+    print("starting experiments.serve (compiles before it listens) ...", flush=True)
     server = Server(checkpoint, args.port, args.max_batch, max_seq_len=256)
     try:
         server.stream(prompts[0], 4)  # first request through the HTTP stack
         for c in (1, 4, 16):
-            rows.append((f"server", c, bench_server(server, prompts[:args.requests * (2 if c == 16 else 1)],
-                                                    args.max_tokens, c)))
+            print(f"server at concurrency {c} ...", flush=True)
+            rows.append(("server", c, bench_server(server, prompts[:args.requests * (2 if c == 16 else 1)],
+                                                   args.max_tokens, c)))
     finally:
         server.close()
     base = rows[1][2]["tokens"] / rows[1][2]["wall"]

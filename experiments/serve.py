@@ -1,7 +1,7 @@
 """An OpenAI-compatible server over the continuous-batching engine.
 
     python -m experiments.serve --checkpoint=CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
-        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--cache_dtype=bfloat16]
+        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--use_mtp] [--cache_dtype=bfloat16]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
@@ -27,6 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=2048, help="context per slot: prompt + max_tokens")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
     p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
     p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--served_model_name", default=None, help="model id clients send (default: checkpoint folder name)")
@@ -45,7 +46,7 @@ def build(args: argparse.Namespace):
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
-                    chunk=args.chunk)
+                    chunk=args.chunk, use_mtp=args.use_mtp)
     start = time.perf_counter()
     runner.warm_up()
     logging.info("compiled prefill chunks %s and the decode step in %.1fs", runner.buckets, time.perf_counter() - start)

@@ -72,8 +72,8 @@ class Engine:
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
-        self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens; else the frontier
-        self.next_tokens = np.zeros(b, np.int32)
+        self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
+        self.next_tokens = np.zeros((b, 1 + runner.drafts), np.int32)  # last token, then MTP drafts
         self.sampling = RowSampling.greedy(b)
         self.waiting: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
@@ -162,12 +162,15 @@ class Engine:
         if active.any():
             start = time.perf_counter()
             result = self.runner.decode(tokens, positions, active, sampling)
-            self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts)
+            self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
+                                     drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
             with self.cond:
                 for slot in np.flatnonzero(active):
                     if self.slots[slot] is not None:  # not cancelled during the step
-                        self.positions[slot] += 1
-                        self._accept(slot, int(result.tokens[slot]))
+                        n = int(result.accepted[slot]) + 1
+                        self.positions[slot] += n
+                        self.next_tokens[slot] = result.next_tokens[slot]
+                        self._accept(slot, result.emitted[slot, :n].tolist())
 
     def _admit(self) -> None:
         for slot, r in enumerate(self.slots):
@@ -181,8 +184,9 @@ class Engine:
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, width = request.chunks[0]
-        token = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
-                                          width, sampling)
+        following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
+        nxt = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
+                                        width, sampling, following)
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return
@@ -190,27 +194,32 @@ class Engine:
             self.positions[slot] = start + valid
             if not request.chunks:
                 self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
-                self._accept(slot, token)
+                self.next_tokens[slot] = nxt
+                self._accept(slot, [int(nxt[0])])
 
-    def _accept(self, slot: int, token: int) -> None:
-        """Gives the slot's request its new token; ends it (and frees the slot) when it is done."""
+    def _accept(self, slot: int, tokens: list[int]) -> None:
+        """Gives the slot's request its new tokens, in order, up to the first that ends it; then
+        ends it (and frees the slot) when it is done."""
         request, p = self.slots[slot], self.slots[slot].params
-        request.generated.append(token)
-        self.next_tokens[slot] = token
-        self.metrics.generated_tokens += 1
-        reason, text = None, ""
-        if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
-            reason = "stop"
-        else:
-            text = request.stream.push([token])
-            if request.stream.stopped:
+        reason, text, kept = None, "", []
+        for token in tokens:
+            kept.append(token)
+            request.generated.append(token)
+            if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
                 reason = "stop"
-        if reason is None and len(request.generated) >= p.max_tokens:
-            reason = "length"
+            else:
+                text += request.stream.push([token])
+                if request.stream.stopped:
+                    reason = "stop"
+            if reason is None and len(request.generated) >= p.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        self.metrics.generated_tokens += len(kept)
         if reason is not None:
             text += request.stream.finish()
             self._free(slot)
-        request.sink(Event(text, [token], reason, len(request.prompt), len(request.generated)))
+        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated)))
         if reason is not None:
             self._finish(request, reason, emit=False)
 

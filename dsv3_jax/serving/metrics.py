@@ -35,8 +35,13 @@ class Metrics:
         self._window: collections.deque = collections.deque()  # (time, tokens) of recent steps
         self._lock = threading.Lock()
 
-    def decode_step(self, seconds: float, tokens: int, expert_counts: np.ndarray | None) -> None:
+    def decode_step(self, seconds: float, rows: int, expert_counts: np.ndarray | None, *, drafts: int = 0,
+                    accepted: int = 0) -> None:
+        """One decode step over `rows` active slots; with MTP, `accepted` of their `drafts` each were kept."""
+        tokens = rows + accepted
         with self._lock:
+            self.proposed_drafts += rows * drafts
+            self.accepted_drafts += accepted
             self.decode_steps += 1
             self.decode_seconds += seconds
             now = time.monotonic()

@@ -1,9 +1,11 @@
 """The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
-prompt into one slot's rows, and one decode step over every slot at its own position.
+prompt into one slot's rows, and one decode step over every slot at its own position, optionally
+with MTP speculation (each slot feeds its last token and M drafts; `speculation.accept_rows`).
 
-Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts.
+Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
+M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
 
-All model math is `dsv3_jax.inference.decode.model_step`, the same step `generate()` runs:
+All model math is `dsv3_jax.inference.decode.model_step` and `mtp_draft`, the steps `generate()` runs:
   * the first chunk of a prompt (window starting at position 0) takes the model's own MLA, as
     `generate()`'s prefill does;
   * later chunks and the decode step take absorbed attention over the cache, causal by position.
@@ -27,12 +29,15 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax.inference.cache import CACHE_DTYPES, init_cache
-from dsv3_jax.inference.decode import model_step
+from dsv3_jax.inference.decode import model_step, mtp_draft
 from dsv3_jax.serving.sampling import RowSampling, sample_rows
+from dsv3_jax.serving.speculation import accept_rows
 
 
 class StepResult(NamedTuple):
-    tokens: np.ndarray  # int32 [B]: the next token of every slot (meaningless for idle slots)
+    emitted: np.ndarray  # int32 [B, K]: slot b's new tokens are emitted[b, :accepted[b] + 1]
+    accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
+    next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
     expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
 
 
@@ -57,8 +62,10 @@ class Runner:
     """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
-                 chunk: int = 64):
+                 chunk: int = 64, use_mtp: bool = False):
         cfg = model.config
+        if use_mtp and model.mtp is None:
+            raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
         cache_dtype = cache_dtype or cfg.compute_dtype
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
@@ -69,10 +76,13 @@ class Runner:
             raise ValueError(f"max_batch must be >= 1 and chunk a power of two, got {max_batch=}, {chunk=}")
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
+        self.drafts = cfg.num_mtp_layers if use_mtp else 0
+        self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
         graphdef, self.state = nnx.split(model)
         # committed to a device, as every step's output is: one compiled step for both
-        self.cache = jax.device_put(init_cache(cfg, max_batch, max_seq_len, cache_dtype), jax.devices()[0])
-        self._prefill, self._decode = _compiled(graphdef, cache_dtype, max_seq_len)
+        cache = init_cache(cfg, max_batch, max_seq_len, cache_dtype, with_mtp=use_mtp)
+        self.cache = jax.device_put(cache, jax.devices()[0])
+        self._prefill, self._decode = _compiled(graphdef, cache_dtype, max_seq_len, use_mtp)
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
@@ -82,25 +92,27 @@ class Runner:
             out.append((start, valid, next(w for w in self.buckets if w >= valid)))
         return out
 
-    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling
-                      ) -> int:
-        """Writes `tokens` (positions start ..) into the slot's rows; returns the token that would
-        follow the last one (sampled with the slot's row of `sampling`; the caller keeps it only
-        after a prompt's last chunk)."""
-        padded = np.zeros((1, width), np.int32)
+    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling,
+                      following: int = -1) -> np.ndarray:
+        """Writes `tokens` (positions start ..) into the slot's rows. `following`: the prompt token
+        after this chunk, -1 for the last chunk. Returns int32 [K]: the sampled next token (kept by
+        the caller only after the last chunk) and the MTP drafts that follow it."""
+        padded = np.zeros((2, width + 1), np.int32)  # row 0 the chunk, row 1 the chunk shifted left
         padded[0, :len(tokens)] = tokens
+        padded[1, :len(tokens) - 1] = tokens[1:]
         row = RowSampling(*(a[slot:slot + 1] for a in sampling))
-        token, self.cache = self._prefill[start == 0](self.state, self.cache, jnp.asarray(padded), np.int32(slot),
-                                                      np.int32(start), np.int32(len(tokens)), row)
-        return int(token[0])
+        out, self.cache = self._prefill[start == 0](self.state, self.cache, jnp.asarray(padded[:, :width]),
+                                                    np.int32(slot), np.int32(start), np.int32(len(tokens)),
+                                                    np.int32(following), row)
+        return np.asarray(out)
 
-    def decode(self, tokens_B: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
+    def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
-        """One step: slot b feeds tokens[b] at positions[b] and gets its next token."""
-        tokens, counts, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_B, jnp.int32),
-                                                  jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B),
-                                                  sampling)
-        return StepResult(np.asarray(tokens), None if counts is None else np.asarray(counts))
+        """One step: slot b feeds tokens[b] (its last token, then its drafts) from positions[b]."""
+        out, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_BxK, jnp.int32),
+                                       jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B), sampling)
+        emitted, accepted, nxt, counts = jax.device_get(out)
+        return StepResult(emitted, accepted, nxt, counts)
 
     def warm_up(self) -> None:
         """Compiles every prefill bucket and the decode step (on slot 0, whose rows hold nothing yet)."""
@@ -110,29 +122,46 @@ class Runner:
                 if start + w < self.max_seq_len:
                     self.prefill_chunk(0, np.zeros(w, np.int32), start, w, greedy)
         zeros = np.zeros(self.max_batch, np.int32)
-        self.decode(zeros, zeros, np.zeros(self.max_batch, bool), greedy)
+        self.decode(np.zeros((self.max_batch, 1 + self.drafts), np.int32), zeros, np.zeros(self.max_batch, bool),
+                    greedy)
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(graphdef, cache_dtype: str, max_seq_len: int):
-    def prefill(first: bool, state, cache, tokens_1xW, slot, start, valid, sampling):
+def _compiled(graphdef, cache_dtype: str, max_seq_len: int, use_mtp: bool):
+    def prefill(first: bool, state, cache, tokens_2xW, slot, start, valid, following, sampling):
         model = nnx.merge(graphdef, state)
-        w = tokens_1xW.shape[1]
-        index = jnp.arange(w, dtype=jnp.int32)[None]
+        tokens, shifted = tokens_2xW[:1], tokens_2xW[1:]
+        index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
         positions = jnp.minimum(start + index, max_seq_len - 1)  # padding writes stay inside the cache
-        out = model_step(model, _rows(cache, slot), tokens_1xW, positions, prefill=first, cache_dtype=cache_dtype,
+        rows = _rows(cache, slot)
+        out = model_step(model, rows, tokens, positions, prefill=first, cache_dtype=cache_dtype,
                          token_mask_BxW=index < valid)
         last = jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True)  # [1, V]
         token = sample_rows(last, sampling, (start + valid)[None])
-        return token, _put_rows(cache, out.cache, slot)
+        rows, nxt = out.cache, token[:, None]
+        if use_mtp:  # the MTP depths read t_{i+1} at i: the next prompt token, or the sampled one
+            after = jnp.where(following >= 0, following, token[0])
+            drafts, rows = mtp_draft(model, rows, out.hidden, shifted.at[0, valid - 1].set(after), positions,
+                                     (valid - 1)[None], prefill=first, cache_dtype=cache_dtype)
+            nxt = jnp.concatenate([nxt, drafts], axis=1)
+        return nxt[0], _put_rows(cache, rows, slot)
 
-    def decode(state, cache, tokens_B, positions_B, active_B, sampling):
+    def decode(state, cache, tokens_BxK, positions_B, active_B, sampling):
         model = nnx.merge(graphdef, state)
-        out = model_step(model, cache, tokens_B[:, None], positions_B[:, None], prefill=False,
-                         cache_dtype=cache_dtype, token_mask_BxW=active_B[:, None])
-        token = sample_rows(out.logits[:, 0], sampling, positions_B + 1)
+        b, k = tokens_BxK.shape
+        positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
+        out = model_step(model, cache, tokens_BxK, positions_BxK, prefill=False, cache_dtype=cache_dtype,
+                         token_mask_BxW=jnp.broadcast_to(active_B[:, None], (b, k)))
         counts = None if out.router_stats is None else out.router_stats.expert_counts
-        return token, counts, out.cache
+        if not use_mtp:
+            token = sample_rows(out.logits[:, 0], sampling, positions_B + 1)[:, None]
+            return (token, jnp.zeros_like(positions_B), token, counts), out.cache
+        emitted, accepted = accept_rows(out.logits, tokens_BxK[:, 1:], sampling, positions_B)
+        # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
+        drafts, cache = mtp_draft(model, out.cache, out.hidden, emitted, positions_BxK, accepted, prefill=False,
+                                  cache_dtype=cache_dtype)
+        last = emitted[jnp.arange(b), accepted]
+        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts), cache
 
     jit_prefill = {first: jax.jit(functools.partial(prefill, first), donate_argnums=1) for first in (True, False)}
     return jit_prefill, jax.jit(decode, donate_argnums=1)

@@ -34,7 +34,7 @@ class BadRequest(Exception):
 
 def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
-    tok, max_seq_len, vocab = chat.tokenizer, engine.runner.max_seq_len, engine.runner.config.vocab_size
+    tok, max_seq_len, vocab = chat.tokenizer, engine.runner.context, engine.runner.config.vocab_size
 
     def error(status: int, message: str, param: str | None = None) -> JSONResponse:
         engine.metrics.response(status)

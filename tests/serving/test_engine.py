@@ -64,6 +64,29 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
         assert sink.reason == "length"
 
 
+def test_mtp_speculation_keeps_greedy_output(model):
+    """With MTP drafts verified per slot, greedy requests still equal plain generate() alone."""
+    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=CHUNK, use_mtp=True)
+    eng = Engine(runner, load_tokenizer(), max_queue=16)
+    eng.start()
+    try:
+        rng = np.random.RandomState(1)
+        prompts = [rng.randint(0, VOCAB, n).tolist() for n in (3, 8, 17, 30, 8, 3)]
+        max_tokens = [12, 9, 14, 7, 16, 11]
+        sinks = [Collector() for _ in prompts]
+        for prompt, n, sink in zip(prompts, max_tokens, sinks):
+            eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
+        for sink in sinks:
+            assert sink.done.wait(300), "a request never finished"
+    finally:
+        eng.shutdown()
+    for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
+        alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
+        assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
+    m = eng.metrics
+    assert m.proposed_drafts > 0 and 0 <= m.accepted_drafts <= m.proposed_drafts
+
+
 def test_cancel_frees_the_slot_at_once(engine):
     sink = Collector()
     request = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), sink))
