@@ -65,8 +65,7 @@ def main(argv=None) -> None:
 
     @jax.jit
     def step(state, cache, tokens, positions):
-        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None], prefill=False,
-                         cache_dtype=args.cache_dtype)
+        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None])
         return out.logits, out.cache
 
     print(f"backend {jax.default_backend()}, batch {args.batch}, {cfg.num_layers} layers, {cfg.num_heads} heads, "

@@ -8,37 +8,28 @@ Cache dtypes (`cache_dtype`):
   "float8": the FlashMLA layout, c as e4m3 with one fp32 scale per 128 values (DeepSeek's 1x128
     activation recipe) and k_pe in bf16: C + 4 G + 2 R bytes (656 for the 671B preset).
 
-The cache is indexed by absolute position: slot s holds the token at position s. Slots at or past a
-row's length hold stale entries that attention never reads (queries see keys at positions <= their
-own), so rejected speculative tokens need no rollback.
+The cache is indexed by absolute position: slot s holds the token at position s. A call's tokens see
+the slots before their positions and their own new entries, never a slot past them: stale entries
+(rejected speculative tokens, a padded prefill chunk) need no rollback.
+
+The types (`LatentCache`, `ModelCache`) belong to the model, which reads and writes them; this file
+fixes their layout: dtypes, sizes and buckets.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model.attention import LatentCache
+from dsv3_jax.model.transformer import ModelCache
+from dsv3_jax.ops.latent_attention import FP8_BLOCK, dequantize as decode_latent, encode  # noqa: F401 (re-exported)
 
 CACHE_DTYPES = ("float32", "bfloat16", "float8")
-FP8_BLOCK = 128
-
-
-class StackCache(NamedTuple):
-    """Cache of one layer stack (dense layers, MoE layers or MTP depths), stacked on L."""
-
-    latent: jax.Array  # [L, B, S, C] float32 | bfloat16 | float8_e4m3fn
-    latent_scale: jax.Array | None  # [L, B, S, G] float32 for float8, else None
-    k_pe: jax.Array  # [L, B, S, R] float32 | bfloat16 (bfloat16 for float8)
-
-
-class KVCache(NamedTuple):
-    dense: StackCache | None
-    moe: StackCache | None
-    mtp: StackCache | None
+StackCache = LatentCache  # one layer stack (dense layers, MoE layers or MTP depths): [L, B, S, ...]
+KVCache = ModelCache  # every stack of the model
 
 
 def _check_dtype(cache_dtype: str) -> None:
@@ -83,24 +74,3 @@ def bucket_slots(needed: int) -> int:
     """Cache length for `needed` positions: the next power of two (at least 16), so that one compiled
     decode step serves every prompt + generation length up to it."""
     return max(16, 1 << max(needed - 1, 0).bit_length())
-
-
-def encode(latent_BxTxC: jax.Array, k_pe_BxTxR: jax.Array, cache_dtype: str):
-    """Fresh entries -> (latent, latent_scale | None, k_pe) in the cache's dtypes."""
-    if cache_dtype != "float8":
-        dt = jnp.dtype(cache_dtype)
-        return latent_BxTxC.astype(dt), None, k_pe_BxTxR.astype(dt)
-    from pallas_kernels import quantize_1x128  # the DeepSeek 1x128 recipe; kernels import on demand
-
-    b, t, c = latent_BxTxC.shape
-    q, scale = quantize_1x128(latent_BxTxC.reshape(b * t, c))
-    return q.reshape(b, t, c), scale.reshape(b, t, -1), k_pe_BxTxR.astype(jnp.bfloat16)
-
-
-def decode_latent(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None, dtype) -> jax.Array:
-    """Cached latent -> `dtype` values (fp8 entries times their per-128 scale)."""
-    if scale_BxSxG is None:
-        return latent_BxSxC.astype(dtype)
-    c = latent_BxSxC.shape[-1]
-    scale = jnp.repeat(scale_BxSxG, FP8_BLOCK, axis=-1)[..., :c]
-    return (latent_BxSxC.astype(jnp.float32) * scale).astype(dtype)

@@ -1,4 +1,4 @@
-"""Autoregressive generation: one prefill pass, then one compiled decode step reused for every token.
+"""Autoregressive generation: a chunked prefill, then one compiled decode step reused for every token.
 
 Output layout (ragged batches): prompts are right-padded, row b's prompt is prompts[b, :lengths[b]].
 The result is int32 [B, T + max_new_tokens]; row b holds its prompt, then its generated tokens from
@@ -6,11 +6,14 @@ index lengths[b], then `pad_id`. A row stops after its first stop token (kept); 
 `pad_id`. Positions are 0 .. lengths[b] - 1 for the prompt, as in training.
 
 Compilation: the cache length is a power-of-two bucket of T + max_new_tokens (+ drafts), so the
-decode step compiles once per (batch, bucket, options) and is reused across tokens and calls.
+decode step compiles once per (batch, bucket, options) and the prefill once per (batch, bucket,
+chunk shape) (`prefill.plan`), whatever the prompt length; both are reused across tokens and calls.
+`GenerateStats` counts the traces of each call.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -21,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv3_jax.inference import speculative
+from dsv3_jax.inference import prefill, speculative
 from dsv3_jax.inference.cache import CACHE_DTYPES, bucket_slots, init_cache
-from dsv3_jax.inference.decode import TRACE_COUNTS, model_step
+from dsv3_jax.inference.decode import model_step
 from dsv3_jax.inference.sampling import SamplingConfig, sample
 from dsv3_jax.model.transformer import check_tokens
 
@@ -41,6 +44,9 @@ class GenerateStats:
     proposed_drafts: int = 0
     accepted_drafts: int = 0
     prompt_expert_counts: np.ndarray | None = None  # float32 [L_moe, E] routed prompt tokens per expert
+    prefill_chunks: int = 0  # chunk steps the prompt took
+    prefill_traces: int = 0  # prefill chunk steps traced (compiled) during this call
+    decode_traces: int = 0  # decode steps traced during this call
 
     @property
     def acceptance_rate(self) -> float:
@@ -68,38 +74,35 @@ def _constrain(tree, sharding):
     return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), tree)
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(graphdef, kind: str, sampling: SamplingConfig, cache_dtype: str, cache_sharding):
-    """Jitted steps, pure in (state, cache, tokens, positions, key); cached so calls reuse them."""
+class Steps(NamedTuple):
+    prefill: object  # jitted prefill.prefill_chunk, pure in (state, cache, window, start, lengths, carry, key)
+    decode: object  # jitted (state, cache, tokens, positions, key) -> (emitted, accepted, next tokens, cache)
+    traces: collections.Counter  # "prefill" / "decode": times each was traced, for this bundle only
 
-    def prefill(state, cache, prompts, lengths, key):
-        TRACE_COUNTS[f"{kind}_prefill"] += 1
-        model = nnx.merge(graphdef, state)
-        if kind == "mtp":
-            first, nxt, stats, cache = speculative.prefill(model, cache, prompts, lengths, key, sampling=sampling,
-                                                           cache_dtype=cache_dtype)
-        else:
-            b, t = prompts.shape
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            out = model_step(model, cache, prompts, positions, prefill=True, cache_dtype=cache_dtype,
-                             token_mask_BxW=positions < lengths[:, None])
-            first = sample(out.logits[jnp.arange(b), lengths - 1], key, sampling)
-            nxt, stats, cache = first[:, None], out.router_stats, out.cache
-        counts = None if stats is None else stats.expert_counts
-        return first, nxt, counts, _constrain(cache, cache_sharding)
+
+@functools.lru_cache(maxsize=32)
+def _compiled(graphdef, use_mtp: bool, sampling: SamplingConfig, cache_sharding) -> Steps:
+    """Jitted steps, pure in (state, cache, tokens, positions, key); cached so calls reuse them."""
+    traces = collections.Counter()
+
+    def prefill_step(state, cache, window, start, lengths, carry, key, *, width):
+        traces["prefill"] += 1
+        carry, cache = prefill.prefill_chunk(nnx.merge(graphdef, state), cache, window, start, lengths, carry, key,
+                                             width=width, sampling=sampling)
+        return carry, _constrain(cache, cache_sharding)
 
     def decode(state, cache, tokens, positions, key):
-        TRACE_COUNTS[f"{kind}_decode"] += 1
+        traces["decode"] += 1
         model = nnx.merge(graphdef, state)
-        if kind == "mtp":
-            emitted, accepted, nxt, cache = speculative.step(model, cache, tokens, positions, key, sampling=sampling,
-                                                             cache_dtype=cache_dtype)
+        if use_mtp:
+            emitted, accepted, nxt, cache = speculative.step(model, cache, tokens, positions, key, sampling=sampling)
             return emitted, accepted, nxt, _constrain(cache, cache_sharding)
-        out = model_step(model, cache, tokens, positions[:, None], prefill=False, cache_dtype=cache_dtype)
+        out = model_step(model, cache, tokens, positions[:, None])
         token = sample(out.logits[:, 0], key, sampling)
         return token[:, None], jnp.zeros_like(positions), token[:, None], _constrain(out.cache, cache_sharding)
 
-    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)
+    return Steps(jax.jit(prefill_step, donate_argnums=1, static_argnames="width"),
+                 jax.jit(decode, donate_argnums=1), traces)
 
 
 def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp, cache_dtype):
@@ -138,8 +141,10 @@ class Generation:
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
-                 pad_id: int = 0, cache_dtype: str | None = None, param_shardings=None, cache_sharding=None):
+                 pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
+                 param_shardings=None, cache_sharding=None):
         cfg = model.config
+        prefill.check_chunk(prefill_chunk)
         cache_dtype = cache_dtype or cfg.compute_dtype
         self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp,
                                                cache_dtype)
@@ -148,12 +153,14 @@ class Generation:
         self.key = jax.random.key(seed)
         graphdef, state = nnx.split(model)
         self.state = state if param_shardings is None else jax.device_put(state, param_shardings)
-        drafts = cfg.num_mtp_layers if use_mtp else 0
+        self.depths = cfg.num_mtp_layers if use_mtp else 0
         b, t = self.prompts.shape
-        cache = init_cache(cfg, b, bucket_slots(t + max_new_tokens + drafts), cache_dtype, with_mtp=use_mtp)
+        self.chunks = prefill.plan(t, prefill_chunk)
+        slots = bucket_slots(max(t + max_new_tokens + self.depths, prefill.padded_end(t, prefill_chunk)))
+        cache = init_cache(cfg, b, slots, cache_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
-        self.prefill_fn, self.decode_fn = _compiled(graphdef, "mtp" if use_mtp else "plain", self.sampling,
-                                                    cache_dtype, cache_sharding)
+        self.steps = _compiled(graphdef, use_mtp, self.sampling, cache_sharding)
+        self._moe_counts_shape = (cfg.num_moe_layers, cfg.num_routed_experts) if cfg.num_moe_layers else None
         self.stats = GenerateStats()
         self._out = np.full((b, t + max_new_tokens), pad_id, np.int32)
         self._out[:, :t] = np.where(np.arange(t)[None] < self.lengths[:, None], self.prompts, pad_id)
@@ -175,21 +182,35 @@ class Generation:
         self.stats.generated_tokens += int(counts.sum())
         return StepTokens(tokens_BxK, counts)
 
+    def _prefill(self) -> jax.Array:
+        """Runs the prompt through the cache chunk by chunk; returns the first decode step's tokens."""
+        b = self.prompts.shape[0]
+        carry = prefill.init_carry(b, self.depths, self._moe_counts_shape)
+        lengths = jnp.asarray(self.lengths)
+        for start, width in self.chunks:
+            window = jnp.asarray(prefill.window(self.prompts, start, width, self.depths))
+            carry, self.cache = self.steps.prefill(self.state, self.cache, window, jnp.int32(start), lengths, carry,
+                                                   self.key, width=width)
+        self.stats.prefill_chunks = len(self.chunks)
+        if carry.expert_counts is not None:
+            self.stats.prompt_expert_counts = np.asarray(carry.expert_counts)
+        return jnp.concatenate([carry.first[:, None], carry.drafts], axis=1)
+
     def __iter__(self) -> Iterator[StepTokens]:
+        traces_before = dict(self.steps.traces)
         start = time.perf_counter()
-        first, tokens, expert_counts, self.cache = self.prefill_fn(
-            self.state, self.cache, jnp.asarray(self.prompts), jnp.asarray(self.lengths), self.key)
-        first = np.asarray(first)
+        tokens = self._prefill()
+        first = np.asarray(tokens[:, 0])
         self.stats.prefill_seconds = time.perf_counter() - start
-        if expert_counts is not None:
-            self.stats.prompt_expert_counts = np.asarray(expert_counts)
+        self.stats.prefill_traces = self.steps.traces["prefill"] - traces_before.get("prefill", 0)
         yield self._keep(first[:, None], np.ones_like(self._count))
         positions = self.lengths.copy()
         while not self._done.all():
             active, start = ~self._done, time.perf_counter()
             key = jax.random.fold_in(self.key, self.stats.forwards + 1)
-            emitted, accepted, tokens, self.cache = self.decode_fn(self.state, self.cache, tokens,
-                                                                   jnp.asarray(positions), key)
+            emitted, accepted, tokens, self.cache = self.steps.decode(self.state, self.cache, tokens,
+                                                                      jnp.asarray(positions), key)
+            self.stats.decode_traces = self.steps.traces["decode"] - traces_before.get("decode", 0)
             emitted, accepted = np.asarray(emitted), np.asarray(accepted)
             seconds = time.perf_counter() - start
             self.stats.forwards += 1
@@ -214,19 +235,21 @@ class Generation:
 
 def generate(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
-             pad_id: int = 0, cache_dtype: str | None = None, return_stats: bool = False, **placement):
+             pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
+             return_stats: bool = False, **placement):
     """Generates up to `max_new_tokens` per row after int32 `prompts` [B, T].
 
     temperature 0 is greedy; otherwise samples (top_k, top_p as in `sampling`) reproducibly for a
     `seed`. `lengths` [B] gives ragged (right-padded) prompt lengths. `use_mtp` drafts with the MTP
     modules and verifies in one step (same tokens as without when greedy; same distribution when
     sampling). `cache_dtype` is "float32", "bfloat16" or "float8" (default: the compute dtype).
+    The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two).
     Returns int32 [B, T + max_new_tokens] (layout in the module docstring) and, with
     `return_stats`, a GenerateStats (acceptance_rate, tokens_per_forward, timings).
     """
     gen = Generation(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      lengths=lengths, stop_tokens=stop_tokens, use_mtp=use_mtp, pad_id=pad_id,
-                     cache_dtype=cache_dtype, **placement)
+                     cache_dtype=cache_dtype, prefill_chunk=prefill_chunk, **placement)
     for _ in gen:
         pass
     out = jnp.asarray(gen.output())

@@ -16,10 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax.inference.cache import KVCache
 from dsv3_jax.inference.decode import model_step, mtp_draft
-from dsv3_jax.inference.sampling import SamplingConfig, probabilities, sample
-from dsv3_jax.model.mtp import shift_left
+from dsv3_jax.inference.sampling import SamplingConfig, probabilities
+from dsv3_jax.model import ModelCache
 
 
 def accept(logits_BxKxV: jax.Array, drafts_BxM: jax.Array, key: jax.Array, cfg: SamplingConfig
@@ -44,21 +43,7 @@ def accept(logits_BxKxV: jax.Array, drafts_BxM: jax.Array, key: jax.Array, cfg: 
     return emitted, accepted
 
 
-def prefill(model, cache: KVCache, prompts_BxT, lengths_B, key, *, sampling: SamplingConfig, cache_dtype: str):
-    """Prompt pass of the main model and the MTP depths. Returns (first token [B], next step's
-    tokens [B, K] = [first, drafts], prompt router stats, cache)."""
-    b, t = prompts_BxT.shape
-    rows, positions = jnp.arange(b), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = model_step(model, cache, prompts_BxT, positions, prefill=True, cache_dtype=cache_dtype,
-                     token_mask_BxW=positions < lengths_B[:, None])
-    first = sample(out.logits[rows, lengths_B - 1], key, sampling)
-    next_tokens = shift_left(prompts_BxT, 1).at[rows, lengths_B - 1].set(first)
-    drafts, cache = mtp_draft(model, out.cache, out.hidden, next_tokens, positions, lengths_B - 1, prefill=True,
-                              cache_dtype=cache_dtype)
-    return first, jnp.concatenate([first[:, None], drafts], axis=1), out.router_stats, cache
-
-
-def step(model, cache: KVCache, tokens_BxK, positions_B, key, *, sampling: SamplingConfig, cache_dtype: str):
+def step(model, cache: ModelCache, tokens_BxK, positions_B, key, *, sampling: SamplingConfig):
     """Verify [t_n, drafts] at n = positions, then draft again from the last kept token.
 
     Returns (emitted [B, K], accepted [B], next step's tokens [B, K], cache); the next step starts at
@@ -66,10 +51,10 @@ def step(model, cache: KVCache, tokens_BxK, positions_B, key, *, sampling: Sampl
     """
     b, k = tokens_BxK.shape
     positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
-    out = model_step(model, cache, tokens_BxK, positions_BxK, prefill=False, cache_dtype=cache_dtype)
+    out = model_step(model, cache, tokens_BxK, positions_BxK)
     emitted, accepted = accept(out.logits, tokens_BxK[:, 1:], key, sampling)
     # emitted[:, i] is the token at n + i + 1 for i <= accepted: exactly the MTP's next-token input.
-    drafts, cache = mtp_draft(model, out.cache, out.hidden, emitted, positions_BxK, accepted, prefill=False,
-                              cache_dtype=cache_dtype)
+    next_tokens = jnp.concatenate([emitted, jnp.zeros((b, k - 1), jnp.int32)], axis=1)
+    drafts, cache = mtp_draft(model, out.cache, out.hidden, next_tokens, positions_BxK, accepted)
     last = emitted[jnp.arange(b), accepted]
     return emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), cache

@@ -1,14 +1,23 @@
-"""Multi-head Latent Attention (training / prefill form).
+"""Multi-head Latent Attention, one module with two forms chosen per call.
 
-Letters: B batch, T length, D model, H heads, Q q_lora_rank, C kv_lora_rank (latent),
-N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, K = N + R.
+Letters: B batch, T length, S cache slots, D model, H heads, Q q_lora_rank, C kv_lora_rank (latent),
+N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, K = N + R, L layers of a stack.
 
 c_q = RMSNorm(x W_qa); q = c_q W_qb  -> [H, N | R]
 [c_kv | k_pe] = x W_kva; c_kv = RMSNorm(c_kv); k_pe = rope(k_pe), one head shared by all heads
 [k_nope | v] = c_kv W_kvb per head; scores = (q_nope.k_nope + q_pe.k_pe) * softmax_scale
+
+Expanded form (no cache: training): k_nope and v per head from c_kv, causal attention over the call.
+Absorbed form (with a latent cache: prefill chunks, decode, speculative verify; DeepSeek-V3
+section 2.1.1): with k_nope[h] = W_uk[h] c and v[h] = W_uv[h] c,
+  q_nope[h] . k_nope[h] = (W_uk[h]^T q_nope[h]) . c = q_lat[h] . c
+  sum_s p_s v_s[h] = W_uv[h] (sum_s p_s c_s) = W_uv[h] o_lat[h]
+so a call reads only the cached c [S, C] and k_pe [S, R], never per-head keys or values.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +27,34 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
+from dsv3_jax.ops import latent_attention
 from dsv3_jax.ops.attention import attention as xla_attention
 from dsv3_jax.ops.linear import project
+
+
+class LatentCache(NamedTuple):
+    """MLA's cache: normalised latent and roped key per token, indexed by position (slot s holds
+    position s). Arrays are [B, S, ...] for one layer, [L, B, S, ...] for a layer stack, or
+    [B, W, ...] for the entries one call writes. The dtypes are the cache layout
+    (`dsv3_jax.inference.cache`); a float8 latent comes with its per-128 scales."""
+
+    latent: jax.Array  # [(L,) B, S, C] float32 | bfloat16 | float8_e4m3fn
+    latent_scale: jax.Array | None  # [(L,) B, S, G] float32 for float8, else None
+    k_pe: jax.Array  # [(L,) B, S, R] float32 | bfloat16
+
+    @property
+    def cache_dtype(self) -> str:
+        return "float8" if self.latent_scale is not None else jnp.dtype(self.latent.dtype).name
+
+    def layer(self, index) -> LatentCache:
+        """One layer of a stacked cache (index may be traced)."""
+        return LatentCache(*(None if a is None else a[index] for a in self))
+
+    def write(self, entries: LatentCache, positions_BxW: jax.Array, layer=None) -> LatentCache:
+        """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked)."""
+        rows = jnp.arange(positions_BxW.shape[0])[:, None]
+        index = (rows, positions_BxW) if layer is None else (layer, rows, positions_BxW)
+        return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
 
 
 def _attention_fn(impl: str):
@@ -68,9 +103,21 @@ class MLA(nnx.Module):
         c_kv, k_pe = jnp.split(kv_a, [self.cfg.kv_lora_rank], axis=-1)
         return self.kv_norm(c_kv), apply_rope(k_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
-    def __call__(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
+    def __call__(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None,
+                 *, cache: LatentCache | None = None, positions: jax.Array | None = None):
+        """x [B, T, D], cos/sin [B, T, R/2], segment_ids [B, T] or None -> [B, T, D] (expanded form).
+
+        With `cache` (one layer, [B, S, ...]) and the tokens' `positions` [B, T] (consecutive per row):
+        the absorbed form over the cache slots before `positions` plus this call's own entries.
+        Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
+        """
+        if cache is not None:
+            return self.absorbed(x_BxTxD, cos, sin, cache, positions)
+        return self.expanded(x_BxTxD, cos, sin, segment_ids)
+
+    def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        """x [B, T, D], cos/sin [B, T, R/2], segment_ids [B, T] or None -> [B, T, D]."""
+        """Causal attention with per-head keys and values expanded from the latent -> [B, T, D]."""
         cfg = self.cfg
         q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
@@ -81,3 +128,19 @@ class MLA(nnx.Module):
         k = jnp.concatenate([k_nope, k_pe_BxSxHxR], axis=-1)
         out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
         return self._mm("BTHV,HVD->BTD", out, self.wo)
+
+    def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
+                 positions_BxT: jax.Array) -> tuple[jax.Array, LatentCache]:
+        """Queries in the latent space over the cache slots before `positions` and the call's own entries."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
+        q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+        own = self.latent(x_BxTxD, cos, sin)
+        entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
+        w_uk, w_uv = jnp.split(self.wkv_b[...].astype(dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
+        q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
+        attend = (latent_attention.attend_pallas if cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
+                  else latent_attention.attend)
+        o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
+        out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
+        return self._mm("BTHV,HVD->BTD", out.astype(dt), self.wo), entries

@@ -1,4 +1,8 @@
-"""Pre-norm transformer block: x += MLA(norm(x)); x += FFN(norm(x)), FFN dense or MoE."""
+"""Pre-norm transformer block: x += MLA(norm(x)); x += FFN(norm(x)), FFN dense or MoE.
+
+With a latent cache the same block serves inference: MLA runs its absorbed form over the cache
+and the stack writes each layer's new entries in place (`run_stack`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model.attention import MLA
+from dsv3_jax.model.attention import MLA, LatentCache
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
@@ -23,6 +27,7 @@ class Context(NamedTuple):
     sin: jax.Array  # [B, T, R/2]
     segment_ids: jax.Array | None  # [B, T] documents of a packed row (0 = padding)
     token_mask: jax.Array | None  # [B, T] bool, tokens that count in router statistics
+    positions: jax.Array | None = None  # [B, T] positions = cache slots written; None without a cache
 
 
 class Block(nnx.Module):
@@ -37,27 +42,45 @@ class Block(nnx.Module):
             self.ffn = MLP(d, cfg.intermediate_size, std=cfg.initializer_range, param_dtype=pd,
                            compute_dtype=cfg.compute_dtype, rngs=rngs, fp8=cfg.fp8_matmul)
 
-    def __call__(self, x_BxTxD: jax.Array, ctx: Context) -> tuple[jax.Array, RouterStats | None]:
-        x = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), ctx.cos, ctx.sin, ctx.segment_ids)
+    def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None):
+        """x [B, T, D] -> (x, router stats | None); with this layer's `cache` [B, S, ...] also the
+        entries [B, T, ...] to store at `ctx.positions`: (x, stats, entries)."""
+        a = self.attn(self.attn_norm(x_BxTxD), ctx.cos, ctx.sin, ctx.segment_ids, cache=cache,
+                      positions=ctx.positions)
+        a, entries = a if cache is not None else (a, None)
+        x = x_BxTxD + a
         if isinstance(self.ffn, MoE):
             y, stats = self.ffn(self.ffn_norm(x), ctx.token_mask)
         else:
             y, stats = self.ffn(self.ffn_norm(x)), None
-        return x + y, stats
+        return (x + y, stats) if cache is None else (x + y, stats, entries)
 
 
-def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool):
+def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None):
     """Runs layer-stacked blocks with one scan (compile time flat in depth).
 
-    Returns (x, per-layer stats stacked on a leading axis, or None for dense blocks).
+    Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): with a
+    stacked `cache` [L, B, S, ...] it rides in the carry and each layer's entries are written in
+    place at `ctx.positions`; without one the returned cache is None.
     """
+    if cache is not None:
+        def cached(carry, block, layer):
+            x, stack = carry
+            x, stats, entries = block(x, ctx, stack.layer(layer))
+            return (x, stack.write(entries, ctx.positions, layer)), stats
+
+        num_layers = cache.latent.shape[0]
+        scan = nnx.scan(cached, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        (x, cache), stats = scan((x_BxTxD, cache), blocks, jnp.arange(num_layers))
+        return x, stats, cache
 
     def body(x, block):
         return block(x, ctx)
 
     if remat:
         body = nnx.remat(body)
-    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_BxTxD, blocks)
+    x, stats = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_BxTxD, blocks)
+    return x, stats, None
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,

@@ -13,8 +13,8 @@ from flax import nnx
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
+from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.block import Block, Context
-from dsv3_jax.model.moe import RouterStats
 from dsv3_jax.model.norm import RMSNorm
 
 
@@ -28,15 +28,16 @@ class MTPLayer(nnx.Module):
         self.block = Block(cfg, moe=True, rngs=rngs)
         self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd)
 
-    def __call__(self, h_prev_BxTxD: jax.Array, emb_next_BxTxD: jax.Array, ctx: Context
-                 ) -> tuple[jax.Array, RouterStats]:
-        """h^{k-1} [B, T, D] and Emb(t_{i+k}) [B, T, D] -> (h^k [B, T, D], router stats)."""
+    def __call__(self, h_prev_BxTxD: jax.Array, emb_next_BxTxD: jax.Array, ctx: Context,
+                 cache: LatentCache | None = None):
+        """h^{k-1} [B, T, D] and Emb(t_{i+k}) [B, T, D] -> (h^k [B, T, D], router stats); with this
+        depth's latent `cache` also the entries to store at `ctx.positions` (see `Block`)."""
         dt = self.compute_dtype
         z = jnp.concatenate([self.enorm(emb_next_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
         z = jnp.einsum("BTE,ED->BTD", z.astype(dt), self.eh_proj[...].astype(dt),
                        preferred_element_type=jnp.float32).astype(dt)
-        z, stats = self.block(z, ctx)
-        return self.norm(z), stats
+        z, *rest = self.block(z, ctx, cache)
+        return (self.norm(z), *rest)
 
 
 def shift_left(x_BxTx_: jax.Array, k: int) -> jax.Array:

@@ -1,4 +1,10 @@
-"""DeepSeekV3: embedding, dense-then-MoE layer stacks (scanned), final norm, head, MTP."""
+"""DeepSeekV3: embedding, dense-then-MoE layer stacks (scanned), final norm, head, MTP.
+
+One forward for training and inference: `forward(tokens)` is the training pass; with a
+`ModelCache` the same modules run MLA's absorbed form over the latent cache and write the tokens'
+entries at their positions (a prefill chunk, a decode step or a speculative verify window), and
+`mtp_depth` runs one MTP depth the same way for drafting.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from flax import nnx
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
+from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.block import Block, Context, run_stack, run_stack_pipelined
 from dsv3_jax.model.moe import RouterStats
 from dsv3_jax.model.mtp import MTPLayer, run_mtp
@@ -19,12 +26,21 @@ from dsv3_jax.model.rope import rope_angles
 from sharding import pipeline
 
 
+class ModelCache(NamedTuple):
+    """The latent cache of every stack; layouts (dtypes, sizes) come from `dsv3_jax.inference.cache`."""
+
+    dense: LatentCache | None  # [L_dense, B, S, ...]
+    moe: LatentCache | None  # [L_moe, B, S, ...]
+    mtp: LatentCache | None  # [M, B, S, ...]
+
+
 class ModelOutput(NamedTuple):
     logits: jax.Array  # float32 [B, T, V], main head
     hidden: jax.Array  # [B, T, D] after the final norm
     router_stats: RouterStats | None  # leaves stacked [L_moe, ...]
     mtp_logits: jax.Array | None  # float32 [M, B, T, V]; depth k at i predicts t_{i+k+1}
     mtp_router_stats: RouterStats | None  # leaves stacked [M, ...]
+    cache: ModelCache | None = None  # the updated cache when one was given
 
 
 def check_tokens(tokens, vocab_size: int) -> None:
@@ -58,45 +74,73 @@ class DeepSeekV3(nnx.Module):
         self.mtp = (params.stack_layers(lambda r: MTPLayer(cfg, rngs=r), cfg.num_mtp_layers, rngs)
                     if cfg.num_mtp_layers else None)
 
-    def _logits(self, h: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
+        """int [B, T] -> [B, T, D] in the compute dtype."""
+        return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.config.compute_dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """[..., D] after a final norm -> float32 [..., V] (the head shared by the MTP depths)."""
         dt = self.config.compute_dtype
         return jnp.einsum("...D,DV->...V", h.astype(dt), self.head[...].astype(dt),
                           preferred_element_type=jnp.float32)
 
-    def forward(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
-                segment_ids: jax.Array | None = None, with_mtp: bool = True) -> ModelOutput:
-        """Everything training needs from one pass.
-
-        tokens int [B, T]; positions int [B, T] (default 0..T-1; packed rows restart them per
-        document); segment_ids int [B, T] (documents of a packed row, 0 = padding) make attention
-        document-aware and keep padding out of router statistics.
-        """
-        cfg = self.config
-        check_tokens(tokens_BxT, cfg.vocab_size)
+    def _context(self, tokens_BxT, positions, segment_ids, token_mask, cached: bool) -> Context:
         b, t = tokens_BxT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos, sin = rope_angles(positions, cfg)
-        mask = None if segment_ids is None else segment_ids > 0
-        ctx = Context(cos, sin, segment_ids, mask)
-        emb = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
-        x = emb
+        cos, sin = rope_angles(positions, self.config)
+        if token_mask is None and segment_ids is not None:
+            token_mask = segment_ids > 0
+        return Context(cos, sin, segment_ids, token_mask, positions if cached else None)
+
+    def forward(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
+                segment_ids: jax.Array | None = None, with_mtp: bool = True, cache: ModelCache | None = None,
+                token_mask: jax.Array | None = None) -> ModelOutput:
+        """Everything training needs from one pass, or one inference step with a `cache`.
+
+        tokens int [B, T]; positions int [B, T] (default 0..T-1; packed rows restart them per
+        document); segment_ids int [B, T] (documents of a packed row, 0 = padding) make attention
+        document-aware and keep padding out of router statistics; token_mask bool [B, T] (default
+        segment_ids > 0) names the tokens that count in router statistics.
+
+        With `cache`, the tokens sit at `positions` (consecutive per row, slot = position), attend
+        to the cache slots before them and to each other, and their entries are written; the MTP
+        depths are not run (drafting runs them one by one: `mtp_depth`). `segment_ids` must be None.
+        """
+        cfg = self.config
+        check_tokens(tokens_BxT, cfg.vocab_size)
+        if cache is not None and (with_mtp and self.mtp is not None or segment_ids is not None):
+            raise ValueError("forward with a cache takes with_mtp=False and no segment_ids")
+        ctx = self._context(tokens_BxT, positions, segment_ids, token_mask, cached=cache is not None)
+        emb = self.embed_tokens(tokens_BxT)
+        dense, moe = (None, None) if cache is None else (cache.dense, cache.moe)
+        x, stats = emb, None
         if self.dense_layers is not None:
-            x, _ = run_stack(self.dense_layers, x, ctx, remat=cfg.remat)
-        stats = None
+            x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense)
         if self.moe_layers is not None:
             mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
-            if pipeline.is_active(mesh):  # layers in stages on `pipeline`, microbatches scheduled over them
+            if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
                 x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
                                                microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats)
             else:
-                x, stats = run_stack(self.moe_layers, x, ctx, remat=cfg.remat)
+                x, stats, moe = run_stack(self.moe_layers, x, ctx, remat=cfg.remat, cache=moe)
         h = self.norm(x)
         mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:
             mtp_h, mtp_stats = run_mtp(self.mtp, h, emb, ctx, remat=cfg.remat)
-            mtp_logits = self._logits(mtp_h)
-        return ModelOutput(self._logits(h), h, stats, mtp_logits, mtp_stats)
+            mtp_logits = self.logits(mtp_h)
+        new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
+        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, new_cache)
+
+    def mtp_depth(self, depth: int, h_prev_BxTxD: jax.Array, tokens_next_BxT: jax.Array, positions_BxT: jax.Array,
+                  cache: ModelCache) -> tuple[jax.Array, ModelCache]:
+        """MTP depth `depth` (0-based) over a window: h^{depth} [B, T, D] from h^{depth-1} and the tokens
+        one further (t_{i+depth+1} at i), writing its latent entries at `positions` in `cache.mtp`."""
+        graphdef, state = nnx.split(self.mtp)
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[depth], state))
+        ctx = self._context(tokens_next_BxT, positions_BxT, None, None, cached=True)
+        h, _, entries = layer(h_prev_BxTxD, self.embed_tokens(tokens_next_BxT), ctx, cache.mtp.layer(depth))
+        return h, cache._replace(mtp=cache.mtp.write(entries, positions_BxT, depth))
 
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

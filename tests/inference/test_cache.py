@@ -50,8 +50,8 @@ def test_decode_step_logits_match_full_forward(model, ragged_batch, cache_dtype,
     def run(state):
         m = nnx.merge(graphdef, state)
         cache = init_cache(m.config, b, 16, cache_dtype)
-        cache = model_step(m, cache, tokens[:, :-1], pos[:, :-1], prefill=True, cache_dtype=cache_dtype).cache
-        return model_step(m, cache, tokens[:, -1:], pos[:, -1:], prefill=False, cache_dtype=cache_dtype).logits[:, 0]
+        cache = model_step(m, cache, tokens[:, :-1], pos[:, :-1]).cache
+        return model_step(m, cache, tokens[:, -1:], pos[:, -1:]).logits[:, 0]
 
     want = np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(tokens))(state))[:, -1]
     got = np.asarray(run(state))

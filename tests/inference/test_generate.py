@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from dsv3_jax.inference import generate
-from dsv3_jax.inference.decode import TRACE_COUNTS
 from tests.inference.conftest import MAX_NEW, VOCAB
 
 
@@ -19,16 +18,25 @@ def test_greedy_equals_full_forward_argmax_ragged(model, ragged_batch, greedy_re
         assert (out[b, n + MAX_NEW:] == 0).all(), "slots past a row's generated tokens hold pad_id"
 
 
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_chunked_prefill_equals_full_forward_argmax(model, ragged_batch, greedy_reference, chunk):
+    """Chunks smaller than the prompt (7 tokens in chunks of 2 or 4, the last one padded)."""
+    prompts, lengths = ragged_batch
+    out, stats = generate(model, prompts, MAX_NEW, lengths=lengths, prefill_chunk=chunk, return_stats=True)
+    assert stats.prefill_chunks == -(-7 // chunk)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(np.asarray(out)[b, :n + MAX_NEW], greedy_reference[0][b, :n + MAX_NEW])
+
+
 def test_one_compiled_decode_step_for_every_token_and_length(model, ragged_batch, greedy_reference):
     prompts, lengths = ragged_batch
     generate(model, prompts, MAX_NEW, lengths=lengths)  # compiled (or already compiled by another test)
-    before = dict(TRACE_COUNTS)
-    short = np.asarray(generate(model, prompts, 3, lengths=lengths))  # same cache bucket, fewer steps
-    generate(model, np.abs(prompts), MAX_NEW, lengths=np.array([2, 6, 3], np.int32))  # other cache lengths
-    assert dict(TRACE_COUNTS) == before, "decode or prefill was traced again"
-    assert TRACE_COUNTS["plain_decode"] == 1
+    short, stats = generate(model, prompts, 3, lengths=lengths, return_stats=True)  # same bucket, fewer steps
+    assert (stats.prefill_traces, stats.decode_traces) == (0, 0), stats
+    _, stats = generate(model, np.abs(prompts), MAX_NEW, lengths=np.array([2, 6, 3], np.int32), return_stats=True)
+    assert (stats.prefill_traces, stats.decode_traces) == (0, 0), "other lengths in the bucket traced again"
     for b, n in enumerate(lengths):
-        np.testing.assert_array_equal(short[b, :n + 3], greedy_reference[0][b, :n + 3])
+        np.testing.assert_array_equal(np.asarray(short)[b, :n + 3], greedy_reference[0][b, :n + 3])
 
 
 def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
@@ -50,6 +58,7 @@ def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
     (dict(lengths=np.array([0], np.int32)), "lengths"),
     (dict(stop_tokens=(VOCAB,)), "stop_tokens"),
     (dict(cache_dtype="int8"), "cache_dtype"),
+    (dict(prefill_chunk=24), "prefill_chunk"),
     (dict(prompts=np.array([1, 2], np.int32)), r"\[batch, length\]"),
 ])
 def test_errors_name_the_problem(model, kwargs, match):

@@ -6,19 +6,19 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax import DeepSeekV3
-from dsv3_jax.inference.decode import absorbed_attention
+from dsv3_jax.model import LatentCache
+from dsv3_jax.model.rope import rope_angles
 from tests.inference.conftest import tiny_config
 
 
 def test_pallas_decode_equals_xla_decode():
     b, s, cfg = 2, 40, tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0)
     keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (b, 1, cfg.num_heads, cfg.qk_head_dim))
-    latent = jax.random.normal(keys[1], (b, s, cfg.kv_lora_rank))
-    k_pe = jax.random.normal(keys[2], (b, s, cfg.qk_rope_head_dim))
+    x = jax.random.normal(keys[0], (b, 1, cfg.hidden_size))
+    cache = LatentCache(jax.random.normal(keys[1], (b, s, cfg.kv_lora_rank)), None,
+                        jax.random.normal(keys[2], (b, s, cfg.qk_rope_head_dim)))
     positions = jnp.array([[7], [33]], jnp.int32)
-    cos, sin = jnp.cos(positions[..., None] * 0.1 * jnp.ones(cfg.qk_rope_head_dim // 2)), jnp.sin(
-        positions[..., None] * 0.1 * jnp.ones(cfg.qk_rope_head_dim // 2))
+    cos, sin = rope_angles(positions, cfg)
     outs = {}
     for impl in ("xla", "pallas"):
         attn = DeepSeekV3(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0)).dense_layers.attn
@@ -27,9 +27,10 @@ def test_pallas_decode_equals_xla_decode():
 
         @jax.jit
         def run(state):
-            one = nnx.merge(graphdef, state)
-            return absorbed_attention(one, q, cos, sin, latent, k_pe, positions)
+            return nnx.merge(graphdef, state)(x, cos, sin, cache=cache, positions=positions)
 
-        outs[impl] = np.asarray(run(layer))
+        out, entries = run(layer)
+        outs[impl] = np.asarray(out)
+        assert entries.latent.shape == (b, 1, cfg.kv_lora_rank)
     assert np.std(outs["xla"]) > 0.1
     np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=2e-4, atol=2e-4 * np.abs(outs["xla"]).max())

@@ -1,0 +1,92 @@
+"""Chunked prefill: the prompt enters the cache a chunk at a time, each chunk attending to the cache
+so far plus itself, so that memory grows with the cache, not with the prompt squared.
+
+Letters: B batch, W chunk width, M MTP depths (0 without drafting), V vocab.
+
+Chunk shapes: full chunks of `chunk` tokens, then the rest padded to a power of two (at least 16,
+at most `chunk`), so a compiled chunk step serves every prompt length: with a power-of-two `chunk`
+there are at most log2(chunk) - 3 chunk shapes per (batch, cache bucket). Padded tokens write entries past their
+row's length that no later token reads before they are overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv3_jax.inference.decode import model_step, mtp_draft
+from dsv3_jax.inference.sampling import SamplingConfig, sample
+from dsv3_jax.model import ModelCache
+
+DEFAULT_CHUNK = 2048  # tokens per prefill chunk; a power of two
+MIN_WIDTH = 16
+
+
+def check_chunk(chunk: int) -> None:
+    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two, got {chunk!r}")
+
+
+def plan(length: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, width) of each chunk covering positions 0 .. length - 1."""
+    check_chunk(chunk)
+    full, rest = divmod(length, chunk)
+    spans = [(i * chunk, chunk) for i in range(full)]
+    if rest:
+        spans.append((full * chunk, min(chunk, max(MIN_WIDTH, 1 << (rest - 1).bit_length()))))
+    return spans
+
+
+def padded_end(length: int, chunk: int) -> int:
+    """One past the last position a prompt of `length` writes, padding included."""
+    start, width = plan(length, chunk)[-1]
+    return start + width
+
+
+def window(prompts_BxT: np.ndarray, start: int, width: int, depths: int) -> np.ndarray:
+    """Prompt tokens at positions start .. start + width + depths (zero past the prompt): the chunk
+    and, one further, its next tokens for the MTP depths."""
+    b, t = prompts_BxT.shape
+    out = np.zeros((b, width + 1 + depths), np.int32)
+    piece = prompts_BxT[:, start:start + width + 1 + depths]
+    out[:, :piece.shape[1]] = piece
+    return out
+
+
+class PrefillCarry(NamedTuple):
+    """What the chunks hand on: set by the chunk that holds a row's last prompt token."""
+
+    first: jax.Array  # int32 [B] the first generated token
+    drafts: jax.Array  # int32 [B, M] the MTP drafts that follow it
+    expert_counts: jax.Array | None  # float32 [L_moe, E] prompt tokens routed per expert, summed
+
+
+def init_carry(batch: int, depths: int, expert_counts_shape) -> PrefillCarry:
+    counts = None if expert_counts_shape is None else jnp.zeros(expert_counts_shape, jnp.float32)
+    return PrefillCarry(jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, depths), jnp.int32), counts)
+
+
+def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Array, lengths_B: jax.Array,
+                  carry: PrefillCarry, key: jax.Array, *, width: int, sampling: SamplingConfig
+                  ) -> tuple[PrefillCarry, ModelCache]:
+    """One chunk of W = width tokens at positions start .. start + W - 1 (a `window`)."""
+    b = window_BxN.shape[0]
+    rows = jnp.arange(b)
+    positions = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+    out = model_step(model, cache, window_BxN[:, :width], positions, positions < lengths_B[:, None])
+    last = lengths_B - 1 - start  # the row's last prompt token, as an index into this chunk
+    here = (last >= 0) & (last < width)
+    last = jnp.clip(last, 0, width - 1)
+    first = jnp.where(here, sample(out.logits[rows, last], key, sampling), carry.first)
+    counts = carry.expert_counts
+    if counts is not None:
+        counts = counts + out.router_stats.expert_counts
+    cache, drafts = out.cache, carry.drafts
+    if cache.mtp is not None:
+        next_tokens = window_BxN[:, 1:].at[rows, last].set(jnp.where(here, first, window_BxN[rows, last + 1]))
+        new, cache = mtp_draft(model, cache, out.hidden, next_tokens, positions, last, active_B=here)
+        drafts = jnp.where(here[:, None], new, drafts)
+    return PrefillCarry(first, drafts, counts), cache

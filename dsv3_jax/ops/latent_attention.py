@@ -1,0 +1,118 @@
+"""Attention in MLA's latent space over the latent cache: the core of the absorbed form.
+
+Letters: B batch, W queries of this call, S cache slots, H heads, C latent (kv_lora_rank),
+R rope dim, G = ceil(C / 128) fp8 scale blocks, P slots per block read.
+
+A call's W tokens sit at consecutive positions p0 .. p0 + W - 1 (slot s of the cache holds the
+token at position s). They attend to the cache slots s < p0 and to their own fresh entries up to
+their position, so the cache never needs clearing: slots from p0 on are never read. The cache is
+read block by block (P slots at a time) with an online softmax: an fp8 block is dequantised as it
+is read, so neither the whole cache in the compute dtype nor [B, H, W, S] scores ever exist, and
+blocks past every row's p0 are not read at all.
+
+Cache dtypes: float32 / bfloat16 entries as they are, or "float8": e4m3 latent with one fp32 scale
+per 128 values (DeepSeek's 1x128 activation recipe) and a bf16 rope key (the FlashMLA layout).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+FP8_BLOCK = 128  # latent values per fp8 scale
+READ_BLOCK = 256  # cache slots per block read
+
+
+def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
+    """Fresh entries -> (latent, latent_scale | None, k_pe) in the cache's dtypes."""
+    if cache_dtype != "float8":
+        dt = jnp.dtype(cache_dtype)
+        return latent_BxWxC.astype(dt), None, k_pe_BxWxR.astype(dt)
+    from pallas_kernels import quantize_1x128  # kernels carry no model knowledge; imported on demand
+
+    b, w, c = latent_BxWxC.shape
+    q, scale = quantize_1x128(latent_BxWxC.reshape(b * w, c).astype(jnp.float32))
+    return q.reshape(b, w, c), scale.reshape(b, w, -1), k_pe_BxWxR.astype(jnp.bfloat16)
+
+
+def dequantize(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None, dtype) -> jax.Array:
+    """Cached latent -> `dtype` values (fp8 entries times their per-128 scale)."""
+    if scale_BxSxG is None:
+        return latent_BxSxC.astype(dtype)
+    c = latent_BxSxC.shape[-1]
+    scale = jnp.repeat(scale_BxSxG, FP8_BLOCK, axis=-1)[..., :c]
+    return (latent_BxSxC.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, softmax_scale, dt):
+    """One block of P keys of the online softmax; carry = (max [B,H,W], sum [B,H,W], acc [B,W,H,C])."""
+    m_prev, l_prev, acc_prev = carry
+    s = (jnp.einsum("BWHC,BPC->BHWP", q_lat, latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
+         + jnp.einsum("BWHR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
+    s = jnp.where(visible_Bx1xWxP, s * softmax_scale, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
+    alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s - m_safe[..., None])
+    pv = jnp.einsum("BHWP,BPC->BWHC", p.astype(dt), latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), jnp.einsum("BHW,BWHC->BWHC", alpha, acc_prev) + pv
+
+
+def _own_mask(positions_BxW: jax.Array) -> jax.Array:
+    """bool [B, 1, W, W]: a call's token sees its own entries up to its position."""
+    return positions_BxW[:, None, None, :] <= positions_BxW[:, None, :, None]
+
+
+def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
+           block: int = READ_BLOCK) -> jax.Array:
+    """Softmax over the cache slots before each row's first position (read `block` slots at a time)
+    and over the call's own entries up to each query -> o_lat [B, W, H, C] float32.
+
+    cache = (latent [B, S, C], latent_scale [B, S, G] | None, k_pe [B, S, R]) in the cache's dtypes;
+    own = (latent [B, W, C], k_pe [B, W, R]) as computed (not rounded to the cache dtype: as in
+    FlashMLA, a token's own step attends to exact entries, later steps read the stored ones).
+    q_pe is already rotated; positions are consecutive per row.
+    """
+    dt = compute_dtype
+    b, w, h, c = q_lat_BxWxHxC.shape
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    block = math.gcd(block, latent_BxSxC.shape[1])  # blocks tile the cache exactly
+    q_lat, q_pe = q_lat_BxWxHxC.astype(dt), q_pe_BxWxHxR.astype(dt)
+    before_B = positions_BxW[:, 0]
+    init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
+            jnp.zeros((b, w, h, c), jnp.float32))
+
+    def body(i, carry):
+        start = i * block
+        read = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
+        visible = (start + jnp.arange(block))[None, None, None, :] < before_B[:, None, None, None]
+        return _block_step(carry, q_lat, q_pe, dequantize(read(latent_BxSxC), read(scale_BxSxG), dt),
+                           read(k_pe_BxSxR), visible, softmax_scale, dt)
+
+    num_blocks = (jnp.max(before_B) + block - 1) // block  # blocks past every row's start are never read
+    carry = jax.lax.fori_loop(0, num_blocks, body, init)
+    _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
+    return acc / jnp.transpose(l_sum, (0, 2, 1))[..., None]
+
+
+def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
+                  compute_dtype) -> jax.Array:
+    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache, merged with
+    the token's own entry by log-sum-exp -> [B, 1, H, C] float32."""
+    import pallas_kernels  # kernels carry no model knowledge; imported on demand
+
+    dt = compute_dtype
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
+    o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, dequantize(latent_BxSxC, scale_BxSxG, dt),
+                                                 k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
+                                                 softmax_scale=softmax_scale, return_lse=True)
+    own_latent, own_k_pe = own[0][:, 0].astype(dt), own[1][:, 0].astype(dt)
+    s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat, own_latent, preferred_element_type=jnp.float32)
+                 + jnp.einsum("BHR,BR->BH", q_pe.astype(dt), own_k_pe, preferred_element_type=jnp.float32))
+    s_own_BxH = s_own_BxH * softmax_scale
+    m = jnp.maximum(lse_BxH, s_own_BxH)
+    w_cache, w_own = jnp.exp(lse_BxH - m), jnp.exp(s_own_BxH - m)
+    out = (w_cache[..., None] * o_BxHxC + w_own[..., None] * own_latent.astype(jnp.float32)[:, None, :])
+    return (out / (w_cache + w_own)[..., None])[:, None]
