@@ -7,7 +7,8 @@ the bundled tokenizer's 2048 ids) and converts it, as a user would. One run meas
 side: sequential `generate()` calls on the same prompts (each shape compiled before timing), then
 `experiments.serve` in a subprocess driven over HTTP with streaming, `c` clients each sending
 requests back to back. Output tokens/s = completion tokens / wall time; TTFT = request sent to
-first streamed token. Every figure is a ratio to concurrency 1 of the same run.
+first streamed token; decode step = the engine's mean step time over all --max_batch slots (from
+/metrics). Every figure is a ratio to concurrency 1 of the same run.
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ class Server:
         conn.close()
         return first, tokens
 
+    def step_stats(self) -> tuple[float, float]:
+        """(decode steps, seconds in them) so far, from /metrics."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("GET", "/metrics")
+        values = dict(line.split()[:2] for line in conn.getresponse().read().decode().splitlines()
+                      if line.startswith("dsv3_decode_step"))
+        conn.close()
+        return float(values["dsv3_decode_steps_total"]), float(values["dsv3_decode_step_seconds_total"])
+
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
@@ -124,12 +134,16 @@ def bench_server(server: Server, prompts, max_tokens: int, concurrency: int) -> 
                 results.append(r)
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    steps, seconds = server.step_stats()
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"tokens": sum(n for _, n in results), "wall": time.perf_counter() - start, "ttft": [t for t, _ in results]}
+    wall = time.perf_counter() - start
+    steps_after, seconds_after = server.step_stats()
+    return {"tokens": sum(n for _, n in results), "wall": wall, "ttft": [t for t, _ in results],
+            "step_ms": 1e3 * (seconds_after - seconds) / max(steps_after - steps, 1)}
 
 
 def main(argv=None) -> None:
@@ -157,11 +171,12 @@ def main(argv=None) -> None:
         server.close()
     base = rows[1][2]["tokens"] / rows[1][2]["wall"]
     print(f"\n{'mode':24s} {'conc':>4s} {'reqs':>4s} {'out tok/s':>10s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
-          f"{'x server c=1':>12s}")
+          f"{'x server c=1':>12s} {'decode step':>11s}")
     for name, c, r in rows:
         tps = r["tokens"] / r["wall"]
+        step = f"{r['step_ms']:9.1f}ms" if "step_ms" in r else f"{'':>11s}"
         print(f"{name:24s} {c:4d} {len(r['ttft']):4d} {tps:10.1f} {np.mean(r['ttft']):9.3f}s "
-              f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f}")
+              f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f} {step}")
     ratio = rows[3][2]["tokens"] / rows[3][2]["wall"] / base
     print(f"\nconcurrency 16 / concurrency 1 output tokens/s: {ratio:.2f}x (target >= 4x): "
           f"{'PASS' if ratio >= 4 else 'FAIL'}")

@@ -89,7 +89,7 @@ def one_request(client: Client, rng: random.Random) -> tuple[str, int]:
         path = "/v1/completions"
     body["stream"] = kind in ("stream", "chat_stream", "disconnect")
     if kind == "disconnect":
-        body["max_tokens"] = 200 if rng.random() < 0.5 else 40
+        body["max_tokens"] = 80 if rng.random() < 0.5 else 40  # long enough to be cut mid-stream
         return kind, client.post(path, json.dumps(body).encode(), read_events=rng.randint(0, 6))
     return kind, client.post(path, json.dumps(body).encode())
 
