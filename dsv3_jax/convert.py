@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify", nargs="?", type=int, const=16, default=0, metavar="N",
                    help="re-read N sampled slices (default 16) and compare them with the source before committing")
     p.add_argument("--to-hf", action="store_true", help="export an Orbax checkpoint to an HF folder")
-    p.add_argument("--ckpt", help="Orbax checkpoint to export (with --to-hf)")
+    p.add_argument("--ckpt", help="Orbax checkpoint, training run folder or run step folder to export (with --to-hf)")
     p.add_argument("--fp8", action="store_true", help="with --to-hf: write e4m3 projections + weight_scale_inv")
     p.add_argument("--shard-size", type=_size, default="5GB", help="with --to-hf: max bytes per shard")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only once complete)")
@@ -59,11 +59,13 @@ def main(argv=None) -> int:
 
     try:
         if args.to_hf:
+            from dsv3_jax.checkpoint import run_folder
             from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
 
-            summary = convert_orbax_to_hf(args.ckpt, args.out, fp8_out=args.fp8, dtype=args.dtype,
-                                          shard_bytes=args.shard_size, progress=not args.no_progress,
-                                          overwrite=args.overwrite)
+            kw = dict(fp8_out=args.fp8, dtype=args.dtype, shard_bytes=args.shard_size, progress=not args.no_progress,
+                      overwrite=args.overwrite)
+            run = run_folder.find(args.ckpt)  # a training run's folder or step: exported with its tokenizer
+            summary = run_folder.export_hf(run, args.out, **kw) if run else convert_orbax_to_hf(args.ckpt, args.out, **kw)
         else:
             from dsv3_jax.checkpoint.hf_to_orbax import convert_hf_to_orbax
 

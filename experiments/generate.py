@@ -1,8 +1,12 @@
 """Generates text from a checkpoint, streaming tokens as they are decoded.
 
-    python -m experiments.generate --checkpoint=CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
+    python -m experiments.generate --checkpoint=RUN_OR_CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
-        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--stats]
+        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=2048] [--stats]
+
+--checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps
+(runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder; a run's own tokenizer is the
+default. Expected errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
 
 One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
 printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
@@ -17,15 +21,19 @@ import sys
 
 import numpy as np
 
-from dsv3_jax import load_pretrained
+from dsv3_jax import CheckpointError, ConfigError, load_pretrained
+from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
+from dsv3_jax.inference.prefill import DEFAULT_CHUNK
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="Orbax checkpoint or HF folder (config.json + safetensors)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a folder holding one (default: bundled BPE)")
+    p.add_argument("--checkpoint", required=True,
+                   help="training run folder or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json or a folder holding one (default: the run's, else the bundled BPE)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -34,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding")
     p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--prefill_chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per prefill step")
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")
     p.add_argument("--stats", action="store_true", help="print expert activation frequencies of the prompts")
@@ -44,7 +53,7 @@ def encode_prompts(tokenizer, prompts: list[str], bos: bool) -> tuple[np.ndarray
     """Right-padded int32 [B, T] ids and lengths [B]."""
     ids = [([tokenizer.bos_id] if bos else []) + tokenizer.encode(p) for p in prompts]
     if not all(ids):
-        raise SystemExit("every --prompt must encode to at least one token (or drop --no_bos)")
+        raise ValueError("every --prompt must encode to at least one token (or drop --no_bos)")
     lengths = np.array([len(i) for i in ids], np.int32)
     out = np.full((len(ids), lengths.max()), tokenizer.pad_id, np.int32)
     for row, i in enumerate(ids):
@@ -66,12 +75,20 @@ def print_expert_frequencies(counts_LxE: np.ndarray, first_moe_layer: int, top_k
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model = load_pretrained(args.checkpoint, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.tokenizer)
-    prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
-    gen = Generation(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, seed=args.seed, lengths=lengths, stop_tokens=(tokenizer.eos_id,),
-                     use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype)
+    try:
+        run = run_folder.find(args.checkpoint)
+        model = load_pretrained(args.checkpoint, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.tokenizer or (run.tokenizer if run else None))
+        prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
+        gen = Generation(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, lengths=lengths, stop_tokens=(tokenizer.eos_id,),
+                         use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
+                         prefill_chunk=args.prefill_chunk)
+    except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if run:
+        print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
     stream = len(args.prompt) == 1
     generated: list[list[int]] = [[] for _ in args.prompt]
     if stream:

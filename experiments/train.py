@@ -56,6 +56,18 @@ def main(argv):
             config.train.init_from = _INIT_FROM.value
     _quiet_library_logs()
     train(config)
+    print(next_steps(os.path.relpath(config.train.workdir)), flush=True)
+
+
+def next_steps(workdir: str) -> str:
+    """Where a finished run's outputs are and the commands that use them."""
+    return "\n".join([
+        f"outputs in {workdir}/: metrics.jsonl, tensorboard/, checkpoints/<step>/ (the latest is used below)",
+        "next:",
+        f"  python -m experiments.plot --workdir={workdir}                       # loss curves, expert loads",
+        f"  python -m experiments.generate --checkpoint={workdir} --prompt=\"Once upon a time\"  # sample text",
+        f"  python -m dsv3_jax.convert --to-hf --ckpt={workdir} --out={workdir}/hf            # HF folder + tokenizer",
+    ])
 
 
 def _quiet_library_logs():

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, run_folder
 from dsv3_jax.checkpoint.hf_to_orbax import leaf_slices, slice_to_ours
 from dsv3_jax.checkpoint.shardings import Rules, sharding_for
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError, HFCheckpoint
@@ -212,8 +212,8 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
 
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules: Rules | None = None,
                     **config_overrides) -> DeepSeekV3:
-    """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`) or an
-    HF folder (`config.json` + safetensors).
+    """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
+    HF folder (`config.json` + safetensors), or a training run's folder (its latest step) or step folder.
 
     dtype: parameter dtype (default: as stored; bfloat16 for FP8); the compute dtype follows it.
     mesh: restore each parameter directly into `NamedSharding(mesh, spec)`, the spec from its
@@ -222,10 +222,13 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules: Ru
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
     path = os.fspath(path)
+    if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
+        return run_folder.load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
         return load_orbax(path, dtype, mesh=mesh, rules=rules, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         return load_hf(path, dtype, mesh=mesh, rules=rules, **config_overrides)
     raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
                           "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
-                          "config.json and model.safetensors or model.safetensors.index.json")
+                          "config.json and model.safetensors or model.safetensors.index.json, or a training run's "
+                          "folder (model_config.json, checkpoints/<step>)")

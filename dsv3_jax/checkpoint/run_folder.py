@@ -1,0 +1,143 @@
+"""A training run's folder, or one of its step folders, as a checkpoint to use: the step's weights,
+the run's model config and the run's tokenizer.
+
+Layout written by `python -m experiments.train --workdir=RUN`:
+  RUN/model_config.json        the architecture (ModelConfig.to_dict)
+  RUN/config.json              the run's config (data.tokenizer: None = the bundled tokenizer)
+  RUN/checkpoints/<step>/state the TrainState (params, router_bias, optimizer state, ...)
+`RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. Only the
+parameters and router biases are read, each straight into its target sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax.checkpoint import orbax_layout
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
+from dsv3_jax.config import ModelConfig
+
+
+class RunStep(NamedTuple):
+    run_dir: str
+    step: int
+    step_dir: str  # RUN/checkpoints/<step>
+    tokenizer: str | None  # tokenizer.json of the run (None: the bundled one)
+
+    def model_config(self) -> ModelConfig:
+        with open(os.path.join(self.run_dir, "model_config.json")) as f:
+            return ModelConfig.from_dict(json.load(f))
+
+
+def _is_run(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "model_config.json")) and os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def _complete_steps(checkpoints: str) -> list[int]:
+    """Steps whose folder Orbax finished (unfinished saves live in temporary folders)."""
+    return sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()
+                  and os.path.exists(os.path.join(checkpoints, d, "_CHECKPOINT_METADATA")))
+
+
+def _tokenizer(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f).get("data", {}).get("tokenizer")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def find(path: str | os.PathLike) -> RunStep | None:
+    """The step `path` names (a run folder: its latest), or None when it is no training run's folder."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if _is_run(path):
+        run_dir, step = path, None
+    elif os.path.basename(path) == "checkpoints" and _is_run(parent):
+        run_dir, step = parent, None
+    elif os.path.basename(parent) == "checkpoints" and _is_run(os.path.dirname(parent)):
+        run_dir, step = os.path.dirname(parent), os.path.basename(path)
+        if not step.isdigit():
+            raise CheckpointError(f"{path} is not a step folder of the run {run_dir} (expected checkpoints/<step>)")
+        step = int(step)
+    else:
+        return None
+    steps = _complete_steps(os.path.join(run_dir, "checkpoints"))
+    if step is None and not steps:
+        raise CheckpointError(f"the run {run_dir} has no complete checkpoint yet (checkpoints/ holds no finished step)")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"{path} is not a complete checkpoint; the run {run_dir} has steps {steps}")
+    step = steps[-1] if step is None else step
+    return RunStep(run_dir, step, os.path.join(run_dir, "checkpoints", str(step)), _tokenizer(run_dir))
+
+
+def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides):
+    """`DeepSeekV3` with the step's parameters and router biases (see `load_pretrained`)."""
+    import orbax.checkpoint as ocp
+
+    from dsv3_jax.checkpoint.load import _placement, _variables
+    from dsv3_jax.model import DeepSeekV3
+    from dsv3_jax.model.params import RouterBias
+
+    cfg = run.model_config()
+    if dtype is not None:
+        config_overrides.setdefault("compute_dtype", jnp.dtype(dtype).name)
+        config_overrides["param_dtype"] = jnp.dtype(dtype).name
+    cfg = cfg.replace(**config_overrides)
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    variables, place = _variables(model), _placement(mesh, rules)
+    target: dict = {}
+    for p, var in variables.items():
+        node = target.setdefault("router_bias" if isinstance(var, RouterBias) else "params", {})
+        for k in p[:-1]:
+            node = node.setdefault(k, {})
+        node[p[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        try:
+            restored = ckptr.restore(os.path.join(run.step_dir, "state"), ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"{run.step_dir}/state does not hold this run's parameters ({e})") from None
+    for kind in ("params", "router_bias"):
+        for keypath, value in jax.tree_util.tree_flatten_with_path(restored.get(kind, {}))[0]:
+            variables[tuple(k.key for k in keypath)].set_value(value)
+    return model
+
+
+def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
+    """HF folder `out` (config.json, safetensors, the run's tokenizer.json) from a run's step.
+
+    The parameters go through our Orbax layout in a temporary folder, one leaf at a time, and then
+    through `convert_orbax_to_hf`, so the HF names, shards and FP8 option are the converter's own.
+    """
+    from dsv3_jax.checkpoint.load import _variables
+    from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
+    from dsv3_jax.data.tokenizer import BUNDLED_PATH
+
+    model = load_run(run)
+    tmp = tempfile.mkdtemp(prefix="run_export_", dir=os.path.dirname(os.path.abspath(out)) or None)
+    try:
+        writer = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.PARAMS))
+        for path, var in _variables(model).items():
+            value = np.asarray(jax.device_get(var[...]))
+            writer.write(writer.create(path, value.shape, value.dtype), value)
+        writer.finish()
+        orbax_layout.write_config(tmp, {"model": model.config.to_dict(), "fp8_leaves": [],
+                                        "source": {"run": run.run_dir, "step": run.step}}, [orbax_layout.PARAMS])
+        summary = convert_orbax_to_hf(tmp, out, **convert_kw)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = run.tokenizer or BUNDLED_PATH
+    if os.path.isdir(tokenizer):
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    shutil.copy(tokenizer, os.path.join(out, "tokenizer.json"))
+    return {**summary, "step": run.step}
