@@ -1,11 +1,11 @@
 """An OpenAI-compatible server over the continuous-batching engine.
 
-    python -m experiments.serve --checkpoint=CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
+    python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--use_mtp] [--cache_dtype=bfloat16]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
-else --tokenizer, else the bundled BPE. All compiles run before the port opens. See docs/serving.md.
+else --tokenizer, else a training run's own, else the bundled BPE. All compiles run before the port opens. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import time
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="Orbax checkpoint or HF folder (config.json + safetensors)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) when the checkpoint has none")
+    p.add_argument("--checkpoint", required=True,
+                   help="training run or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or its folder) when the checkpoint folder has none (default: the run's, "
+                        "else the bundled BPE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max_batch", type=int, default=16, help="decode slots (concurrent requests)")
@@ -37,10 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args: argparse.Namespace):
     """-> (FastAPI app, engine), the engine started and every step compiled."""
     from dsv3_jax import load_pretrained
+    from dsv3_jax.checkpoint import run_folder
     from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
 
+    run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
     model = load_pretrained(args.checkpoint, dtype=args.dtype)
-    chat = ChatTokenizer(tokenizer_file(args.checkpoint, args.tokenizer))
+    chat = ChatTokenizer(tokenizer_file(args.checkpoint, args.tokenizer or (run.tokenizer if run else None)))
     if chat.tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")

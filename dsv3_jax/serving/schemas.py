@@ -26,7 +26,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 (or -1, as vLLM spells it) = off
+    top_k: int = Field(0, ge=0, lt=2**31)  # 0 (or -1, as vLLM spells it) = off
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
