@@ -58,6 +58,8 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     for sink in sinks:
         assert sink.done.wait(300), "a request never finished"
     assert engine.slots_in_use() == 0 and engine.queue_length() == 0
+    runner = engine.runner  # compiled once per prefill width and once for decode, whatever the lengths
+    assert runner._prefill._cache_size() == len(runner.buckets) and runner._decode._cache_size() == 1
     for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
         alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
         assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
