@@ -2,11 +2,14 @@
 
     python -m experiments.bench_decode [--lengths=512,2048,8192,32768] [--batch=8] \
         [--cache_dtype=bfloat16] [--attention_impl=xla] [--num_heads=16] [--kv_lora_rank=512]
+    python -m experiments.bench_decode --compare --lengths=2048 --batch=2   # fp8 vs bf16 cache, XLA and Pallas
 
 Builds a randomly initialised model (MLA at the 671B latent sizes, small everywhere else, so that
 the step is dominated by attention over the cache), fills a cache of each length and times one
 jitted decode step (one new token per row attending to every slot). Prints ms per step, the cache
-bytes per token per layer, the per-slot slope and the fit of a straight line.
+bytes per token per layer, the per-slot slope and the fit of a straight line. `--compare` times the
+bf16 and the fp8 cache on both attention paths side by side in one process and prints the ratios
+and the cache bytes one step reads per generated token.
 """
 
 from __future__ import annotations
@@ -45,6 +48,52 @@ def time_step(step, state, cache, tokens, positions, repeats: int) -> float:
     return best
 
 
+def make_step(graphdef):
+    @jax.jit
+    def step(state, cache, tokens, positions):
+        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None])
+        return out.logits, out.cache
+
+    return step
+
+
+def filled_cache(cfg, batch: int, length: int, cache_dtype: str):
+    """A cache of `length` slots holding random entries in the cache's layout (fp8: quantised)."""
+    from dsv3_jax.ops.latent_attention import encode
+
+    cache = init_cache(cfg, batch, length, cache_dtype)
+    keys = jax.random.split(jax.random.key(1), 2)
+
+    def fill(stack):
+        latent = jax.random.normal(keys[0], stack.latent.shape, jnp.float32)
+        k_pe = jax.random.normal(keys[1], stack.k_pe.shape, jnp.float32)
+        layers = [encode(latent[i], k_pe[i], cache_dtype) for i in range(latent.shape[0])]
+        return type(stack)(*(None if parts[0] is None else jnp.stack(parts) for parts in zip(*layers)))
+
+    return jax.tree.map(fill, cache, is_leaf=lambda x: hasattr(x, "latent_scale"))
+
+
+def compare(args) -> None:
+    print(f"{'length':>7} {'path':>7} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} "
+          f"{'bf16 B/token':>13} {'fp8 B/token':>12} {'bytes ratio':>11}")
+    tokens = jnp.ones((args.batch, 1), jnp.int32)
+    for length in args.lengths:
+        for impl in ("xla", "pallas"):
+            args.attention_impl = impl
+            cfg = bench_config(args)
+            graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+            step, positions = make_step(graphdef), jnp.full((args.batch,), length - 1, jnp.int32)
+            ms, read = {}, {}
+            for dtype in ("bfloat16", "float8"):
+                cache = filled_cache(cfg, args.batch, length, dtype)
+                ms[dtype] = 1e3 * time_step(step, state, cache, tokens, positions, args.repeats)
+                # every row reads the slots before its position, in every layer
+                read[dtype] = cache_bytes_per_token(cfg, dtype) * cfg.num_layers * (length - 1)
+            print(f"{length:7d} {impl:>7} {ms['bfloat16']:9.2f} {ms['float8']:9.2f} "
+                  f"{ms['float8'] / ms['bfloat16']:9.3f} {read['bfloat16']:13d} {read['float8']:12d} "
+                  f"{read['float8'] / read['bfloat16']:11.3f}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192, 32768])
@@ -58,15 +107,14 @@ def main(argv=None) -> None:
     p.add_argument("--kv_lora_rank", type=int, default=512)
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compare", action="store_true", help="bf16 vs fp8 cache on the XLA and Pallas paths")
     args = p.parse_args(argv)
     args.compute_dtype = args.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if args.compare:
+        return compare(args)
     cfg = bench_config(args)
     graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-
-    @jax.jit
-    def step(state, cache, tokens, positions):
-        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None])
-        return out.logits, out.cache
+    step = make_step(graphdef)
 
     print(f"backend {jax.default_backend()}, batch {args.batch}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
           f"latent {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}, cache {args.cache_dtype}: "

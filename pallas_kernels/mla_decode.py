@@ -6,6 +6,10 @@ s < lengths[b]; out[b,h] = softmax(scores) @ kv_latent[b]. The cache axis is cut
 even at batch 1; the splits are merged by their LSEs. Blocks beyond `lengths[b]` are skipped
 (TPU: their block index is clamped, so no DMA is issued either).
 
+FP8 cache: with `kv_scale` [B,S,G] (one fp32 scale per 128 latent values, G = ceil(R/128)),
+`kv_latent` is e4m3 and each block is dequantised in VMEM/SRAM as it is read, so a step reads
+about half the bytes of a bf16 cache and never writes a dequantised copy.
+
 Letters: B batch, H heads, R latent rank (kv_lora), P rope dim, S cache length.
 """
 
@@ -78,13 +82,23 @@ def _finish(carry, o_ref, lse_ref):
   lse_ref[...] = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
 
 
+def _dequant(kv, sc, dtype):
+  """e4m3 block [bk, G*128] times its scales [bk, G] -> `dtype`; other blocks pass through."""
+  if sc is None:
+    return kv
+  bk, g = sc.shape
+  x = kv.astype(jnp.float32).reshape(bk, g, 128) * sc[:, :, None]
+  return x.reshape(kv.shape).astype(dtype)
+
+
 def _init(h, r):
   return (jnp.full((h, 1), MASK_VALUE, jnp.float32), jnp.zeros((h, 1), jnp.float32),
           jnp.zeros((h, r), jnp.float32))
 
 
-def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref,
-                *, scale, block_kv, blocks_per_split):
+def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
+                fp8):
+  sc_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
   b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   start = (split * blocks_per_split + j) * block_kv
   length = len_ref[b]
@@ -95,8 +109,9 @@ def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, o_ref, lse_ref, m_ref, 
 
   @pl.when(start < length)
   def _():
+    kv = _dequant(kv_ref[...], None if sc_ref is None else sc_ref[...], ql_ref.dtype)
     carry = _online_step((m_ref[...], l_ref[...], acc_ref[...]), ql_ref[...], qp_ref[...],
-                         kv_ref[...], kp_ref[...], start, length, scale)
+                         kv, kp_ref[...], start, length, scale)
     m_ref[...], l_ref[...], acc_ref[...] = carry
 
   @pl.when(j == blocks_per_split - 1)
@@ -104,8 +119,9 @@ def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, o_ref, lse_ref, m_ref, 
     _finish((m_ref[...], l_ref[...], acc_ref[...]), o_ref, lse_ref)
 
 
-def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, o_ref, lse_ref,
-                   *, scale, block_kv, blocks_per_split):
+def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
+                   fp8):
+  sc_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
   b, split = pl.program_id(0), pl.program_id(1)
   length = len_ref[b]
   split_start = split * blocks_per_split * block_kv
@@ -115,8 +131,8 @@ def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, o_ref, lse_ref,
   def body(j, carry):
     start = pl.multiple_of(split_start + j * block_kv, block_kv)
     rows = pl.ds(start, block_kv)
-    return _online_step(carry, q_lat, q_pe, kv_ref[rows, :], kp_ref[rows, :], start, length,
-                        scale)
+    kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
+    return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], start, length, scale)
 
   carry = lax.fori_loop(0, n_blocks, body, _init(*o_ref.shape))
   _finish(carry, o_ref, lse_ref)
@@ -140,8 +156,10 @@ def _default_splits(s: int, block_kv: int) -> int:
                                              "backend", "interpret"))
 def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
                return_lse: bool = False, block_sizes: BlockSizes | None = None,
-               backend=None, interpret=None):
+               backend=None, interpret=None, kv_scale=None):
   """q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P], lengths [B] -> [B,H,R] f32.
+
+  kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 `kv_latent` (dequantised block by block), else None.
 
   With `return_lse` also returns the log-sum-exp of the scaled scores, [B,H] f32
   (-inf where lengths[b] == 0, whose output row is 0).
@@ -156,18 +174,27 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
                      f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
   if lengths.shape != (b,):
     raise ValueError(f"{lengths.shape=} must be ({b},)")
+  fp8 = kv_scale is not None
+  if fp8 and kv_scale.shape != (b, s, -(-r // 128)):
+    raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
   bk = bs.block_kv
   splits = bs.num_splits or _default_splits(s, bk)
   bps = -(-s // (splits * bk))
   sp = splits * bps * bk
   hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
   rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
+  if fp8:  # whole 128-value scale groups in a block row
+    rp = round_up(rp, 128)
   ql = pad_axis(pad_axis(q_latent, 1, hp), 2, rp)
   qp = pad_axis(pad_axis(q_pe, 1, hp), 2, pp)
   kv = pad_axis(pad_axis(kv_latent, 1, sp), 2, rp)
   kp = pad_axis(pad_axis(k_pe, 1, sp), 2, pp)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
-  kw = dict(scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps)
+  kw = dict(scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps, fp8=fp8)
+  inputs = [lengths, ql, qp, kv, kp]
+  if fp8:
+    inputs.append(pad_axis(pad_axis(kv_scale.astype(jnp.float32), 1, sp), 2, rp // 128))
+  g = rp // 128
   out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
                jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
   if be.style == "tpu":
@@ -179,7 +206,8 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(b, splits, bps),
         in_specs=[pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
-                  pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)],
+                  pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
+                 + ([pl.BlockSpec((None, bk, g), kv_map)] if fp8 else []),
         out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
                    pl.BlockSpec((None, None, hp, 1), o_map)],
         scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
@@ -192,7 +220,8 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
         grid=(b, splits),
         in_specs=[pl.BlockSpec((b,), lambda bi, si: (0,)),
                   pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
-                  pl.BlockSpec((None, sp, rp), q_map), pl.BlockSpec((None, sp, pp), q_map)],
+                  pl.BlockSpec((None, sp, rp), q_map), pl.BlockSpec((None, sp, pp), q_map)]
+                 + ([pl.BlockSpec((None, sp, g), q_map)] if fp8 else []),
         out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
                    pl.BlockSpec((None, None, hp, 1), o_map)])
     kernel, sem = functools.partial(_triton_kernel, **kw), ("parallel", "parallel")
@@ -200,15 +229,18 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
       kernel, out_shape=out_shape, grid_spec=grid_spec,
       compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
       interpret=be.interpret, name="mla_decode",
-  )(lengths, ql, qp, kv, kp)
+  )(*inputs)
   out, lse = _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
   return (out, lse) if return_lse else out
 
 
 def mla_decode_reference(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
-                         return_lse: bool = False, **_):
+                         return_lse: bool = False, kv_scale=None, **_):
   """Plain-jnp `mla_decode` (fp32, full precision, whole-cache softmax)."""
   f32, hi = jnp.float32, lax.Precision.HIGHEST
+  if kv_scale is not None:
+    r = kv_latent.shape[-1]
+    kv_latent = kv_latent.astype(f32) * jnp.repeat(kv_scale.astype(f32), 128, axis=-1)[..., :r]
   s_BxHxS = (jnp.einsum("bhr,bsr->bhs", q_latent.astype(f32), kv_latent.astype(f32), precision=hi)
              + jnp.einsum("bhp,bsp->bhs", q_pe.astype(f32), k_pe.astype(f32), precision=hi))
   s_BxHxS = s_BxHxS * softmax_scale

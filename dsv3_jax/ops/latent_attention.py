@@ -105,9 +105,9 @@ def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, sof
     dt = compute_dtype
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
     q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
-    o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, dequantize(latent_BxSxC, scale_BxSxG, dt),
-                                                 k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
-                                                 softmax_scale=softmax_scale, return_lse=True)
+    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8: dequantised per block
+    o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
+                                                 softmax_scale=softmax_scale, return_lse=True, kv_scale=scale_BxSxG)
     own_latent, own_k_pe = own[0][:, 0].astype(dt), own[1][:, 0].astype(dt)
     s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat, own_latent, preferred_element_type=jnp.float32)
                  + jnp.einsum("BHR,BR->BH", q_pe.astype(dt), own_k_pe, preferred_element_type=jnp.float32))

@@ -3,20 +3,24 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsv3_jax import DeepSeekV3
 from dsv3_jax.model import LatentCache
 from dsv3_jax.model.rope import rope_angles
+from dsv3_jax.ops.latent_attention import encode
 from tests.inference.conftest import tiny_config
 
 
-def test_pallas_decode_equals_xla_decode():
+@pytest.mark.parametrize("cache_dtype", ["float32", "float8"])
+def test_pallas_decode_equals_xla_decode(cache_dtype):
+    """Both read the cache block by block (an fp8 block dequantised as read): same numbers."""
     b, s, cfg = 2, 40, tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0)
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (b, 1, cfg.hidden_size))
-    cache = LatentCache(jax.random.normal(keys[1], (b, s, cfg.kv_lora_rank)), None,
-                        jax.random.normal(keys[2], (b, s, cfg.qk_rope_head_dim)))
+    cache = LatentCache(*encode(jax.random.normal(keys[1], (b, s, cfg.kv_lora_rank)),
+                                jax.random.normal(keys[2], (b, s, cfg.qk_rope_head_dim)), cache_dtype))
     positions = jnp.array([[7], [33]], jnp.int32)
     cos, sin = rope_angles(positions, cfg)
     outs = {}

@@ -89,3 +89,26 @@ def test_mla_decode_lowers(style_, platform):
   args = _inputs(2, 16, 512, 64, 1000, jnp.bfloat16) + [jnp.array([1, 999], jnp.int32)]
   f = functools.partial(mla_decode, softmax_scale=0.1, backend=style_, interpret=False)
   lowers(f, args, platform)
+
+
+@pytest.mark.parametrize("r", [128, 160])
+def test_fp8_cache_dequantised_per_block_equals_reference_on_dequantised_cache(r):
+  """An e4m3 cache with 1x128 scales: the kernel's per-block dequantisation against numpy on the
+  cache dequantised up front (the numbers the fp8 cache stands for)."""
+  from pallas_kernels import quantize_1x128
+
+  b, h, p, s = 2, 4, 16, 300
+  q_lat, q_pe, kv, kp = _inputs(b, h, r, p, s, jnp.float32, seed=3)
+  kv = kv * jnp.linspace(0.1, 20, r)  # scales that differ between the 128-value groups
+  kv_q, kv_scale = quantize_1x128(kv.reshape(b * s, r))
+  kv_q, kv_scale = kv_q.reshape(b, s, r), kv_scale.reshape(b, s, -1)
+  kv_deq = np.asarray(kv_q, np.float64) * np.repeat(np.asarray(kv_scale, np.float64), 128, axis=-1)[..., :r]
+  lengths = jnp.array([s, 137], jnp.int32)
+  want, want_lse = numpy_attention(*(np.asarray(a, np.float64) for a in (q_lat, q_pe)), kv_deq,
+                                   np.asarray(kp, np.float64), lengths, 0.05)
+  got, lse = mla_decode(q_lat, q_pe, kv_q, kp, lengths, softmax_scale=0.05, return_lse=True, kv_scale=kv_scale,
+                        block_sizes=BlockSizesMlaDecode(block_kv=128))
+  assert _rel(got, want) < 1e-5 and _rel(lse, want_lse) < 1e-5
+  assert _rel(mla_decode_reference(q_lat, q_pe, kv_q, kp, lengths, softmax_scale=0.05, kv_scale=kv_scale), want) < 1e-5
+  with pytest.raises(ValueError, match="kv_scale"):
+    mla_decode(q_lat, q_pe, kv_q, kp, lengths, softmax_scale=0.05, kv_scale=kv_scale[..., :0])
