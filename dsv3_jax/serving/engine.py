@@ -1,0 +1,235 @@
+"""Continuous batching: a fixed set of decode slots over the latent cache, filled from a bounded queue.
+
+One engine thread loops: admit waiting requests into free slots, run one prefill chunk (the oldest
+slot still reading its prompt), then one decode step over every slot, then hand each request its
+new token, text delta and, when it ends, its finish reason. A request ends at an EOS or one of its
+stop token ids or stop strings ("stop"), or at max_tokens ("length"); `cancel` ends it at once and
+frees its slot for the next admission. Requests never see each other: a slot's cache rows, position
+and sampling parameters are its own (see `runner` and `sampling`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from dsv3_jax.serving.metrics import Metrics
+from dsv3_jax.serving.runner import Runner
+from dsv3_jax.serving.sampling import RowSampling
+from dsv3_jax.serving.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all tokens
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class Event(NamedTuple):
+    """What a request receives after each of its steps (finish_reason set on the last one)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]  # called from the engine thread
+    id: str = ""
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    stream: TextStream | None = None
+    chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
+    done: bool = False
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64):
+        self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        b = runner.max_batch
+        self.slots: list[Request | None] = [None] * b
+        self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
+        self.next_tokens = np.zeros((b, 1 + runner.drafts), np.int32)  # last token, then MTP drafts
+        self.sampling = RowSampling.greedy(b)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.cond = threading.Condition()
+        self.metrics = Metrics(num_slots=b)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # --- called from any thread ---------------------------------------------------------------
+
+    def submit(self, request: Request) -> Request:
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            request.id = request.id or f"req-{next(self._ids)}"
+            request.stream = TextStream(self.tokenizer, list(request.params.stop))
+            self.waiting.append(request)
+            self.metrics.requests_received += 1
+            self.cond.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ends the request now: out of the queue, or its slot freed for the next admission."""
+        with self.cond:
+            if request.done:
+                return
+            if request in self.waiting:
+                self.waiting.remove(request)
+            for slot, r in enumerate(self.slots):
+                if r is request:
+                    self._free(slot)
+            self._finish(request, "cancelled", emit=False)
+
+    def slots_in_use(self) -> int:
+        with self.cond:
+            return sum(r is not None for r in self.slots)
+
+    def queue_length(self) -> int:
+        with self.cond:
+            return len(self.waiting)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stop and not self.waiting and all(r is None for r in self.slots):
+                    self.cond.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug must not take the server down: fail the requests it touched
+                log.exception("engine step failed")
+                with self.cond:
+                    for slot, r in enumerate(self.slots):
+                        if r is not None:
+                            self._free(slot)
+                            self._finish(r, "error")
+
+    def step(self) -> None:
+        """Admission, one prefill chunk, one decode step."""
+        with self.cond:
+            self._admit()
+            prefilling = [r for r in self.slots if r is not None and r.chunks]
+            request = min(prefilling, key=lambda r: r.arrival) if prefilling else None
+            slot = self.slots.index(request) if request is not None else -1
+            sampling = RowSampling(*(a.copy() for a in self.sampling))
+        if request is not None:
+            self._prefill(slot, request, sampling)
+        with self.cond:
+            active = np.array([r is not None and not r.chunks for r in self.slots])
+            positions, tokens = self.positions.copy(), self.next_tokens.copy()
+            sampling = RowSampling(*(a.copy() for a in self.sampling))
+        if active.any():
+            start = time.perf_counter()
+            result = self.runner.decode(tokens, positions, active, sampling)
+            self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
+                                     drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
+            with self.cond:
+                for slot in np.flatnonzero(active):
+                    if self.slots[slot] is not None:  # not cancelled during the step
+                        n = int(result.accepted[slot]) + 1
+                        self.positions[slot] += n
+                        self.next_tokens[slot] = result.next_tokens[slot]
+                        self._accept(slot, result.emitted[slot, :n].tolist())
+
+    def _admit(self) -> None:
+        for slot, r in enumerate(self.slots):
+            if r is None and self.waiting:
+                request = self.waiting.popleft()
+                self.slots[slot] = request
+                request.chunks = self.runner.chunks(len(request.prompt))
+                p = request.params
+                self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+                self.positions[slot] = 0
+
+    def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
+        start, valid, width = request.chunks[0]
+        following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
+        nxt = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
+                                        width, sampling, following)
+        with self.cond:
+            if self.slots[slot] is not request:  # cancelled meanwhile
+                return
+            request.chunks.pop(0)
+            self.positions[slot] = start + valid
+            if not request.chunks:
+                self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
+                self.next_tokens[slot] = nxt
+                self._accept(slot, [int(nxt[0])])
+
+    def _accept(self, slot: int, tokens: list[int]) -> None:
+        """Gives the slot's request its new tokens, in order, up to the first that ends it; then
+        ends it (and frees the slot) when it is done."""
+        request, p = self.slots[slot], self.slots[slot].params
+        reason, text, kept = None, "", []
+        for token in tokens:
+            kept.append(token)
+            request.generated.append(token)
+            if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+                reason = "stop"
+            else:
+                text += request.stream.push([token])
+                if request.stream.stopped:
+                    reason = "stop"
+            if reason is None and len(request.generated) >= p.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        self.metrics.generated_tokens += len(kept)
+        if reason is not None:
+            text += request.stream.finish()
+            self._free(slot)
+        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated)))
+        if reason is not None:
+            self._finish(request, reason, emit=False)
+
+    def _free(self, slot: int) -> None:
+        self.slots[slot] = None
+        self.positions[slot] = 0
+        self.sampling.set_row(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+
+    def _finish(self, request: Request, reason: str, emit: bool = True) -> None:
+        request.done = True
+        self.metrics.finished(reason)
+        if emit:
+            request.sink(Event("", [], reason, len(request.prompt), len(request.generated)))

@@ -1,0 +1,154 @@
+"""The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
+prompt into one slot's rows, and one decode step over every slot at its own position, optionally
+with MTP speculation (each slot feeds its last token and M drafts; `speculation.accept_rows`).
+
+Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
+M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
+
+All model math is the model's own forward with a cache, through `dsv3_jax.inference.decode`'s
+`model_step` and `mtp_draft`, the steps `generate()` runs; prompts are cut into chunks by
+`dsv3_jax.inference.prefill.plan`, as `generate()` cuts them. Each call's tokens attend to the
+cache slots before their positions and to each other. Only the slot's rows [1, S] of the cache are
+cut out for a prefill chunk and written back, so the other slots' rows are never touched. The cache holds stale entries at positions a row has not
+reached; attention never reads them (see `dsv3_jax.inference.cache`), so a freed slot needs no
+clearing and idle rows of the decode step may write anywhere at or past their frontier.
+
+Compilation: the decode step once per (B, S); a prefill chunk once per width W (`prefill.plan`:
+`chunk`, or a power of two from 16 below it). Every function is pure in (state, cache, ...) and donates the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax.inference.cache import CACHE_DTYPES, init_cache
+from dsv3_jax.inference import prefill as chunking
+from dsv3_jax.inference.decode import model_step, mtp_draft
+from dsv3_jax.serving.sampling import RowSampling, sample_rows
+from dsv3_jax.serving.speculation import accept_rows
+
+
+class StepResult(NamedTuple):
+    emitted: np.ndarray  # int32 [B, K]: slot b's new tokens are emitted[b, :accepted[b] + 1]
+    accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
+    next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
+    expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
+
+
+def chunk_buckets(chunk: int) -> tuple[int, ...]:
+    """Chunk widths a prefill compiles for (those `prefill.plan` uses): powers of two from 16 to `chunk`."""
+    return tuple(sorted({chunking.plan(n, chunk)[-1][1] for n in range(1, chunk + 1)}))
+
+
+def _rows(cache, slot):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
+
+
+def _put_rows(cache, rows, slot):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, rows)
+
+
+class Runner:
+    """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
+
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
+                 chunk: int = 64, use_mtp: bool = False):
+        cfg = model.config
+        if use_mtp and model.mtp is None:
+            raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
+        cache_dtype = cache_dtype or cfg.compute_dtype
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
+        if not 2 <= max_seq_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len must lie in [2, max_position_embeddings={cfg.max_position_embeddings}], "
+                             f"got {max_seq_len}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        chunking.check_chunk(chunk)
+        self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
+        self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
+        self.drafts = cfg.num_mtp_layers if use_mtp else 0
+        self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
+        graphdef, self.state = nnx.split(model)
+        # committed to a device, as every step's output is: one compiled step for both
+        cache = init_cache(cfg, max_batch, max_seq_len, cache_dtype, with_mtp=use_mtp)
+        self.cache = jax.device_put(cache, jax.devices()[0])
+        self._prefill, self._decode = _compiled(graphdef, max_seq_len, use_mtp)
+
+    def chunks(self, length: int) -> list[tuple[int, int, int]]:
+        """(start, valid, padded width) of each chunk of a `length`-token prompt."""
+        return [(start, min(width, length - start), width) for start, width in chunking.plan(length, self.chunk)]
+
+    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling,
+                      following: int = -1) -> np.ndarray:
+        """Writes `tokens` (positions start ..) into the slot's rows. `following`: the prompt token
+        after this chunk, -1 for the last chunk. Returns int32 [K]: the sampled next token (kept by
+        the caller only after the last chunk) and the MTP drafts that follow it."""
+        padded = np.zeros((2, width + 1), np.int32)  # row 0 the chunk, row 1 the chunk shifted left
+        padded[0, :len(tokens)] = tokens
+        padded[1, :len(tokens) - 1] = tokens[1:]
+        row = RowSampling(*(a[slot:slot + 1] for a in sampling))
+        out, self.cache = self._prefill(self.state, self.cache, jnp.asarray(padded[:, :width]), np.int32(slot),
+                                        np.int32(start), np.int32(len(tokens)), np.int32(following), row)
+        return np.asarray(out)
+
+    def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
+               sampling: RowSampling) -> StepResult:
+        """One step: slot b feeds tokens[b] (its last token, then its drafts) from positions[b]."""
+        out, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_BxK, jnp.int32),
+                                       jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B), sampling)
+        emitted, accepted, nxt, counts = jax.device_get(out)
+        return StepResult(emitted, accepted, nxt, counts)
+
+    def warm_up(self) -> None:
+        """Compiles every prefill bucket and the decode step (on slot 0, whose rows hold nothing yet)."""
+        greedy = RowSampling.greedy(self.max_batch)
+        for w in self.buckets:
+            self.prefill_chunk(0, np.zeros(w, np.int32), 0, w, greedy)
+        zeros = np.zeros(self.max_batch, np.int32)
+        self.decode(np.zeros((self.max_batch, 1 + self.drafts), np.int32), zeros, np.zeros(self.max_batch, bool),
+                    greedy)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
+    def prefill(state, cache, tokens_2xW, slot, start, valid, following, sampling):
+        model = nnx.merge(graphdef, state)
+        tokens, shifted = tokens_2xW[:1], tokens_2xW[1:]
+        index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        positions = jnp.minimum(start + index, max_seq_len - 1)  # padding writes stay inside the cache
+        out = model_step(model, _rows(cache, slot), tokens, positions, index < valid)
+        last = jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True)  # [1, V]
+        token = sample_rows(last, sampling, (start + valid)[None])
+        rows, nxt = out.cache, token[:, None]
+        if use_mtp:  # the MTP depths read t_{i+1} at i: the next prompt token, or the sampled one
+            after = jnp.where(following >= 0, following, token[0])
+            depths = rows.mtp.latent.shape[0]
+            next_1xN = jnp.pad(shifted.at[0, valid - 1].set(after), ((0, 0), (0, depths)))
+            drafts, rows = mtp_draft(model, rows, out.hidden, next_1xN, positions, (valid - 1)[None])
+            nxt = jnp.concatenate([nxt, drafts], axis=1)
+        return nxt[0], _put_rows(cache, rows, slot)
+
+    def decode(state, cache, tokens_BxK, positions_B, active_B, sampling):
+        model = nnx.merge(graphdef, state)
+        b, k = tokens_BxK.shape
+        positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
+        out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))
+        counts = None if out.router_stats is None else out.router_stats.expert_counts
+        if not use_mtp:
+            token = sample_rows(out.logits[:, 0], sampling, positions_B + 1)[:, None]
+            return (token, jnp.zeros_like(positions_B), token, counts), out.cache
+        emitted, accepted = accept_rows(out.logits, tokens_BxK[:, 1:], sampling, positions_B)
+        # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
+        next_BxN = jnp.pad(emitted, ((0, 0), (0, k - 1)))
+        drafts, cache = mtp_draft(model, out.cache, out.hidden, next_BxN, positions_BxK, accepted)
+        last = emitted[jnp.arange(b), accepted]
+        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts), cache
+
+    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)

@@ -1,0 +1,63 @@
+"""Per-row sampling: every slot of the batch has its own temperature, top-k, top-p and seed, and all
+rows are sampled inside the one compiled decode step.
+
+The rule is `dsv3_jax.inference.sampling`'s (HF order: logits / temperature, keep the top-k, then
+the smallest most-likely set whose mass reaches top_p; ties at a threshold kept), with the scalars
+turned into [B] arrays. Temperature 0 is greedy (argmax). top_k 0 and top_p 1 switch those filters
+off. A row's key is fold_in(key(seed), position), so a request's draws do not depend on which
+other requests share the batch. Letters: B batch (slots), V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class RowSampling(NamedTuple):
+    """Sampling parameters of every slot, [B] arrays (numpy on the host, jax inside the step)."""
+
+    temperature: np.ndarray  # float32, 0 = greedy
+    top_k: np.ndarray  # int32, 0 = off
+    top_p: np.ndarray  # float32 in (0, 1], 1 = off
+    seed: np.ndarray  # uint32
+
+    @classmethod
+    def greedy(cls, batch: int) -> "RowSampling":
+        return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
+                   np.zeros(batch, np.uint32))
+
+    def set_row(self, row: int, *, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        self.temperature[row], self.top_k[row], self.top_p[row], self.seed[row] = temperature, top_k, top_p, seed
+
+
+def filtered_logits(logits_BxV: jax.Array, s: RowSampling) -> jax.Array:
+    """float32 logits / temperature with each row's tokens outside its top-k / top-p set to -inf."""
+    v = logits_BxV.shape[-1]
+    t = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    x = logits_BxV.astype(jnp.float32) / t
+    k = jnp.where((s.top_k > 0) & (s.top_k < v), s.top_k, v)
+    kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), (k - 1)[:, None], axis=-1)
+    x = jnp.where(x >= kth, x, -jnp.inf)
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1)  # the first token always stays
+    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def row_keys(seed_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+    """One key per row from its request's seed and the position of the token being drawn."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, positions_B)
+
+
+def sample_rows(logits_BxV: jax.Array, s: RowSampling, positions_B: jax.Array) -> jax.Array:
+    """int32 [B] next tokens: argmax for greedy rows, a draw from the filtered distribution otherwise."""
+    keys = row_keys(s.seed, positions_B)
+    drawn = jax.vmap(lambda key, x: jax.random.categorical(key, x))(keys, filtered_logits(logits_BxV, s))
+    greedy = jnp.argmax(logits_BxV, axis=-1)
+    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)

@@ -1,0 +1,186 @@
+"""Serving throughput and time-to-first-token at concurrency 1, 4 and 16, against sequential generate().
+
+    python -m experiments.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16]
+
+Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
+the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
+side: sequential `generate()` calls on the same prompts (each shape compiled before timing), then
+`experiments.serve` in a subprocess driven over HTTP with streaming, `c` clients each sending
+requests back to back. Output tokens/s = completion tokens / wall time; TTFT = request sent to
+first streamed token; decode step = the engine's mean step time over all --max_batch slots (from
+/metrics). Every figure is a ratio to concurrency 1 of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(folder: str) -> str:
+    from dsv3_jax.convert import main as convert
+    from experiments.make_synthetic_checkpoint import bench_config, make_checkpoint
+
+    cfg = bench_config(3, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                       num_routed_experts=16, num_expert_groups=4, num_mtp_layers=0, param_dtype="float32",
+                       compute_dtype="float32", max_position_embeddings=1024)
+    make_checkpoint(cfg, os.path.join(folder, "hf"), dtype="float32", seed=0)
+    out = os.path.join(folder, "bench-model")
+    if convert(["--no-progress", "--hf-dir", os.path.join(folder, "hf"), "--out", out]) != 0:
+        raise SystemExit("conversion failed")
+    return out
+
+
+def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of four lengths (generate() compiles its prefill per length)."""
+    rng = np.random.default_rng(seed)
+    return [[1] + rng.integers(3, 2048, (11, 23, 39, 55)[i % 4]).tolist() for i in range(n)]
+
+
+def bench_generate(checkpoint: str, prompts, max_tokens: int) -> dict:
+    from dsv3_jax import load_pretrained
+    from dsv3_jax.inference import Generation
+
+    model = load_pretrained(checkpoint)
+
+    def run(prompt):
+        start, first = time.perf_counter(), None
+        gen = Generation(model, np.array([prompt], np.int32), max_tokens)
+        for _ in gen:
+            first = first or time.perf_counter() - start
+        return first, int(gen.stats.generated_tokens)
+
+    for p in prompts:  # compile every (prompt length, cache bucket) before timing
+        run(p)
+    start = time.perf_counter()
+    results = [run(p) for p in prompts]
+    wall = time.perf_counter() - start
+    return {"tokens": sum(n for _, n in results), "wall": wall, "ttft": [t for t, _ in results]}
+
+
+class Server:
+    def __init__(self, checkpoint: str, port: int, max_batch: int, max_seq_len: int):
+        cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={checkpoint}", f"--port={port}",
+               f"--max_batch={max_batch}", f"--max_seq_len={max_seq_len}", "--chunk=32", "--max_queue=1024"]
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.port, self.model = port, os.path.basename(os.path.normpath(checkpoint))
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                conn.getresponse().read()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    self.log.seek(0)
+                    raise SystemExit("server failed:\n" + self.log.read()[-3000:])
+                time.sleep(0.5)
+
+    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        """-> (time to first token, completion tokens) of one streamed completion."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        start, first, tokens = time.perf_counter(), None, 0
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            first = first or time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        conn.close()
+        return first, tokens
+
+    def step_stats(self) -> tuple[float, float]:
+        """(decode steps, seconds in them) so far, from /metrics."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("GET", "/metrics")
+        values = dict(line.split()[:2] for line in conn.getresponse().read().decode().splitlines()
+                      if line.startswith("dsv3_decode_step"))
+        conn.close()
+        return float(values["dsv3_decode_steps_total"]), float(values["dsv3_decode_step_seconds_total"])
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def bench_server(server: Server, prompts, max_tokens: int, concurrency: int) -> dict:
+    results, lock, todo = [], threading.Lock(), list(prompts)
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                prompt = todo.pop()
+            r = server.stream(prompt, max_tokens)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    steps, seconds = server.step_stats()
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    steps_after, seconds_after = server.step_stats()
+    return {"tokens": sum(n for _, n in results), "wall": wall, "ttft": [t for t, _ in results],
+            "step_ms": 1e3 * (seconds_after - seconds) / max(steps_after - steps, 1)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--requests", type=int, default=16, help="requests at concurrency 1 and 4 (x2 at 16)")
+    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--max_batch", type=int, default=16)
+    p.add_argument("--port", type=int, default=18765)
+    args = p.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory()
+    checkpoint = args.checkpoint or make_model(tmp.name)
+    prompts = prompts_for(2 * args.requests)
+    print("sequential generate() ...", flush=True)
+    rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens))]
+    print("starting experiments.serve (compiles before it listens) ...", flush=True)
+    server = Server(checkpoint, args.port, args.max_batch, max_seq_len=256)
+    try:
+        server.stream(prompts[0], 4)  # first request through the HTTP stack
+        for c in (1, 4, 16):
+            print(f"server at concurrency {c} ...", flush=True)
+            rows.append(("server", c, bench_server(server, prompts[:args.requests * (2 if c == 16 else 1)],
+                                                   args.max_tokens, c)))
+    finally:
+        server.close()
+    base = rows[1][2]["tokens"] / rows[1][2]["wall"]
+    print(f"\n{'mode':24s} {'conc':>4s} {'reqs':>4s} {'out tok/s':>10s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
+          f"{'x server c=1':>12s} {'decode step':>11s}")
+    for name, c, r in rows:
+        tps = r["tokens"] / r["wall"]
+        step = f"{r['step_ms']:9.1f}ms" if "step_ms" in r else f"{'':>11s}"
+        print(f"{name:24s} {c:4d} {len(r['ttft']):4d} {tps:10.1f} {np.mean(r['ttft']):9.3f}s "
+              f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f} {step}")
+    ratio = rows[3][2]["tokens"] / rows[3][2]["wall"] / base
+    print(f"\nconcurrency 16 / concurrency 1 output tokens/s: {ratio:.2f}x (target >= 4x): "
+          f"{'PASS' if ratio >= 4 else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

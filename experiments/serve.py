@@ -1,0 +1,85 @@
+"""An OpenAI-compatible server over the continuous-batching engine.
+
+    python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
+        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--use_mtp] [--cache_dtype=bfloat16]
+
+Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
+checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
+else --tokenizer, else a training run's own, else the bundled BPE. All compiles run before the port opens. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="training run or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or its folder) when the checkpoint folder has none (default: the run's, "
+                        "else the bundled BPE)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max_batch", type=int, default=16, help="decode slots (concurrent requests)")
+    p.add_argument("--max_seq_len", type=int, default=2048, help="context per slot: prompt + max_tokens")
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
+    p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
+    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
+    p.add_argument("--served_model_name", default=None, help="model id clients send (default: checkpoint folder name)")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace):
+    """-> (FastAPI app, engine), the engine started and every step compiled."""
+    from dsv3_jax import load_pretrained
+    from dsv3_jax.checkpoint import run_folder
+    from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
+
+    run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
+    model = load_pretrained(args.checkpoint, dtype=args.dtype)
+    chat = ChatTokenizer(tokenizer_file(args.checkpoint, args.tokenizer or (run.tokenizer if run else None)))
+    if chat.tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
+                         f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
+    max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
+    runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
+                    chunk=args.chunk, use_mtp=args.use_mtp)
+    start = time.perf_counter()
+    runner.warm_up()
+    logging.info("compiled prefill chunks %s and the decode step in %.1fs", runner.buckets, time.perf_counter() - start)
+    engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue)
+    engine.start()
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    return make_app(engine, chat, name), engine
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from dsv3_jax.checkpoint import CheckpointError
+    from dsv3_jax.config import ConfigError
+
+    try:
+        app, engine = build(args)
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

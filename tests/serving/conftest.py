@@ -1,0 +1,56 @@
+"""One server subprocess (`python -m experiments.serve` on 127.0.0.1, a free port) shared by the
+HTTP tests, started from a converted test checkpoint."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.serving.checkpoint import make_served_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_BATCH, MAX_SEQ_LEN, MAX_QUEUE = 4, 128, 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(tmp_path_factory):
+    return make_served_checkpoint(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="session")
+def server(served_checkpoint, tmp_path_factory):
+    """(base url, model name) of a running server; stopped at the end of the session."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={served_checkpoint}", f"--port={port}",
+           f"--max_batch={MAX_BATCH}", f"--max_seq_len={MAX_SEQ_LEN}", "--chunk=16", f"--max_queue={MAX_QUEUE}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                log.seek(0)
+                pytest.fail("the server did not start:\n" + log.read()[-3000:])
+            time.sleep(0.5)
+    yield url, served_checkpoint.name
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

@@ -1,0 +1,103 @@
+"""Chat templates against HF transformers' own rendering; streaming text and stop strings."""
+
+import pytest
+
+from dsv3_jax.data import load_tokenizer
+from dsv3_jax.data.tokenizer import BUNDLED_PATH
+from dsv3_jax.serving.chat import BUNDLED_TEMPLATE, ChatTemplateError, ChatTokenizer
+from dsv3_jax.serving.textstream import TextStream
+from tests.serving.checkpoint import CHAT_TEMPLATE
+
+# Loops, namespace, tojson, loop controls, trimmed blocks: the features HF templates rely on.
+RICH_TEMPLATE = """{{ bos_token }}
+{% for m in messages %}
+    {% if loop.index0 > 6 %}{% break %}{% endif %}
+    {% if m['role'] == 'tool' %}<Tool>{{ m['content'] | tojson }}
+    {% else %}<{{ m['role'] | capitalize }}>{{ m['content'] | trim }}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<Assistant>{% endif %}"""
+
+MESSAGES = [
+    [{"role": "user", "content": "Hello there"}],
+    [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "  Who are you?"},
+     {"role": "assistant", "content": "A fox."}, {"role": "tool", "content": "ünïcode \"quoted\""},
+     {"role": "user", "content": "And then?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(BUNDLED_PATH), bos_token="<|bos|>",
+                                                eos_token="<|eos|>", pad_token="<|pad|>")
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, RICH_TEMPLATE, BUNDLED_TEMPLATE])
+@pytest.mark.parametrize("messages", MESSAGES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_template_renders_and_encodes_as_hf(tmp_path, hf_tokenizer, template, messages, add_generation_prompt):
+    (tmp_path / "tokenizer.json").write_bytes(BUNDLED_PATH.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": %s}' % __import__("json").dumps(template))
+    ours = ChatTokenizer(tmp_path / "tokenizer.json")
+    kw = dict(chat_template=template, add_generation_prompt=add_generation_prompt)
+    if template == BUNDLED_TEMPLATE and any(m["role"] == "tool" for m in messages):
+        with pytest.raises(ChatTemplateError, match="unknown role tool"):
+            ours.render(messages, add_generation_prompt=add_generation_prompt)
+        return
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == \
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours.encode_chat(messages, add_generation_prompt=add_generation_prompt) == \
+        list(hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
+
+
+def test_bundled_tokenizer_uses_the_documented_template():
+    chat = ChatTokenizer(BUNDLED_PATH)
+    text = chat.render([{"role": "user", "content": "hi"}])
+    assert text == "<|bos|>User: hi\n\nAssistant:"
+
+
+def test_no_template_is_a_clear_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(BUNDLED_PATH.read_bytes())
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTokenizer(tmp_path / "tokenizer.json").render([{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _stream(tok, text: str, stop: list[str]) -> tuple[list[str], bool]:
+    """Feeds `text`'s ids one at a time; returns the deltas (finish() appended) and whether it stopped."""
+    s = TextStream(tok, stop)
+    deltas = []
+    for i in tok.encode(text):
+        deltas.append(s.push([i]))
+        if s.stopped:
+            break
+    deltas.append(s.finish())
+    return deltas, s.stopped
+
+
+def test_stream_deltas_concatenate_to_the_text(tok):
+    text = "The quick brown fox — ünïcode — jumps."
+    deltas, stopped = _stream(tok, text, [])
+    assert "".join(deltas) == text and not stopped
+    assert all("\ufffd" not in d for d in deltas), "incomplete UTF-8 must be held back"
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["fox"], "The quick brown "),
+    (["jumps", "quick"], "The "),
+    (["nothing here"], "The quick brown fox jumps."),
+    (["s."], "The quick brown fox jump"),
+])
+def test_stop_strings_cut_and_are_never_emitted(tok, stop, expected):
+    deltas, stopped = _stream(tok, "The quick brown fox jumps.", stop)
+    assert "".join(deltas) == expected
+    assert stopped == (expected != "The quick brown fox jumps.")
+    shown = ""
+    for d in deltas:  # no prefix of what was shown contains a stop string
+        shown += d
+        assert not any(s in shown for s in stop)
