@@ -5,7 +5,7 @@ J row tiles, t rows per tile.
 
 Three grouped-matmul implementations compute the same function:
 - `ragged`: `jax.lax.ragged_dot`, sparse on TPU/GPU. XLA:CPU computes it as if every row met every
-  expert (DESIGN.md section 4), so it is not used on CPU by default.
+  expert (docs/numerics.md, Backend facts), so it is not used on CPU by default.
 - `tiled`: rows padded per expert to a multiple of a tile, each tile gathers its expert's weights,
   one batched einsum. Cost ~ (M + E*t) rows; `t` is chosen so that E*t <= M, so the cost follows
   the activated experts, not the total.
