@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import matplotlib
 
@@ -18,9 +19,6 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
-_OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
 
 
 def load_records(workdir: str) -> list[dict]:
@@ -97,7 +95,11 @@ def plot_expert_load(records: list[dict], path: str, layers: list[int] | None = 
 
 def main(argv):
     del argv
-    records = load_records(_WORKDIR.value)
+    try:
+        records = load_records(_WORKDIR.value)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"experiments.plot: {e}", file=sys.stderr)
+        sys.exit(2)
     out = _OUT.value or _WORKDIR.value
     os.makedirs(out, exist_ok=True)
     plot_losses(records, os.path.join(out, "loss.png"))
@@ -108,4 +110,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags exist only when this file runs as a program: importing its functions (notebooks, tests)
+    # defines none, so it never collides with another module's --workdir.
+    _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
+    _OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
     app.run(main)

@@ -6,7 +6,9 @@ import sys
 
 import tokenizers
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
+ROOT = pathlib.Path(REPO)
 HF_DIR = ROOT / "tests/fixtures/parity/lora_groups_yarn"  # vocab 128, 2 MoE layers
 
 

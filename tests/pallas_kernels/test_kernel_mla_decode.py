@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels import BlockSizesMlaDecode, mla_decode, mla_decode_reference
 from pallas_test_utils import LOWERINGS, lowers
+from tests.helpers import rel_err
 
 
 def numpy_attention(q_lat, q_pe, kv, kp, lengths, scale):
@@ -33,17 +34,13 @@ def _inputs(b, h, r, p, s, dtype, seed=0):
     return [jax.random.normal(k, sh, jnp.float32).astype(dtype) for k, sh in zip(ks, shapes)]
 
 
-def _rel(a, b):
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
-                 / np.abs(np.asarray(b, np.float64)).max())
-
 
 def test_reference_matches_numpy():
     args = _inputs(3, 4, 32, 8, 40, jnp.float32)
     lengths = np.array([1, 17, 40], np.int32)
     out, lse = mla_decode_reference(*args, jnp.asarray(lengths), softmax_scale=0.2, return_lse=True)
     want_out, want_lse = numpy_attention(*[np.asarray(a, np.float64) for a in args], lengths, 0.2)
-    assert _rel(out, want_out) < 1e-5
+    assert rel_err(out, want_out) < 1e-5
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5)
 
 
@@ -66,7 +63,7 @@ def test_mla_decode_matches_reference(case, dtype, style):
     ref, ref_lse = mla_decode_reference(*args, lengths, softmax_scale=0.125, return_lse=True)
     assert out.shape == (b, h, r) and out.dtype == jnp.float32
     assert np.all(np.isfinite(np.asarray(out)))
-    assert _rel(out, ref) < 2e-3
+    assert rel_err(out, ref) < 2e-3
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5, rtol=0)
     empty = np.asarray(lengths) == 0
     assert np.all(np.asarray(out)[empty] == 0) and np.all(np.isneginf(np.asarray(lse)[empty]))
@@ -76,7 +73,7 @@ def test_mla_decode_default_path_and_errors():
     args = _inputs(2, 4, 32, 8, 64, jnp.bfloat16)
     out = mla_decode(*args, jnp.array([64, 3], jnp.int32), softmax_scale=0.1)
     ref = mla_decode_reference(*args, jnp.array([64, 3], jnp.int32), softmax_scale=0.1)
-    assert _rel(out, ref) < 2e-3
+    assert rel_err(out, ref) < 2e-3
     with pytest.raises(ValueError, match="lengths.shape"):
         mla_decode(*args, jnp.array([1], jnp.int32), softmax_scale=0.1)
     with pytest.raises(ValueError, match="block_kv=100 must be a multiple of 128"):

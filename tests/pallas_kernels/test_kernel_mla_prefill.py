@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels import BlockSizesMlaPrefill, mla_prefill, mla_prefill_reference
 from pallas_test_utils import LOWERINGS, lowers
+from tests.helpers import rel_err
 
 
 def numpy_attention(q, k, v, scale, seg):
@@ -38,21 +39,17 @@ def _segments(b, t, bounds):
     return jnp.asarray(seg)
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
 
 def test_reference_matches_numpy():
     q, k, v = _inputs(2, 12, 2, 6, 4, jnp.float32)
     seg = _segments(2, 12, [5, 9])
     got = mla_prefill_reference(q, k, v, softmax_scale=0.3, segment_ids=seg)
     want = numpy_attention(*[np.asarray(x, np.float64) for x in (q, k, v)], 0.3, np.asarray(seg))
-    assert _rel(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     causal = mla_prefill_reference(q, k, v, softmax_scale=0.3)
     want = numpy_attention(*[np.asarray(x, np.float64) for x in (q, k, v)], 0.3,
                            np.zeros((2, 12), np.int32))
-    assert _rel(causal, want) < 1e-5
+    assert rel_err(causal, want) < 1e-5
 
 
 CASES = [  # (T, Dqk, Dv, segment starts, dtype)
@@ -79,20 +76,20 @@ def test_mla_prefill_forward_and_grads(style, case):
     out, ref = f(q, k, v), r(q, k, v)
     assert out.shape == (1, t, 2, dv) and out.dtype == dtype
     tol = 2e-3 if dtype == jnp.float32 else 2e-2
-    assert _rel(out, ref) < tol
+    assert rel_err(out, ref) < tol
     ct = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(dtype)
     loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct.astype(jnp.float32))
     grads = jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)
     ref_grads = jax.grad(loss(r), argnums=(0, 1, 2))(q, k, v)
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert g.shape == rg.shape and g.dtype == rg.dtype
-        assert _rel(g, rg) < (2e-3 if dtype == jnp.float32 else 3e-2), name
+        assert rel_err(g, rg) < (2e-3 if dtype == jnp.float32 else 3e-2), name
 
 
 def test_mla_prefill_default_path_and_errors():
     q, k, v = _inputs(2, 40, 2, 24, 16, jnp.float32)
     out = jax.jit(lambda q, k, v: mla_prefill(q, k, v, softmax_scale=0.2))(q, k, v)
-    assert _rel(out, mla_prefill_reference(q, k, v, softmax_scale=0.2)) < 2e-3
+    assert rel_err(out, mla_prefill_reference(q, k, v, softmax_scale=0.2)) < 2e-3
     with pytest.raises(ValueError, match="block_k=64 % 128 == 0"):
         mla_prefill(q, k, v, softmax_scale=0.2, backend="tpu",
                     block_sizes=BlockSizesMlaPrefill(block_q=64, block_k=64))

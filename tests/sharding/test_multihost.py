@@ -2,7 +2,6 @@
 with 8 devices (issue acceptance 3)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,13 +9,11 @@ import sys
 import pytest
 
 from sharding import multihost
-from tests.sharding import workers
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO, fake_device_env
 
 
 def _env():
-    env = workers.fake_device_env()
+    env = fake_device_env()
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
     return env

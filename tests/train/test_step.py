@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3
 from dsv3_jax.train import balancing, optimizer, state as state_lib, step as step_lib
+from tests.helpers import shrunk_tiny_config
 
 GAMMA = 0.01
-CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                       num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                       v_head_dim=8)
+CFG = shrunk_tiny_config(vocab_size=64, num_layers=3)
 OPT = ml_collections.ConfigDict(dict(schedule="wsd", peak_lr=1e-2, end_lr=1e-3, warmup_steps=2, decay_fraction=0.5,
                                      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
 
