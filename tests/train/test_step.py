@@ -56,8 +56,6 @@ def test_router_bias_moves_by_gamma_sign_of_load_outside_the_optimizer(setup):
     assert int(new.step) == 1 and int(new.skipped) == 0
     assert not np.array_equal(new.rng, state.rng)
     np.testing.assert_allclose(metrics["lr"], schedule(0), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(balancing.max_violation(counts["moe_layers"])),
-                               counts["moe_layers"].max(-1) / counts["moe_layers"].mean(-1) - 1, rtol=1e-6)
 
 
 def test_non_finite_step_is_skipped_and_counted(setup):
