@@ -15,8 +15,9 @@
 # `jax.jit` and `nnx.jit`, look at the MTP logits and the router statistics, generate text with the
 # bundled tokenizer, train 20 steps with the library's train step, and plot the loss.
 #
-# **Run time: about 60 s on a 2-core CPU** (measured with `python -m pytest tests/test_notebooks.py`,
-# which executes this notebook end to end; the last cell prints this run's time).
+# **Run time: about 50 s on a 2-core CPU**: the kernel used 46 s of CPU time (jax 0.10.2,
+# executed by `tests/test_notebooks.py`); on a shared machine at a load average of 22 the same run
+# took 177 s of wall time. The last cell prints this run's figures.
 #
 # The `.ipynb` is generated from `notebooks/quickstart.py` (jupytext, percent format):
 # `jupytext --to notebook notebooks/quickstart.py`.
