@@ -31,8 +31,10 @@ setup(
     ],
     extras_require={
         # The tests check parity against HF transformers (torch). 2.13.0 is the CPU wheel on the
-        # dev/CI machines; elsewhere pip may pick a CUDA build of the same version.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6"],
+        # dev/CI machines; elsewhere pip may pick a CUDA build of the same version. jupytext, nbclient,
+        # nbformat and ipykernel turn notebooks/*.py into notebooks and execute them (tests/test_notebooks.py).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6",
+                 "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],
         "gpu": ["jax[cuda12]>=0.10.2"],
         "tpu": ["jax[tpu]>=0.10.2"],

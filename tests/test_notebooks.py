@@ -7,6 +7,9 @@ working directory is the repository root; a cell that raises fails the test with
 import os
 import re
 
+import jupytext
+import nbclient
+import nbformat
 import pytest
 
 from tests import helpers
@@ -32,10 +35,6 @@ def test_every_notebook_is_executed_here():
 
 @pytest.mark.parametrize("name", sorted(KERNEL_ENV))
 def test_notebook_runs(name, tmp_path):
-    jupytext = pytest.importorskip("jupytext")
-    nbclient = pytest.importorskip("nbclient")
-    import nbformat
-
     nb = jupytext.read(os.path.join(NOTEBOOKS, f"{name}.py"))
     first_markdown = next(c.source for c in nb.cells if c.cell_type == "markdown")
     assert re.search(r"Run time: about \d+ s on a 2-core CPU", first_markdown), "state the measured run time"
