@@ -26,110 +26,110 @@ PEAKS = {
 
 
 def device_peak():
-  kind = jax.devices()[0].device_kind
-  for key, peak in PEAKS.items():
-    if key.lower() in kind.lower():
-      return kind, peak
-  return kind, None
+    kind = jax.devices()[0].device_kind
+    for key, peak in PEAKS.items():
+        if key.lower() in kind.lower():
+            return kind, peak
+    return kind, None
 
 
 def timeit(fn, args, iters):
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  t0 = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / iters
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
 
 
 def report(name, t_kernel, t_ref, bytes_, flops, fp8, peak):
-  gbs, tfs = bytes_ / t_kernel / 1e9, flops / t_kernel / 1e12
-  if peak is None:
-    frac = "n/a"
-  else:
-    bf16, f8, hbm = peak
-    compute = (f8 or bf16) if fp8 else bf16
-    frac = f"{max(tfs / compute, gbs / 1e3 / hbm):.1%} (compute {tfs / compute:.1%}, hbm {gbs / 1e3 / hbm:.1%})"
-  print(f"{name:<22} kernel {t_kernel * 1e3:10.2f} ms   ref {t_ref * 1e3:10.2f} ms   "
-        f"{gbs:9.2f} GB/s   {tfs:8.4f} TFLOP/s   peak {frac}")
+    gbs, tfs = bytes_ / t_kernel / 1e9, flops / t_kernel / 1e12
+    if peak is None:
+        frac = "n/a"
+    else:
+        bf16, f8, hbm = peak
+        compute = (f8 or bf16) if fp8 else bf16
+        frac = f"{max(tfs / compute, gbs / 1e3 / hbm):.1%} (compute {tfs / compute:.1%}, hbm {gbs / 1e3 / hbm:.1%})"
+    print(f"{name:<22} kernel {t_kernel * 1e3:10.2f} ms   ref {t_ref * 1e3:10.2f} ms   "
+          f"{gbs:9.2f} GB/s   {tfs:8.4f} TFLOP/s   peak {frac}")
 
 
 def bench_fp8(a, peak):
-  kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (a.m, a.k), jnp.float32)
-  w = jax.random.normal(kw, (a.n, a.k), jnp.float32)
-  args = (*pk.quantize_1x128(x), *pk.quantize_128x128(w))
-  f = jax.jit(lambda *o: pk.fp8_matmul(*o, out_dtype=jnp.bfloat16))
-  r = jax.jit(lambda *o: pk.fp8_matmul_reference(*o, out_dtype=jnp.bfloat16))
-  bytes_ = a.m * a.k + a.n * a.k + 2 * a.m * a.n
-  report("fp8_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
-         2 * a.m * a.n * a.k, True, peak)
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (a.m, a.k), jnp.float32)
+    w = jax.random.normal(kw, (a.n, a.k), jnp.float32)
+    args = (*pk.quantize_1x128(x), *pk.quantize_128x128(w))
+    f = jax.jit(lambda *o: pk.fp8_matmul(*o, out_dtype=jnp.bfloat16))
+    r = jax.jit(lambda *o: pk.fp8_matmul_reference(*o, out_dtype=jnp.bfloat16))
+    bytes_ = a.m * a.k + a.n * a.k + 2 * a.m * a.n
+    report("fp8_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
+           2 * a.m * a.n * a.k, True, peak)
 
 
 def bench_grouped(a, peak):
-  kx, kw = jax.random.split(jax.random.key(1))
-  x = jax.random.normal(kx, (a.m, a.k), jnp.float32)
-  w = jax.random.normal(kw, (a.groups, a.n, a.k), jnp.float32)
-  wq, ws = jax.vmap(pk.quantize_128x128)(w)
-  sizes = jnp.full((a.groups,), a.m // a.groups, jnp.int32)
-  args = (*pk.quantize_1x128(x), wq, ws, sizes)
-  f = jax.jit(lambda *o: pk.fp8_grouped_matmul(*o, out_dtype=jnp.bfloat16))
-  r = jax.jit(lambda *o: pk.fp8_grouped_matmul_reference(*o, out_dtype=jnp.bfloat16))
-  bytes_ = a.m * a.k + a.groups * a.n * a.k + 2 * a.m * a.n
-  report("fp8_grouped_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
-         2 * a.m * a.n * a.k, True, peak)
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (a.m, a.k), jnp.float32)
+    w = jax.random.normal(kw, (a.groups, a.n, a.k), jnp.float32)
+    wq, ws = jax.vmap(pk.quantize_128x128)(w)
+    sizes = jnp.full((a.groups,), a.m // a.groups, jnp.int32)
+    args = (*pk.quantize_1x128(x), wq, ws, sizes)
+    f = jax.jit(lambda *o: pk.fp8_grouped_matmul(*o, out_dtype=jnp.bfloat16))
+    r = jax.jit(lambda *o: pk.fp8_grouped_matmul_reference(*o, out_dtype=jnp.bfloat16))
+    bytes_ = a.m * a.k + a.groups * a.n * a.k + 2 * a.m * a.n
+    report("fp8_grouped_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
+           2 * a.m * a.n * a.k, True, peak)
 
 
 def bench_decode(a, peak):
-  b, h, r_, p, s = a.batch, a.heads, 512, 64, a.decode_len
-  ks = jax.random.split(jax.random.key(2), 4)
-  shapes = [(b, h, r_), (b, h, p), (b, s, r_), (b, s, p)]
-  args = [jax.random.normal(k, sh, jnp.float32).astype(jnp.bfloat16) for k, sh in zip(ks, shapes)]
-  args.append(jnp.full((b,), s, jnp.int32))
-  f = jax.jit(lambda *o: pk.mla_decode(*o, softmax_scale=192 ** -0.5))
-  ref = jax.jit(lambda *o: pk.mla_decode_reference(*o, softmax_scale=192 ** -0.5))
-  bytes_ = 2 * b * s * (r_ + p)  # the latent cache read once
-  report("mla_decode", timeit(f, args, a.iters), timeit(ref, args, a.iters), bytes_,
-         2 * b * h * s * (2 * r_ + p), False, peak)
+    b, h, r_, p, s = a.batch, a.heads, 512, 64, a.decode_len
+    ks = jax.random.split(jax.random.key(2), 4)
+    shapes = [(b, h, r_), (b, h, p), (b, s, r_), (b, s, p)]
+    args = [jax.random.normal(k, sh, jnp.float32).astype(jnp.bfloat16) for k, sh in zip(ks, shapes)]
+    args.append(jnp.full((b,), s, jnp.int32))
+    f = jax.jit(lambda *o: pk.mla_decode(*o, softmax_scale=192 ** -0.5))
+    ref = jax.jit(lambda *o: pk.mla_decode_reference(*o, softmax_scale=192 ** -0.5))
+    bytes_ = 2 * b * s * (r_ + p)  # the latent cache read once
+    report("mla_decode", timeit(f, args, a.iters), timeit(ref, args, a.iters), bytes_,
+           2 * b * h * s * (2 * r_ + p), False, peak)
 
 
 def bench_prefill(a, peak):
-  b, t, h = a.batch, a.prefill_len, a.heads
-  ks = jax.random.split(jax.random.key(3), 3)
-  q, k, v = [jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
-             for kk, d in zip(ks, (192, 192, 128))]
-  f = jax.jit(lambda *o: pk.mla_prefill(*o, softmax_scale=192 ** -0.5))
-  ref = jax.jit(lambda *o: pk.mla_prefill_reference(*o, softmax_scale=192 ** -0.5))
-  flops = 2 * b * h * t * t * (192 + 128) // 2  # causal half
-  bytes_ = 2 * b * t * h * (192 * 2 + 128 * 2)
-  report("mla_prefill fwd", timeit(f, (q, k, v), a.iters), timeit(ref, (q, k, v), a.iters),
-         bytes_, flops, False, peak)
-  loss = lambda fn: jax.jit(jax.grad(lambda *o: jnp.sum(fn(*o).astype(jnp.float32)), (0, 1, 2)))
-  report("mla_prefill fwd+bwd", timeit(loss(f), (q, k, v), a.iters),
-         timeit(loss(ref), (q, k, v), a.iters), 3 * bytes_, 3.5 * flops, False, peak)
+    b, t, h = a.batch, a.prefill_len, a.heads
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = [jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+               for kk, d in zip(ks, (192, 192, 128))]
+    f = jax.jit(lambda *o: pk.mla_prefill(*o, softmax_scale=192 ** -0.5))
+    ref = jax.jit(lambda *o: pk.mla_prefill_reference(*o, softmax_scale=192 ** -0.5))
+    flops = 2 * b * h * t * t * (192 + 128) // 2  # causal half
+    bytes_ = 2 * b * t * h * (192 * 2 + 128 * 2)
+    report("mla_prefill fwd", timeit(f, (q, k, v), a.iters), timeit(ref, (q, k, v), a.iters),
+           bytes_, flops, False, peak)
+    loss = lambda fn: jax.jit(jax.grad(lambda *o: jnp.sum(fn(*o).astype(jnp.float32)), (0, 1, 2)))
+    report("mla_prefill fwd+bwd", timeit(loss(f), (q, k, v), a.iters),
+           timeit(loss(ref), (q, k, v), a.iters), 3 * bytes_, 3.5 * flops, False, peak)
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--iters", type=int, default=2)
-  parser.add_argument("--m", type=int, default=256, help="fp8 matmul rows")
-  parser.add_argument("--n", type=int, default=256)
-  parser.add_argument("--k", type=int, default=512)
-  parser.add_argument("--groups", type=int, default=4)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--decode_len", type=int, default=1024)
-  parser.add_argument("--prefill_len", type=int, default=256)
-  parser.add_argument("--only", default="fp8,grouped,decode,prefill")
-  a = parser.parse_args(argv)
-  kind, peak = device_peak()
-  be = pk.resolve_backend()
-  print(f"device: {kind} ({jax.default_backend()}); kernel style {be.style}, "
-        f"interpret={be.interpret}; peak table: {peak or 'n/a'}")
-  benches = dict(fp8=bench_fp8, grouped=bench_grouped, decode=bench_decode, prefill=bench_prefill)
-  for name in a.only.split(","):
-    benches[name](a, peak)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--m", type=int, default=256, help="fp8 matmul rows")
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--k", type=int, default=512)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--decode_len", type=int, default=1024)
+    parser.add_argument("--prefill_len", type=int, default=256)
+    parser.add_argument("--only", default="fp8,grouped,decode,prefill")
+    a = parser.parse_args(argv)
+    kind, peak = device_peak()
+    be = pk.resolve_backend()
+    print(f"device: {kind} ({jax.default_backend()}); kernel style {be.style}, "
+          f"interpret={be.interpret}; peak table: {peak or 'n/a'}")
+    benches = dict(fp8=bench_fp8, grouped=bench_grouped, decode=bench_decode, prefill=bench_prefill)
+    for name in a.only.split(","):
+        benches[name](a, peak)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import matplotlib
 
@@ -18,9 +19,6 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
-_OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
 
 
 def load_records(workdir: str) -> list[dict]:
@@ -55,31 +53,65 @@ def plot_losses(records: list[dict], path: str):
     plt.close(fig)
 
 
-def plot_expert_load(records: list[dict], path: str):
+def moe_layer_numbers(workdir: str, num_rows: int) -> list[int]:
+    """The model's layer index of each heatmap row: MoE layers follow the dense ones.
+
+    Read from WORKDIR/model_config.json (written by experiments.train); without it the rows are
+    numbered from 0 as MoE layers.
+    """
+    path = os.path.join(workdir, "model_config.json")
+    if not os.path.exists(path):
+        return list(range(num_rows))
+    with open(path) as f:
+        first_moe = json.load(f)["num_dense_layers"]
+    return list(range(first_moe, first_moe + num_rows))
+
+
+def expert_load_figure(records: list[dict], layers: list[int] | None = None):
+    """Heatmap of the load share per expert (columns) and MoE layer (rows, labelled `layers`)."""
     with_load = [r for r in records if "expert_load" in r]
     if not with_load:
         raise ValueError("metrics.jsonl has no expert_load (a model without MoE layers)")
     tail = with_load[-max(1, len(with_load) // 5):]
     load_LxE = np.mean([r["expert_load"] for r in tail], axis=0)
+    layers = list(range(load_LxE.shape[0])) if layers is None else layers
+    if len(layers) != load_LxE.shape[0]:
+        raise ValueError(f"{len(layers)} layer numbers for {load_LxE.shape[0]} rows of expert_load")
     fig, ax = plt.subplots(figsize=(max(6, load_LxE.shape[1] * 0.35), max(2.5, load_LxE.shape[0] * 0.5 + 1.5)))
     image = ax.imshow(load_LxE, aspect="auto", cmap="viridis")
     fig.colorbar(image, ax=ax, label=f"share of routed tokens (balanced: {1 / load_LxE.shape[1]:.3f})")
-    ax.set(xlabel="expert", ylabel="MoE layer",
+    ax.set_yticks(range(len(layers)), [str(n) for n in layers])
+    ax.set(xlabel="expert", ylabel="layer (MoE)",
            title=f"expert load, steps {tail[0]['step']}-{tail[-1]['step']}")
     fig.tight_layout()
+    return fig
+
+
+def plot_expert_load(records: list[dict], path: str, layers: list[int] | None = None):
+    fig = expert_load_figure(records, layers)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv):
     del argv
-    records = load_records(_WORKDIR.value)
+    try:
+        records = load_records(_WORKDIR.value)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"experiments.plot: {e}", file=sys.stderr)
+        sys.exit(2)
     out = _OUT.value or _WORKDIR.value
     os.makedirs(out, exist_ok=True)
     plot_losses(records, os.path.join(out, "loss.png"))
-    plot_expert_load(records, os.path.join(out, "expert_load.png"))
+    rows = len(next((r["expert_load"] for r in records if "expert_load" in r), []))
+    layers = moe_layer_numbers(_WORKDIR.value, rows)
+    plot_expert_load(records, os.path.join(out, "expert_load.png"), layers)
     print(f"wrote {os.path.join(out, 'loss.png')} and {os.path.join(out, 'expert_load.png')}")
 
 
 if __name__ == "__main__":
+    # Flags exist only when this file runs as a program: importing its functions (notebooks, tests)
+    # defines none, so it never collides with another module's --workdir.
+    _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
+    _OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
     app.run(main)

@@ -29,72 +29,72 @@ _ENCODE_CHUNK = 512  # Documents per encode_batch call (HF tokenizers parallelis
 
 def prepare(input_glob, output_dir, *, tokenizer_path=None, shard_size=100_000,
             text_field="text", progress=sys.stderr) -> list[str]:
-  """Writes the shards and their sidecars; returns the shard paths."""
-  from array_record.python import array_record_module
+    """Writes the shards and their sidecars; returns the shard paths."""
+    from array_record.python import array_record_module
 
-  if shard_size < 1:
-    raise ValueError(f"{shard_size=} must be >= 1.")
-  tok = tokenizer_lib.load_tokenizer(tokenizer_path)
-  source = sources.open_source(input_glob, text_field=text_field)
-  if not isinstance(source, sources.TextSource):
-    raise sources.DataError(f"{input_glob}: already tokenized; prepare_data reads text only.")
-  out = pathlib.Path(output_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  if any(out.glob("*.arrayrecord")):
-    raise FileExistsError(f"{out} already holds .arrayrecord shards; use an empty folder.")
+    if shard_size < 1:
+        raise ValueError(f"{shard_size=} must be >= 1.")
+    tok = tokenizer_lib.load_tokenizer(tokenizer_path)
+    source = sources.open_source(input_glob, text_field=text_field)
+    if not isinstance(source, sources.TextSource):
+        raise sources.DataError(f"{input_glob}: already tokenized; prepare_data reads text only.")
+    out = pathlib.Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.arrayrecord")):
+        raise FileExistsError(f"{out} already holds .arrayrecord shards; use an empty folder.")
 
-  total = len(source)
-  num_shards = math.ceil(total / shard_size)
-  paths, done, start, last = [], 0, time.monotonic(), 0.0
-  for shard in range(num_shards):
-    path = str(out / f"data-{shard:05d}-of-{num_shards:05d}.arrayrecord")
-    writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
-    meta = {"num_records": 0, "num_tokens": 0, "max_token_id": -1, "max_token_record": -1,
-            "tokenizer": tok.path, "vocab_size": tok.vocab_size}
-    lo, hi = shard * shard_size, min(total, (shard + 1) * shard_size)
-    for chunk in range(lo, hi, _ENCODE_CHUNK):
-      texts = [source[i] for i in range(chunk, min(hi, chunk + _ENCODE_CHUNK))]
-      for ids in tok.encode_batch(texts):
-        ids = np.asarray(ids, dtype=np.int32)
-        writer.write(sources.encode_tokens(ids))
-        if ids.size and ids.max() > meta["max_token_id"]:
-          meta["max_token_id"], meta["max_token_record"] = int(ids.max()), meta["num_records"]
-        meta["num_records"] += 1
-        meta["num_tokens"] += int(ids.size)
-      done += len(texts)
-      if time.monotonic() - last > 1.0:
-        last = time.monotonic()
-        _report(progress, done, total, start)
-    writer.close()
-    pathlib.Path(sources.sidecar_path(path)).write_text(json.dumps(meta, indent=1))
-    paths.append(path)
-  _report(progress, done, total, start, end="\n")
-  return paths
+    total = len(source)
+    num_shards = math.ceil(total / shard_size)
+    paths, done, start, last = [], 0, time.monotonic(), 0.0
+    for shard in range(num_shards):
+        path = str(out / f"data-{shard:05d}-of-{num_shards:05d}.arrayrecord")
+        writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+        meta = {"num_records": 0, "num_tokens": 0, "max_token_id": -1, "max_token_record": -1,
+                "tokenizer": tok.path, "vocab_size": tok.vocab_size}
+        lo, hi = shard * shard_size, min(total, (shard + 1) * shard_size)
+        for chunk in range(lo, hi, _ENCODE_CHUNK):
+            texts = [source[i] for i in range(chunk, min(hi, chunk + _ENCODE_CHUNK))]
+            for ids in tok.encode_batch(texts):
+                ids = np.asarray(ids, dtype=np.int32)
+                writer.write(sources.encode_tokens(ids))
+                if ids.size and ids.max() > meta["max_token_id"]:
+                    meta["max_token_id"], meta["max_token_record"] = int(ids.max()), meta["num_records"]
+                meta["num_records"] += 1
+                meta["num_tokens"] += int(ids.size)
+            done += len(texts)
+            if time.monotonic() - last > 1.0:
+                last = time.monotonic()
+                _report(progress, done, total, start)
+        writer.close()
+        pathlib.Path(sources.sidecar_path(path)).write_text(json.dumps(meta, indent=1))
+        paths.append(path)
+    _report(progress, done, total, start, end="\n")
+    return paths
 
 
 def _report(stream, done, total, start, end="\r"):
-  if stream is None:
-    return
-  elapsed = max(time.monotonic() - start, 1e-9)
-  rate = done / elapsed
-  eta = (total - done) / rate if rate else float("inf")
-  stream.write(f"{done}/{total} docs  {rate:,.0f} docs/s  ETA {eta:,.0f}s{' ' * 8}{end}")
-  stream.flush()
+    if stream is None:
+        return
+    elapsed = max(time.monotonic() - start, 1e-9)
+    rate = done / elapsed
+    eta = (total - done) / rate if rate else float("inf")
+    stream.write(f"{done}/{total} docs  {rate:,.0f} docs/s  ETA {eta:,.0f}s{' ' * 8}{end}")
+    stream.flush()
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--input", default=None,
-                      help="glob(s), comma-separated, of .txt/.jsonl files; default: bundled corpus")
-  parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF folder")
-  parser.add_argument("--output", required=True, help="folder for the shards")
-  parser.add_argument("--shard_size", type=int, default=100_000, help="documents per shard")
-  parser.add_argument("--text_field", default="text", help="document field in .jsonl files")
-  args = parser.parse_args(argv)
-  paths = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
-                  shard_size=args.shard_size, text_field=args.text_field)
-  print(f"wrote {len(paths)} shards to {os.path.abspath(args.output)}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", default=None,
+                        help="glob(s), comma-separated, of .txt/.jsonl files; default: bundled corpus")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF folder")
+    parser.add_argument("--output", required=True, help="folder for the shards")
+    parser.add_argument("--shard_size", type=int, default=100_000, help="documents per shard")
+    parser.add_argument("--text_field", default="text", help="document field in .jsonl files")
+    args = parser.parse_args(argv)
+    paths = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
+                    shard_size=args.shard_size, text_field=args.text_field)
+    print(f"wrote {len(paths)} shards to {os.path.abspath(args.output)}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

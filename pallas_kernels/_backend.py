@@ -35,68 +35,68 @@ _ALIASES = {"tpu": "tpu", "mosaic_tpu": "tpu", "triton": "triton", "gpu": "trito
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-  """How to compile: kernel style ("tpu" | "triton") and whether to interpret."""
+    """How to compile: kernel style ("tpu" | "triton") and whether to interpret."""
 
-  style: str
-  interpret: bool
+    style: str
+    interpret: bool
 
-  def __post_init__(self):
-    if self.style not in STYLES:
-      raise ValueError(f"{self.style=} must be one of {STYLES}")
+    def __post_init__(self):
+        if self.style not in STYLES:
+            raise ValueError(f"{self.style=} must be one of {STYLES}")
 
 
 def resolve(backend: str | Backend | None = None, interpret: bool | None = None) -> Backend:
-  """Picks the backend; `backend` ("tpu", "triton"/"gpu", "interpret", None=auto) overrides.
+    """Picks the backend; `backend` ("tpu", "triton"/"gpu", "interpret", None=auto) overrides.
 
-  `interpret=None` interprets exactly when the chosen style cannot run on the default
-  device (e.g. CPU). Forcing `interpret=False` on CPU is only useful for lowering checks
-  with `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`.
-  """
-  if isinstance(backend, Backend):
-    return backend if interpret is None else dataclasses.replace(backend, interpret=interpret)
-  platform = jax.default_backend()
-  native = {"tpu": "tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}.get(platform)
-  if backend in (None, "auto"):
-    style = native or "tpu"
-  elif backend == "interpret":
-    style, interpret = native or "tpu", True if interpret is None else interpret
-  elif backend in _ALIASES:
-    style = _ALIASES[backend]
-  else:
-    raise ValueError(f"{backend=} must be one of None, 'auto', 'interpret', {sorted(_ALIASES)}")
-  if interpret is None:
-    interpret = style != native
-  return Backend(style=style, interpret=bool(interpret))
+    `interpret=None` interprets exactly when the chosen style cannot run on the default
+    device (e.g. CPU). Forcing `interpret=False` on CPU is only useful for lowering checks
+    with `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`.
+    """
+    if isinstance(backend, Backend):
+        return backend if interpret is None else dataclasses.replace(backend, interpret=interpret)
+    platform = jax.default_backend()
+    native = {"tpu": "tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}.get(platform)
+    if backend in (None, "auto"):
+        style = native or "tpu"
+    elif backend == "interpret":
+        style, interpret = native or "tpu", True if interpret is None else interpret
+    elif backend in _ALIASES:
+        style = _ALIASES[backend]
+    else:
+        raise ValueError(f"{backend=} must be one of None, 'auto', 'interpret', {sorted(_ALIASES)}")
+    if interpret is None:
+        interpret = style != native
+    return Backend(style=style, interpret=bool(interpret))
 
 
 def compiler_params(be: Backend, *, dimension_semantics: Sequence[str],
                     num_warps: int = 4, num_stages: int = 2,
                     vmem_limit_bytes: int | None = None):
-  """`compiler_params=` for `pl.pallas_call` in this backend's style."""
-  if be.style == "tpu":
-    return pltpu.CompilerParams(dimension_semantics=tuple(dimension_semantics),
-                                vmem_limit_bytes=vmem_limit_bytes)
-  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    """`compiler_params=` for `pl.pallas_call` in this backend's style."""
+    if be.style == "tpu":
+        return pltpu.CompilerParams(dimension_semantics=tuple(dimension_semantics),
+                                    vmem_limit_bytes=vmem_limit_bytes)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+    return -(-x // m) * m
 
 
 def next_pow2(x: int) -> int:
-  return pl.next_power_of_2(max(int(x), 1))
+    return pl.next_power_of_2(max(int(x), 1))
 
 
 def pad_feature(be: Backend, d: int) -> int:
-  """Feature (lane) width a kernel pads to: Triton tensors must have power-of-2 sizes."""
-  return next_pow2(d) if be.style == "triton" else d
+    """Feature (lane) width a kernel pads to: Triton tensors must have power-of-2 sizes."""
+    return next_pow2(d) if be.style == "triton" else d
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-  """Zero-pads (or `value`-pads) `axis` of `x` at the end up to `size`."""
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jax.numpy.pad(x, widths, constant_values=value)
+    """Zero-pads (or `value`-pads) `axis` of `x` at the end up to `size`."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jax.numpy.pad(x, widths, constant_values=value)

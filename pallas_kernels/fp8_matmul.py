@@ -26,185 +26,185 @@ from pallas_kernels.quantize import TILE, check_scale_shapes
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tunables. `block_k` is a multiple of 128 (several promotion blocks per step).
+    """Tunables. `block_k` is a multiple of 128 (several promotion blocks per step).
 
-  `fp8_dot`: feed e4m3 straight to the MXU/tensor core (Hopper / TPU v7); None picks it
-  for Triton only. Otherwise the kernel widens e4m3 to bf16 first, which is exact.
-  """
+    `fp8_dot`: feed e4m3 straight to the MXU/tensor core (Hopper / TPU v7); None picks it
+    for Triton only. Otherwise the kernel widens e4m3 to bf16 first, which is exact.
+    """
 
-  block_m: int = 128
-  block_n: int = 128
-  block_k: int = 128
-  fp8_dot: bool | None = None
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    fp8_dot: bool | None = None
 
-  def validate(self, be: _backend.Backend) -> None:
-    block_m, block_n, block_k = self.block_m, self.block_n, self.block_k
-    if block_k % TILE:
-      raise ValueError(f"{block_k=} must be a multiple of {TILE}")
-    if be.style == "tpu" and (block_m % 8 or block_n % 128):
-      raise ValueError(f"TPU blocks need {block_m=} % 8 == 0 and {block_n=} % 128 == 0")
-    if be.style == "triton":
-      for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if b < 16 or b != _backend.next_pow2(b):
-          raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+    def validate(self, be: _backend.Backend) -> None:
+        block_m, block_n, block_k = self.block_m, self.block_n, self.block_k
+        if block_k % TILE:
+            raise ValueError(f"{block_k=} must be a multiple of {TILE}")
+        if be.style == "tpu" and (block_m % 8 or block_n % 128):
+            raise ValueError(f"TPU blocks need {block_m=} % 8 == 0 and {block_n=} % 128 == 0")
+        if be.style == "triton":
+            for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+                if b < 16 or b != _backend.next_pow2(b):
+                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
 
-  def dot_dtype(self, be: _backend.Backend):
-    native = self.fp8_dot if self.fp8_dot is not None else be.style == "triton"
-    return None if native else jnp.bfloat16
+    def dot_dtype(self, be: _backend.Backend):
+        native = self.fp8_dot if self.fp8_dot is not None else be.style == "triton"
+        return None if native else jnp.bfloat16
 
 
 def scaled_block_dot(x_blk, w_blk, xs_col, ws_row, dot_dtype):
-  """One promotion block: ([bm,128] . [bn,128]^T) in fp32, times xs [bm,1] and ws [1,bn]."""
-  if dot_dtype is not None:
-    x_blk, w_blk = x_blk.astype(dot_dtype), w_blk.astype(dot_dtype)
-  part = lax.dot_general(x_blk, w_blk, (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-  return part * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
+    """One promotion block: ([bm,128] . [bn,128]^T) in fp32, times xs [bm,1] and ws [1,bn]."""
+    if dot_dtype is not None:
+        x_blk, w_blk = x_blk.astype(dot_dtype), w_blk.astype(dot_dtype)
+    part = lax.dot_general(x_blk, w_blk, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+    return part * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
 
 
 def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype, k, num_k):
-  """Grid (..., K/bk) with K last: accumulate in VMEM scratch, write on the last K step.
+    """Grid (..., K/bk) with K last: accumulate in VMEM scratch, write on the last K step.
 
-  `k`, `num_k`: the K grid index and extent, read by the caller (the interpreter cannot
-  evaluate `pl.program_id` inside a `pl.when`)."""
+    `k`, `num_k`: the K grid index and extent, read by the caller (the interpreter cannot
+    evaluate `pl.program_id` inside a `pl.when`)."""
 
-  @pl.when(k == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc = acc_ref[...]
-  for s in range(subs):
-    sl = slice(s * TILE, (s + 1) * TILE)
-    acc += scaled_block_dot(x_ref[:, sl], w_ref[:, sl], xs_ref[s], ws_ref[s], dot_dtype)
-  acc_ref[...] = acc
+    acc = acc_ref[...]
+    for s in range(subs):
+        sl = slice(s * TILE, (s + 1) * TILE)
+        acc += scaled_block_dot(x_ref[:, sl], w_ref[:, sl], xs_ref[s], ws_ref[s], dot_dtype)
+    acc_ref[...] = acc
 
-  @pl.when(k == num_k - 1)
-  def _():
-    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    @pl.when(k == num_k - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _dense_tpu_kernel(*refs, **kw):
-  tpu_kernel(*refs, k=pl.program_id(2), num_k=pl.num_programs(2), **kw)
+    tpu_kernel(*refs, k=pl.program_id(2), num_k=pl.num_programs(2), **kw)
 
 
 def triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, w_row0, *, num_k, subs, dot_dtype,
                       block_n):
-  """In-kernel K loop over full-K refs (Triton: no scratch); returns the fp32 [bm,bn] tile.
+    """In-kernel K loop over full-K refs (Triton: no scratch); returns the fp32 [bm,bn] tile.
 
-  `w_row0` is the first weight row (and per-row scale) of this tile inside `w_ref`/`ws_ref`;
-  `num_k` may be traced (0 skips the tile)."""
-  def body(k, acc):
-    for s in range(subs):
-      kb = k * subs + s
-      cols = pl.ds(pl.multiple_of(kb * TILE, TILE), TILE)
-      w_blk = w_ref[pl.ds(w_row0, block_n), cols]
-      ws_row = ws_ref[kb, :, pl.ds(w_row0, block_n)]
-      acc += scaled_block_dot(x_ref[:, cols], w_blk, xs_ref[kb], ws_row, dot_dtype)
-    return acc
+    `w_row0` is the first weight row (and per-row scale) of this tile inside `w_ref`/`ws_ref`;
+    `num_k` may be traced (0 skips the tile)."""
+    def body(k, acc):
+        for s in range(subs):
+            kb = k * subs + s
+            cols = pl.ds(pl.multiple_of(kb * TILE, TILE), TILE)
+            w_blk = w_ref[pl.ds(w_row0, block_n), cols]
+            ws_row = ws_ref[kb, :, pl.ds(w_row0, block_n)]
+            acc += scaled_block_dot(x_ref[:, cols], w_blk, xs_ref[kb], ws_row, dot_dtype)
+        return acc
 
-  acc0 = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
-  return lax.fori_loop(0, num_k, body, acc0)
+    acc0 = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
+    return lax.fori_loop(0, num_k, body, acc0)
 
 
 def _triton_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, **kw):
-  o_ref[...] = triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, 0, **kw).astype(o_ref.dtype)
+    o_ref[...] = triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, 0, **kw).astype(o_ref.dtype)
 
 
 def pad_x_operands(x_q, x_scale, rows: int, kp: int):
-  """x_q -> [rows, Kp] (zero pad); x_scale [M,KB] -> [KBp, rows, 1] (column per K block)."""
-  x = pad_axis(pad_axis(x_q, 0, rows), 1, kp)
-  xs = pad_axis(pad_axis(x_scale.astype(jnp.float32), 0, rows), 1, kp // TILE)
-  return x, xs.T[:, :, None]
+    """x_q -> [rows, Kp] (zero pad); x_scale [M,KB] -> [KBp, rows, 1] (column per K block)."""
+    x = pad_axis(pad_axis(x_q, 0, rows), 1, kp)
+    xs = pad_axis(pad_axis(x_scale.astype(jnp.float32), 0, rows), 1, kp // TILE)
+    return x, xs.T[:, :, None]
 
 
 def rhs_row_scale(w_scale, n: int):
-  """Block scale [..., NB, KB] or per-row scale [..., N, KB] -> per-row fp32 [..., N, KB].
+    """Block scale [..., NB, KB] or per-row scale [..., N, KB] -> per-row fp32 [..., N, KB].
 
-  The two shapes coincide only for N == 1, where they also mean the same thing."""
-  w_scale = w_scale.astype(jnp.float32)
-  if w_scale.shape[-2] == n:
-    return w_scale
-  return jnp.repeat(w_scale, TILE, axis=-2)[..., :n, :]
+    The two shapes coincide only for N == 1, where they also mean the same thing."""
+    w_scale = w_scale.astype(jnp.float32)
+    if w_scale.shape[-2] == n:
+        return w_scale
+    return jnp.repeat(w_scale, TILE, axis=-2)[..., :n, :]
 
 
 def check_rhs_scale(name: str, w_q, w_scale) -> None:
-  """Accepts a 128x128 block scale or a per-row (1x128 tile) scale for `w_q` [..., N, K]."""
-  if w_scale.shape[-2] == w_q.shape[-2]:
-    check_scale_shapes(name, w_q, w_scale, 1)
-  else:
-    check_scale_shapes(name, w_q, w_scale, TILE)
+    """Accepts a 128x128 block scale or a per-row (1x128 tile) scale for `w_q` [..., N, K]."""
+    if w_scale.shape[-2] == w_q.shape[-2]:
+        check_scale_shapes(name, w_q, w_scale, 1)
+    else:
+        check_scale_shapes(name, w_q, w_scale, TILE)
 
 
 def pad_w_operands(w_q, w_scale, np_: int, kp: int):
-  """w_q [...,N,K] -> [...,Np,Kp]; w_scale [...,NB|N,KB] -> per-row [...,KBp,1,Np]."""
-  n = w_q.shape[-2]
-  w = pad_axis(pad_axis(w_q, -2, np_), -1, kp)
-  ws = rhs_row_scale(w_scale, n)
-  ws = pad_axis(pad_axis(ws, -2, np_), -1, kp // TILE)
-  return w, jnp.swapaxes(ws, -1, -2)[..., :, None, :]
+    """w_q [...,N,K] -> [...,Np,Kp]; w_scale [...,NB|N,KB] -> per-row [...,KBp,1,Np]."""
+    n = w_q.shape[-2]
+    w = pad_axis(pad_axis(w_q, -2, np_), -1, kp)
+    ws = rhs_row_scale(w_scale, n)
+    ws = pad_axis(pad_axis(ws, -2, np_), -1, kp // TILE)
+    return w, jnp.swapaxes(ws, -1, -2)[..., :, None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "backend", "interpret"))
 def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
                block_sizes: BlockSizes | None = None, backend=None, interpret=None):
-  """x_q [M,K] e4m3, x_scale [M,KB] f32, w_q [N,K] e4m3, w_scale [NB,KB] or [N,KB] f32 -> [M,N].
+    """x_q [M,K] e4m3, x_scale [M,KB] f32, w_q [N,K] e4m3, w_scale [NB,KB] or [N,KB] f32 -> [M,N].
 
-  Partial edge blocks are zero padded inside; `backend`/`interpret` override the dispatcher.
-  """
-  be = _backend.resolve(backend, interpret)
-  bs = block_sizes or BlockSizes()
-  bs.validate(be)
-  if x_q.ndim != 2 or w_q.ndim != 2 or x_q.shape[1] != w_q.shape[1]:
-    raise ValueError(f"need x_q [M,K], w_q [N,K] with equal K; got {x_q.shape=}, {w_q.shape=}")
-  check_scale_shapes("x_q", x_q, x_scale, 1)
-  check_rhs_scale("w_q", w_q, w_scale)
-  (m, k), n = x_q.shape, w_q.shape[0]
-  mp, np_, kp = round_up(m, bs.block_m), round_up(n, bs.block_n), round_up(k, bs.block_k)
-  x, xs = pad_x_operands(x_q, x_scale, mp, kp)
-  w, ws = pad_w_operands(w_q, w_scale, np_, kp)
-  bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-  subs, kbp = bk // TILE, kp // TILE
-  kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
-  if be.style == "tpu":
-    grid = (mp // bm, np_ // bn, kp // bk)
-    kernel = functools.partial(_dense_tpu_kernel, **kw)
-    in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
-                pl.BlockSpec((subs, bm, 1), lambda i, j, k: (k, i, 0)),
-                pl.BlockSpec((bn, bk), lambda i, j, k: (j, k)),
-                pl.BlockSpec((subs, 1, bn), lambda i, j, k: (k, 0, j))]
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))
-    scratch = [pltpu_vmem((bm, bn))]
-    sem = ("parallel", "parallel", "arbitrary")
-  else:
-    grid = (mp // bm, np_ // bn)
-    kernel = functools.partial(_triton_kernel, num_k=kp // bk, block_n=bn, **kw)
-    in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
-                pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
-                pl.BlockSpec((kbp, 1, bn), lambda i, j: (0, 0, j))]
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-    scratch, sem = [], ("parallel", "parallel")
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-      grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch,
-      compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-      interpret=be.interpret, name="fp8_matmul",
-  )(x, xs, w, ws)
-  return out[:m, :n]
+    Partial edge blocks are zero padded inside; `backend`/`interpret` override the dispatcher.
+    """
+    be = _backend.resolve(backend, interpret)
+    bs = block_sizes or BlockSizes()
+    bs.validate(be)
+    if x_q.ndim != 2 or w_q.ndim != 2 or x_q.shape[1] != w_q.shape[1]:
+        raise ValueError(f"need x_q [M,K], w_q [N,K] with equal K; got {x_q.shape=}, {w_q.shape=}")
+    check_scale_shapes("x_q", x_q, x_scale, 1)
+    check_rhs_scale("w_q", w_q, w_scale)
+    (m, k), n = x_q.shape, w_q.shape[0]
+    mp, np_, kp = round_up(m, bs.block_m), round_up(n, bs.block_n), round_up(k, bs.block_k)
+    x, xs = pad_x_operands(x_q, x_scale, mp, kp)
+    w, ws = pad_w_operands(w_q, w_scale, np_, kp)
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    subs, kbp = bk // TILE, kp // TILE
+    kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
+    if be.style == "tpu":
+        grid = (mp // bm, np_ // bn, kp // bk)
+        kernel = functools.partial(_dense_tpu_kernel, **kw)
+        in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+                    pl.BlockSpec((subs, bm, 1), lambda i, j, k: (k, i, 0)),
+                    pl.BlockSpec((bn, bk), lambda i, j, k: (j, k)),
+                    pl.BlockSpec((subs, 1, bn), lambda i, j, k: (k, 0, j))]
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))
+        scratch = [pltpu_vmem((bm, bn))]
+        sem = ("parallel", "parallel", "arbitrary")
+    else:
+        grid = (mp // bm, np_ // bn)
+        kernel = functools.partial(_triton_kernel, num_k=kp // bk, block_n=bn, **kw)
+        in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                    pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
+                    pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
+                    pl.BlockSpec((kbp, 1, bn), lambda i, j: (0, 0, j))]
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+        scratch, sem = [], ("parallel", "parallel")
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch,
+        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
+        interpret=be.interpret, name="fp8_matmul",
+    )(x, xs, w, ws)
+    return out[:m, :n]
 
 
 def pltpu_vmem(shape, dtype=jnp.float32):
-  from jax.experimental.pallas import tpu as pltpu
-  return pltpu.VMEM(shape, dtype)
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.VMEM(shape, dtype)
 
 
 def fp8_matmul_reference(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16, **_):
-  """Plain-jnp version of `fp8_matmul` (same signature, same promotion order)."""
-  (m, k), n = x_q.shape, w_q.shape[0]
-  kb = -(-k // TILE)
-  x = pad_axis(x_q.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
-  w = pad_axis(w_q.astype(jnp.float32), 1, kb * TILE).reshape(n, kb, TILE)
-  part_MxNxKB = jnp.einsum("mbk,nbk->mnb", x, w, precision=lax.Precision.HIGHEST)
-  ws_NxKB = rhs_row_scale(w_scale, n)
-  return jnp.sum(part_MxNxKB * x_scale[:, None, :] * ws_NxKB[None], axis=-1).astype(out_dtype)
+    """Plain-jnp version of `fp8_matmul` (same signature, same promotion order)."""
+    (m, k), n = x_q.shape, w_q.shape[0]
+    kb = -(-k // TILE)
+    x = pad_axis(x_q.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
+    w = pad_axis(w_q.astype(jnp.float32), 1, kb * TILE).reshape(n, kb, TILE)
+    part_MxNxKB = jnp.einsum("mbk,nbk->mnb", x, w, precision=lax.Precision.HIGHEST)
+    ws_NxKB = rhs_row_scale(w_scale, n)
+    return jnp.sum(part_MxNxKB * x_scale[:, None, :] * ws_NxKB[None], axis=-1).astype(out_dtype)

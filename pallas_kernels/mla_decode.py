@@ -32,124 +32,124 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """`block_kv` cache positions per step; `num_splits` KV splits (None: up to 8, by length)."""
+    """`block_kv` cache positions per step; `num_splits` KV splits (None: up to 8, by length)."""
 
-  block_kv: int = 128
-  num_splits: int | None = None
+    block_kv: int = 128
+    num_splits: int | None = None
 
-  def validate(self, be: _backend.Backend) -> None:
-    block_kv = self.block_kv
-    if be.style == "tpu" and block_kv % 128:
-      raise ValueError(f"{block_kv=} must be a multiple of 128 on TPU")
-    if be.style == "triton" and (block_kv < 16 or block_kv != _backend.next_pow2(block_kv)):
-      raise ValueError(f"{block_kv=} must be a power of two >= 16 for Triton")
-    if self.num_splits is not None and self.num_splits < 1:
-      raise ValueError(f"{self.num_splits=} must be >= 1")
+    def validate(self, be: _backend.Backend) -> None:
+        block_kv = self.block_kv
+        if be.style == "tpu" and block_kv % 128:
+            raise ValueError(f"{block_kv=} must be a multiple of 128 on TPU")
+        if be.style == "triton" and (block_kv < 16 or block_kv != _backend.next_pow2(block_kv)):
+            raise ValueError(f"{block_kv=} must be a power of two >= 16 for Triton")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"{self.num_splits=} must be >= 1")
 
 
 def _online_step(carry, q_lat, q_pe, kv, kp, start, length, scale):
-  """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32."""
-  m_prev, l_prev, acc_prev = carry
-  nt = (((1,), (1,)), ((), ()))
-  s = lax.dot_general(q_lat, kv, nt, preferred_element_type=jnp.float32)
-  s += lax.dot_general(q_pe, kp, nt, preferred_element_type=jnp.float32)
-  pos = start + lax.broadcasted_iota(jnp.int32, (1, kv.shape[0]), 1)
-  s = jnp.where(pos < length, s * scale, MASK_VALUE)
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-  alpha = jnp.exp(m_prev - m_new)
-  p = jnp.exp(s - m_new)
-  l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  return m_new, l_new, alpha * acc_prev + _pv_dot(p, kv)
+    """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32."""
+    m_prev, l_prev, acc_prev = carry
+    nt = (((1,), (1,)), ((), ()))
+    s = lax.dot_general(q_lat, kv, nt, preferred_element_type=jnp.float32)
+    s += lax.dot_general(q_pe, kp, nt, preferred_element_type=jnp.float32)
+    pos = start + lax.broadcasted_iota(jnp.int32, (1, kv.shape[0]), 1)
+    s = jnp.where(pos < length, s * scale, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    return m_new, l_new, alpha * acc_prev + _pv_dot(p, kv)
 
 
 def _pv_dot(p, v):
-  """p [H,bk] f32 @ v [bk,R] in fp32 accumulate. For 16-bit v, p is split into two bf16 terms
-  (hi + lo, ~16 mantissa bits) so probabilities are not rounded to bf16: 2x MXU work on a
-  memory-bound kernel instead of a multi-pass fp32 matmul."""
-  dn = (((1,), (0,)), ((), ()))
-  if v.dtype == jnp.float32:
-    return lax.dot_general(p, v, dn, preferred_element_type=jnp.float32)
-  p_hi = p.astype(v.dtype)
-  p_lo = (p - p_hi.astype(jnp.float32)).astype(v.dtype)
-  return (lax.dot_general(p_hi, v, dn, preferred_element_type=jnp.float32)
-          + lax.dot_general(p_lo, v, dn, preferred_element_type=jnp.float32))
+    """p [H,bk] f32 @ v [bk,R] in fp32 accumulate. For 16-bit v, p is split into two bf16 terms
+    (hi + lo, ~16 mantissa bits) so probabilities are not rounded to bf16: 2x MXU work on a
+    memory-bound kernel instead of a multi-pass fp32 matmul."""
+    dn = (((1,), (0,)), ((), ()))
+    if v.dtype == jnp.float32:
+        return lax.dot_general(p, v, dn, preferred_element_type=jnp.float32)
+    p_hi = p.astype(v.dtype)
+    p_lo = (p - p_hi.astype(jnp.float32)).astype(v.dtype)
+    return (lax.dot_general(p_hi, v, dn, preferred_element_type=jnp.float32)
+            + lax.dot_general(p_lo, v, dn, preferred_element_type=jnp.float32))
 
 
 def _finish(carry, o_ref, lse_ref):
-  m, l, acc = carry
-  valid = l > 0
-  o_ref[...] = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
+    m, l, acc = carry
+    valid = l > 0
+    o_ref[...] = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
 
 
 def _dequant(kv, sc, dtype):
-  """e4m3 block [bk, G*128] times its scales [bk, G] -> `dtype`; other blocks pass through."""
-  if sc is None:
-    return kv
-  bk, g = sc.shape
-  x = kv.astype(jnp.float32).reshape(bk, g, 128) * sc[:, :, None]
-  return x.reshape(kv.shape).astype(dtype)
+    """e4m3 block [bk, G*128] times its scales [bk, G] -> `dtype`; other blocks pass through."""
+    if sc is None:
+        return kv
+    bk, g = sc.shape
+    x = kv.astype(jnp.float32).reshape(bk, g, 128) * sc[:, :, None]
+    return x.reshape(kv.shape).astype(dtype)
 
 
 def _init(h, r):
-  return (jnp.full((h, 1), MASK_VALUE, jnp.float32), jnp.zeros((h, 1), jnp.float32),
-          jnp.zeros((h, r), jnp.float32))
+    return (jnp.full((h, 1), MASK_VALUE, jnp.float32), jnp.zeros((h, 1), jnp.float32),
+            jnp.zeros((h, r), jnp.float32))
 
 
 def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
                 fp8):
-  sc_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
-  b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  start = (split * blocks_per_split + j) * block_kv
-  length = len_ref[b]
+    sc_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
+    b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = (split * blocks_per_split + j) * block_kv
+    length = len_ref[b]
 
-  @pl.when(j == 0)
-  def _():
-    m_ref[...], l_ref[...], acc_ref[...] = _init(*acc_ref.shape)
+    @pl.when(j == 0)
+    def _():
+        m_ref[...], l_ref[...], acc_ref[...] = _init(*acc_ref.shape)
 
-  @pl.when(start < length)
-  def _():
-    kv = _dequant(kv_ref[...], None if sc_ref is None else sc_ref[...], ql_ref.dtype)
-    carry = _online_step((m_ref[...], l_ref[...], acc_ref[...]), ql_ref[...], qp_ref[...],
-                         kv, kp_ref[...], start, length, scale)
-    m_ref[...], l_ref[...], acc_ref[...] = carry
+    @pl.when(start < length)
+    def _():
+        kv = _dequant(kv_ref[...], None if sc_ref is None else sc_ref[...], ql_ref.dtype)
+        carry = _online_step((m_ref[...], l_ref[...], acc_ref[...]), ql_ref[...], qp_ref[...],
+                             kv, kp_ref[...], start, length, scale)
+        m_ref[...], l_ref[...], acc_ref[...] = carry
 
-  @pl.when(j == blocks_per_split - 1)
-  def _():
-    _finish((m_ref[...], l_ref[...], acc_ref[...]), o_ref, lse_ref)
+    @pl.when(j == blocks_per_split - 1)
+    def _():
+        _finish((m_ref[...], l_ref[...], acc_ref[...]), o_ref, lse_ref)
 
 
 def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
                    fp8):
-  sc_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
-  b, split = pl.program_id(0), pl.program_id(1)
-  length = len_ref[b]
-  split_start = split * blocks_per_split * block_kv
-  n_blocks = jnp.clip(pl.cdiv(length - split_start, block_kv), 0, blocks_per_split)
-  q_lat, q_pe = ql_ref[...], qp_ref[...]
+    sc_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
+    b, split = pl.program_id(0), pl.program_id(1)
+    length = len_ref[b]
+    split_start = split * blocks_per_split * block_kv
+    n_blocks = jnp.clip(pl.cdiv(length - split_start, block_kv), 0, blocks_per_split)
+    q_lat, q_pe = ql_ref[...], qp_ref[...]
 
-  def body(j, carry):
-    start = pl.multiple_of(split_start + j * block_kv, block_kv)
-    rows = pl.ds(start, block_kv)
-    kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
-    return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], start, length, scale)
+    def body(j, carry):
+        start = pl.multiple_of(split_start + j * block_kv, block_kv)
+        rows = pl.ds(start, block_kv)
+        kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
+        return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], start, length, scale)
 
-  carry = lax.fori_loop(0, n_blocks, body, _init(*o_ref.shape))
-  _finish(carry, o_ref, lse_ref)
+    carry = lax.fori_loop(0, n_blocks, body, _init(*o_ref.shape))
+    _finish(carry, o_ref, lse_ref)
 
 
 def _combine_splits(o_BxSPxHxR, lse_BxSPxH):
-  """Merges per-split normalised outputs by their LSEs; rows with no positions give 0, -inf."""
-  m = jnp.max(lse_BxSPxH, axis=1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp(lse_BxSPxH - m)
-  denom = jnp.sum(w, axis=1)
-  out = jnp.einsum("bsh,bshr->bhr", w, o_BxSPxHxR) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return out, m[:, 0] + jnp.log(denom)
+    """Merges per-split normalised outputs by their LSEs; rows with no positions give 0, -inf."""
+    m = jnp.max(lse_BxSPxH, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_BxSPxH - m)
+    denom = jnp.sum(w, axis=1)
+    out = jnp.einsum("bsh,bshr->bhr", w, o_BxSPxHxR) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out, m[:, 0] + jnp.log(denom)
 
 
 def _default_splits(s: int, block_kv: int) -> int:
-  return max(1, min(8, -(-s // (4 * block_kv))))
+    return max(1, min(8, -(-s // (4 * block_kv))))
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "return_lse", "block_sizes",
@@ -157,96 +157,96 @@ def _default_splits(s: int, block_kv: int) -> int:
 def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
                return_lse: bool = False, block_sizes: BlockSizes | None = None,
                backend=None, interpret=None, kv_scale=None):
-  """q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P], lengths [B] -> [B,H,R] f32.
+    """q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P], lengths [B] -> [B,H,R] f32.
 
-  kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 `kv_latent` (dequantised block by block), else None.
+    kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 `kv_latent` (dequantised block by block), else None.
 
-  With `return_lse` also returns the log-sum-exp of the scaled scores, [B,H] f32
-  (-inf where lengths[b] == 0, whose output row is 0).
-  """
-  be = _backend.resolve(backend, interpret)
-  bs = block_sizes or BlockSizes()
-  bs.validate(be)
-  b, h, r = q_latent.shape
-  s, p = kv_latent.shape[1], q_pe.shape[2]
-  if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
-    raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
-                     f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
-  if lengths.shape != (b,):
-    raise ValueError(f"{lengths.shape=} must be ({b},)")
-  fp8 = kv_scale is not None
-  if fp8 and kv_scale.shape != (b, s, -(-r // 128)):
-    raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
-  bk = bs.block_kv
-  splits = bs.num_splits or _default_splits(s, bk)
-  bps = -(-s // (splits * bk))
-  sp = splits * bps * bk
-  hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
-  rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
-  if fp8:  # whole 128-value scale groups in a block row
-    rp = round_up(rp, 128)
-  ql = pad_axis(pad_axis(q_latent, 1, hp), 2, rp)
-  qp = pad_axis(pad_axis(q_pe, 1, hp), 2, pp)
-  kv = pad_axis(pad_axis(kv_latent, 1, sp), 2, rp)
-  kp = pad_axis(pad_axis(k_pe, 1, sp), 2, pp)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
-  kw = dict(scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps, fp8=fp8)
-  inputs = [lengths, ql, qp, kv, kp]
-  if fp8:
-    inputs.append(pad_axis(pad_axis(kv_scale.astype(jnp.float32), 1, sp), 2, rp // 128))
-  g = rp // 128
-  out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
-               jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
-  if be.style == "tpu":
-    def kv_map(bi, si, j, len_ref):  # clamp to the last needed block: skipped blocks cost no DMA
-      last = jnp.maximum(pl.cdiv(len_ref[bi], bk) - 1, 0)
-      return bi, jnp.minimum(si * bps + j, last), 0
-    q_map = lambda bi, si, j, len_ref: (bi, 0, 0)
-    o_map = lambda bi, si, j, len_ref: (bi, si, 0, 0)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(b, splits, bps),
-        in_specs=[pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
-                  pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
-                 + ([pl.BlockSpec((None, bk, g), kv_map)] if fp8 else []),
-        out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
-                   pl.BlockSpec((None, None, hp, 1), o_map)],
-        scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
-                        pltpu.VMEM((hp, rp), jnp.float32)])
-    kernel, sem = functools.partial(_tpu_kernel, **kw), ("parallel", "parallel", "arbitrary")
-  else:
-    q_map = lambda bi, si: (bi, 0, 0)
-    o_map = lambda bi, si: (bi, si, 0, 0)
-    grid_spec = pl.GridSpec(
-        grid=(b, splits),
-        in_specs=[pl.BlockSpec((b,), lambda bi, si: (0,)),
-                  pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
-                  pl.BlockSpec((None, sp, rp), q_map), pl.BlockSpec((None, sp, pp), q_map)]
-                 + ([pl.BlockSpec((None, sp, g), q_map)] if fp8 else []),
-        out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
-                   pl.BlockSpec((None, None, hp, 1), o_map)])
-    kernel, sem = functools.partial(_triton_kernel, **kw), ("parallel", "parallel")
-  o_part, lse_part = pl.pallas_call(
-      kernel, out_shape=out_shape, grid_spec=grid_spec,
-      compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-      interpret=be.interpret, name="mla_decode",
-  )(*inputs)
-  out, lse = _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
-  return (out, lse) if return_lse else out
+    With `return_lse` also returns the log-sum-exp of the scaled scores, [B,H] f32
+    (-inf where lengths[b] == 0, whose output row is 0).
+    """
+    be = _backend.resolve(backend, interpret)
+    bs = block_sizes or BlockSizes()
+    bs.validate(be)
+    b, h, r = q_latent.shape
+    s, p = kv_latent.shape[1], q_pe.shape[2]
+    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
+        raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
+                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
+    if lengths.shape != (b,):
+        raise ValueError(f"{lengths.shape=} must be ({b},)")
+    fp8 = kv_scale is not None
+    if fp8 and kv_scale.shape != (b, s, -(-r // 128)):
+        raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
+    bk = bs.block_kv
+    splits = bs.num_splits or _default_splits(s, bk)
+    bps = -(-s // (splits * bk))
+    sp = splits * bps * bk
+    hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
+    rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
+    if fp8:  # whole 128-value scale groups in a block row
+        rp = round_up(rp, 128)
+    ql = pad_axis(pad_axis(q_latent, 1, hp), 2, rp)
+    qp = pad_axis(pad_axis(q_pe, 1, hp), 2, pp)
+    kv = pad_axis(pad_axis(kv_latent, 1, sp), 2, rp)
+    kp = pad_axis(pad_axis(k_pe, 1, sp), 2, pp)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
+    kw = dict(scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps, fp8=fp8)
+    inputs = [lengths, ql, qp, kv, kp]
+    if fp8:
+        inputs.append(pad_axis(pad_axis(kv_scale.astype(jnp.float32), 1, sp), 2, rp // 128))
+    g = rp // 128
+    out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
+    if be.style == "tpu":
+        def kv_map(bi, si, j, len_ref):  # clamp to the last needed block: skipped blocks cost no DMA
+            last = jnp.maximum(pl.cdiv(len_ref[bi], bk) - 1, 0)
+            return bi, jnp.minimum(si * bps + j, last), 0
+        q_map = lambda bi, si, j, len_ref: (bi, 0, 0)
+        o_map = lambda bi, si, j, len_ref: (bi, si, 0, 0)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(b, splits, bps),
+            in_specs=[pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
+                      pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
+                     + ([pl.BlockSpec((None, bk, g), kv_map)] if fp8 else []),
+            out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
+                       pl.BlockSpec((None, None, hp, 1), o_map)],
+            scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
+                            pltpu.VMEM((hp, rp), jnp.float32)])
+        kernel, sem = functools.partial(_tpu_kernel, **kw), ("parallel", "parallel", "arbitrary")
+    else:
+        q_map = lambda bi, si: (bi, 0, 0)
+        o_map = lambda bi, si: (bi, si, 0, 0)
+        grid_spec = pl.GridSpec(
+            grid=(b, splits),
+            in_specs=[pl.BlockSpec((b,), lambda bi, si: (0,)),
+                      pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
+                      pl.BlockSpec((None, sp, rp), q_map), pl.BlockSpec((None, sp, pp), q_map)]
+                     + ([pl.BlockSpec((None, sp, g), q_map)] if fp8 else []),
+            out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
+                       pl.BlockSpec((None, None, hp, 1), o_map)])
+        kernel, sem = functools.partial(_triton_kernel, **kw), ("parallel", "parallel")
+    o_part, lse_part = pl.pallas_call(
+        kernel, out_shape=out_shape, grid_spec=grid_spec,
+        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
+        interpret=be.interpret, name="mla_decode",
+    )(*inputs)
+    out, lse = _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
+    return (out, lse) if return_lse else out
 
 
 def mla_decode_reference(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
                          return_lse: bool = False, kv_scale=None, **_):
-  """Plain-jnp `mla_decode` (fp32, full precision, whole-cache softmax)."""
-  f32, hi = jnp.float32, lax.Precision.HIGHEST
-  if kv_scale is not None:
-    r = kv_latent.shape[-1]
-    kv_latent = kv_latent.astype(f32) * jnp.repeat(kv_scale.astype(f32), 128, axis=-1)[..., :r]
-  s_BxHxS = (jnp.einsum("bhr,bsr->bhs", q_latent.astype(f32), kv_latent.astype(f32), precision=hi)
-             + jnp.einsum("bhp,bsp->bhs", q_pe.astype(f32), k_pe.astype(f32), precision=hi))
-  s_BxHxS = s_BxHxS * softmax_scale
-  valid = jnp.arange(kv_latent.shape[1])[None, None, :] < lengths[:, None, None]
-  s_BxHxS = jnp.where(valid, s_BxHxS, -jnp.inf)
-  lse_BxH = jax.nn.logsumexp(s_BxHxS, axis=-1)
-  p = jnp.where(valid, jnp.exp(s_BxHxS - jnp.where(jnp.isfinite(lse_BxH), lse_BxH, 0)[..., None]), 0)
-  out = jnp.einsum("bhs,bsr->bhr", p, kv_latent.astype(f32), precision=hi)
-  return (out, lse_BxH) if return_lse else out
+    """Plain-jnp `mla_decode` (fp32, full precision, whole-cache softmax)."""
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    if kv_scale is not None:
+        r = kv_latent.shape[-1]
+        kv_latent = kv_latent.astype(f32) * jnp.repeat(kv_scale.astype(f32), 128, axis=-1)[..., :r]
+    s_BxHxS = (jnp.einsum("bhr,bsr->bhs", q_latent.astype(f32), kv_latent.astype(f32), precision=hi)
+               + jnp.einsum("bhp,bsp->bhs", q_pe.astype(f32), k_pe.astype(f32), precision=hi))
+    s_BxHxS = s_BxHxS * softmax_scale
+    valid = jnp.arange(kv_latent.shape[1])[None, None, :] < lengths[:, None, None]
+    s_BxHxS = jnp.where(valid, s_BxHxS, -jnp.inf)
+    lse_BxH = jax.nn.logsumexp(s_BxHxS, axis=-1)
+    p = jnp.where(valid, jnp.exp(s_BxHxS - jnp.where(jnp.isfinite(lse_BxH), lse_BxH, 0)[..., None]), 0)
+    out = jnp.einsum("bhs,bsr->bhr", p, kv_latent.astype(f32), precision=hi)
+    return (out, lse_BxH) if return_lse else out

@@ -33,245 +33,245 @@ _TN = (((0,), (0,)), ((), ()))  # a [k,m]^T . b [k,n]
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Query / key block lengths (forward and backward share them)."""
+    """Query / key block lengths (forward and backward share them)."""
 
-  block_q: int = 128
-  block_k: int = 128
+    block_q: int = 128
+    block_k: int = 128
 
-  def validate(self, be: _backend.Backend) -> None:
-    block_q, block_k = self.block_q, self.block_k
-    if max(block_q, block_k) % min(block_q, block_k):
-      raise ValueError(f"{block_q=} and {block_k=} must divide one another")
-    if be.style == "tpu" and (block_q % 8 or block_k % 128):
-      raise ValueError(f"TPU needs {block_q=} % 8 == 0 and {block_k=} % 128 == 0")
-    if be.style == "triton":
-      for name, b in (("block_q", block_q), ("block_k", block_k)):
-        if b < 16 or b != _backend.next_pow2(b):
-          raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+    def validate(self, be: _backend.Backend) -> None:
+        block_q, block_k = self.block_q, self.block_k
+        if max(block_q, block_k) % min(block_q, block_k):
+            raise ValueError(f"{block_q=} and {block_k=} must divide one another")
+        if be.style == "tpu" and (block_q % 8 or block_k % 128):
+            raise ValueError(f"TPU needs {block_q=} % 8 == 0 and {block_k=} % 128 == 0")
+        if be.style == "triton":
+            for name, b in (("block_q", block_q), ("block_k", block_k)):
+                if b < 16 or b != _backend.next_pow2(b):
+                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-  """A [B, H|1, T, X] (seq_axis 2) or [B, 1, 1, T] (seq_axis 3) kernel operand."""
+    """A [B, H|1, T, X] (seq_axis 2) or [B, 1, 1, T] (seq_axis 3) kernel operand."""
 
-  seq_axis: int
-  per_head: bool
+    seq_axis: int
+    per_head: bool
 
 
 _SEQ_ROWS, _SEQ_COLS = 2, 3
 
 
 def _block_shape(op: _Op, shape, blk):
-  last = shape[3] if op.seq_axis == _SEQ_ROWS else blk
-  return (None, None, blk, last) if op.seq_axis == _SEQ_ROWS else (None, None, 1, last)
+    last = shape[3] if op.seq_axis == _SEQ_ROWS else blk
+    return (None, None, blk, last) if op.seq_axis == _SEQ_ROWS else (None, None, 1, last)
 
 
 def _index(op: _Op, b, h, seq_idx):
-  h = h if op.per_head else 0
-  return (b, h, seq_idx, 0) if op.seq_axis == _SEQ_ROWS else (b, h, 0, seq_idx)
+    h = h if op.per_head else 0
+    return (b, h, seq_idx, 0) if op.seq_axis == _SEQ_ROWS else (b, h, 0, seq_idx)
 
 
 def _slice(ref, op: _Op, idx, blk):
-  start = pl.multiple_of(idx * blk, blk)
-  return ref[pl.ds(start, blk), :] if op.seq_axis == _SEQ_ROWS else ref[:, pl.ds(start, blk)]
+    start = pl.multiple_of(idx * blk, blk)
+    return ref[pl.ds(start, blk), :] if op.seq_axis == _SEQ_ROWS else ref[:, pl.ds(start, blk)]
 
 
 def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer_blk, inner_blk,
                 inner_range: Callable, dims):
-  """Runs `finish(fold(step, inner blocks in inner_range(o)), outer)` for every outer block.
+    """Runs `finish(fold(step, inner blocks in inner_range(o)), outer)` for every outer block.
 
-  outer/inner: sequences of (array, _Op); out_shapes: [B,H,T,X] ShapeDtypeStructs blocked like
-  the outer rows; init() -> tuple of fp32 carries; step(carry, outer_vals, inner_vals, o, i).
-  """
-  b, h, t = dims
-  n_outer, n_inner = t // outer_blk, t // inner_blk
-  o_arrays, o_ops = zip(*outer)
-  i_arrays, i_ops = zip(*inner)
-  n_o, n_i, n_out = len(outer), len(inner), len(out_shapes)
-  out_op = _Op(_SEQ_ROWS, True)
-  carry_shapes = [c.shape for c in jax.eval_shape(init)]
-  if be.style == "tpu":
-    def clamp(o, i):
-      lo, hi = inner_range(o)
-      return jnp.clip(i, lo, jnp.maximum(hi - 1, lo))
-    in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
-                             lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, o))
-                for a, op in outer]
-    in_specs += [pl.BlockSpec(_block_shape(op, a.shape, inner_blk),
-                              lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, clamp(o, i)))
-                 for a, op in inner]
-    out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
-                              lambda bi, hi_, o, i: (bi, hi_, o, 0)) for s in out_shapes]
+    outer/inner: sequences of (array, _Op); out_shapes: [B,H,T,X] ShapeDtypeStructs blocked like
+    the outer rows; init() -> tuple of fp32 carries; step(carry, outer_vals, inner_vals, o, i).
+    """
+    b, h, t = dims
+    n_outer, n_inner = t // outer_blk, t // inner_blk
+    o_arrays, o_ops = zip(*outer)
+    i_arrays, i_ops = zip(*inner)
+    n_o, n_i, n_out = len(outer), len(inner), len(out_shapes)
+    out_op = _Op(_SEQ_ROWS, True)
+    carry_shapes = [c.shape for c in jax.eval_shape(init)]
+    if be.style == "tpu":
+        def clamp(o, i):
+            lo, hi = inner_range(o)
+            return jnp.clip(i, lo, jnp.maximum(hi - 1, lo))
+        in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
+                                 lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, o))
+                    for a, op in outer]
+        in_specs += [pl.BlockSpec(_block_shape(op, a.shape, inner_blk),
+                                  lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, clamp(o, i)))
+                     for a, op in inner]
+        out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
+                                  lambda bi, hi_, o, i: (bi, hi_, o, 0)) for s in out_shapes]
 
-    def kernel(*refs):
-      o_refs, i_refs = refs[:n_o], refs[n_o:n_o + n_i]
-      out_refs, scr = refs[n_o + n_i:n_o + n_i + n_out], refs[n_o + n_i + n_out:]
-      o, i = pl.program_id(2), pl.program_id(3)
-      lo, hi = inner_range(o)
+        def kernel(*refs):
+            o_refs, i_refs = refs[:n_o], refs[n_o:n_o + n_i]
+            out_refs, scr = refs[n_o + n_i:n_o + n_i + n_out], refs[n_o + n_i + n_out:]
+            o, i = pl.program_id(2), pl.program_id(3)
+            lo, hi = inner_range(o)
 
-      @pl.when(i == 0)
-      def _():
-        for r, v in zip(scr, init()):
-          r[...] = v
+            @pl.when(i == 0)
+            def _():
+                for r, v in zip(scr, init()):
+                    r[...] = v
 
-      @pl.when((i >= lo) & (i < hi))
-      def _():
-        carry = step(tuple(r[...] for r in scr), [r[...] for r in o_refs],
-                     [r[...] for r in i_refs], o, i)
-        for r, v in zip(scr, carry):
-          r[...] = v
+            @pl.when((i >= lo) & (i < hi))
+            def _():
+                carry = step(tuple(r[...] for r in scr), [r[...] for r in o_refs],
+                             [r[...] for r in i_refs], o, i)
+                for r, v in zip(scr, carry):
+                    r[...] = v
 
-      @pl.when(i == n_inner - 1)
-      def _():
-        for r, v in zip(out_refs, finish(tuple(r[...] for r in scr), [r[...] for r in o_refs])):
-          r[...] = v.astype(r.dtype)
+            @pl.when(i == n_inner - 1)
+            def _():
+                for r, v in zip(out_refs, finish(tuple(r[...] for r in scr), [r[...] for r in o_refs])):
+                    r[...] = v.astype(r.dtype)
 
-    grid = (b, h, n_outer, n_inner)
-    scratch = [pltpu.VMEM(s, jnp.float32) for s in carry_shapes]
-    sem = ("parallel", "parallel", "parallel", "arbitrary")
-  else:
-    in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
-                             lambda o, bi, hi_, op=op: _index(op, bi, hi_, o)) for a, op in outer]
-    in_specs += [pl.BlockSpec(_block_shape(op, a.shape, a.shape[op.seq_axis]),
-                              lambda o, bi, hi_, op=op: _index(op, bi, hi_, 0)) for a, op in inner]
-    out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
-                              lambda o, bi, hi_: (bi, hi_, o, 0)) for s in out_shapes]
+        grid = (b, h, n_outer, n_inner)
+        scratch = [pltpu.VMEM(s, jnp.float32) for s in carry_shapes]
+        sem = ("parallel", "parallel", "parallel", "arbitrary")
+    else:
+        in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
+                                 lambda o, bi, hi_, op=op: _index(op, bi, hi_, o)) for a, op in outer]
+        in_specs += [pl.BlockSpec(_block_shape(op, a.shape, a.shape[op.seq_axis]),
+                                  lambda o, bi, hi_, op=op: _index(op, bi, hi_, 0)) for a, op in inner]
+        out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
+                                  lambda o, bi, hi_: (bi, hi_, o, 0)) for s in out_shapes]
 
-    def kernel(*refs):
-      o_refs, i_refs, out_refs = refs[:n_o], refs[n_o:n_o + n_i], refs[n_o + n_i:]
-      o = pl.program_id(0)
-      o_vals = [r[...] for r in o_refs]
-      lo, hi = inner_range(o)
+        def kernel(*refs):
+            o_refs, i_refs, out_refs = refs[:n_o], refs[n_o:n_o + n_i], refs[n_o + n_i:]
+            o = pl.program_id(0)
+            o_vals = [r[...] for r in o_refs]
+            lo, hi = inner_range(o)
 
-      def body(i, carry):
-        i_vals = [_slice(r, op, i, inner_blk) for r, op in zip(i_refs, i_ops)]
-        return step(carry, o_vals, i_vals, o, i)
+            def body(i, carry):
+                i_vals = [_slice(r, op, i, inner_blk) for r, op in zip(i_refs, i_ops)]
+                return step(carry, o_vals, i_vals, o, i)
 
-      carry = lax.fori_loop(lo, hi, body, init())
-      for r, v in zip(out_refs, finish(carry, o_vals)):
-        r[...] = v.astype(r.dtype)
+            carry = lax.fori_loop(lo, hi, body, init())
+            for r, v in zip(out_refs, finish(carry, o_vals)):
+                r[...] = v.astype(r.dtype)
 
-    grid, scratch, sem = (n_outer, b, h), [], ("parallel", "parallel", "parallel")
-  return pl.pallas_call(
-      kernel, out_shape=list(out_shapes), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=scratch, interpret=be.interpret, name=name,
-      compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-  )(*o_arrays, *i_arrays)
+        grid, scratch, sem = (n_outer, b, h), [], ("parallel", "parallel", "parallel")
+    return pl.pallas_call(
+        kernel, out_shape=list(out_shapes), grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch, interpret=be.interpret, name=name,
+        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
+    )(*o_arrays, *i_arrays)
 
 
 def _scores(q, k, q_seg, k_seg, q0, k0, scale):
-  """Scaled scores [bq,bk] (fp32) and the causal + same-segment mask."""
-  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
-  q_pos = q0 + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-  k_pos = k0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  return s, (k_pos <= q_pos) & (q_seg == k_seg)
+    """Scaled scores [bq,bk] (fp32) and the causal + same-segment mask."""
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    q_pos = q0 + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    k_pos = k0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    return s, (k_pos <= q_pos) & (q_seg == k_seg)
 
 
 def _dot(a, b, dn, like):
-  return lax.dot_general(a.astype(like.dtype), b, dn, preferred_element_type=jnp.float32)
+    return lax.dot_general(a.astype(like.dtype), b, dn, preferred_element_type=jnp.float32)
 
 
 def _fwd_step(carry, outer, inner, o, i, *, scale, bq, bk):
-  m_prev, l_prev, acc_prev = carry
-  (q, q_seg), (k, v, k_seg) = outer, inner
-  s, mask = _scores(q, k, q_seg, k_seg, o * bq, i * bk, scale)
-  s = jnp.where(mask, s, MASK_VALUE)
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-  alpha = jnp.exp(m_prev - m_new)
-  p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-  l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  return m_new, l_new, alpha * acc_prev + _dot(p, v, _NN, v)
+    m_prev, l_prev, acc_prev = carry
+    (q, q_seg), (k, v, k_seg) = outer, inner
+    s, mask = _scores(q, k, q_seg, k_seg, o * bq, i * bk, scale)
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    return m_new, l_new, alpha * acc_prev + _dot(p, v, _NN, v)
 
 
 def _fwd_finish(carry, outer):
-  m, l, acc = carry
-  l_safe = jnp.where(l > 0, l, 1.0)
-  return acc / l_safe, m + jnp.log(l_safe)
+    m, l, acc = carry
+    l_safe = jnp.where(l > 0, l, 1.0)
+    return acc / l_safe, m + jnp.log(l_safe)
 
 
 def _probs(q, k, q_seg, k_seg, lse, q0, k0, scale):
-  s, mask = _scores(q, k, q_seg, k_seg, q0, k0, scale)
-  return jnp.where(mask, jnp.exp(s - lse), 0.0)
+    s, mask = _scores(q, k, q_seg, k_seg, q0, k0, scale)
+    return jnp.where(mask, jnp.exp(s - lse), 0.0)
 
 
 def _dq_step(carry, outer, inner, o, i, *, scale, bq, bk):
-  (dq,), (q, q_seg, do, lse, delta), (k, v, k_seg) = carry, outer, inner
-  p = _probs(q, k, q_seg, k_seg, lse, o * bq, i * bk, scale)
-  ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-  return (dq + _dot(ds, k, _NN, k),)
+    (dq,), (q, q_seg, do, lse, delta), (k, v, k_seg) = carry, outer, inner
+    p = _probs(q, k, q_seg, k_seg, lse, o * bq, i * bk, scale)
+    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+    return (dq + _dot(ds, k, _NN, k),)
 
 
 def _dkv_step(carry, outer, inner, o, i, *, scale, bq, bk):
-  (dk, dv), (k, v, k_seg), (q, q_seg, do, lse, delta) = carry, outer, inner
-  p = _probs(q, k, q_seg, k_seg, lse, i * bq, o * bk, scale)
-  ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-  return dk + _dot(ds, q, _TN, q), dv + _dot(p, do, _TN, do)
+    (dk, dv), (k, v, k_seg), (q, q_seg, do, lse, delta) = carry, outer, inner
+    p = _probs(q, k, q_seg, k_seg, lse, i * bq, o * bk, scale)
+    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+    return dk + _dot(ds, q, _TN, q), dv + _dot(p, do, _TN, do)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
-  scale: float
-  bq: int
-  bk: int
-  be: _backend.Backend
+    scale: float
+    bq: int
+    bk: int
+    be: _backend.Backend
 
 
 _ROWS_H, _ROWS_1, _COLS_1 = _Op(_SEQ_ROWS, True), _Op(_SEQ_ROWS, False), _Op(_SEQ_COLS, False)
 
 
 def _causal_hi(o, bq, bk, n_k):  # kv blocks [0, hi) touch q block o
-  return jnp.minimum(pl.cdiv((o + 1) * bq, bk), n_k)
+    return jnp.minimum(pl.cdiv((o + 1) * bq, bk), n_k)
 
 
 def _forward(q, k, v, q_seg, k_seg, cfg: _Cfg):
-  b, h, t, dk = q.shape
-  dv = v.shape[3]
-  kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
-  return _flash_call(
-      cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, **kw),
-      init=lambda: (jnp.full((cfg.bq, 1), MASK_VALUE, jnp.float32),
-                    jnp.zeros((cfg.bq, 1), jnp.float32), jnp.zeros((cfg.bq, dv), jnp.float32)),
-      finish=_fwd_finish, outer=[(q, _ROWS_H), (q_seg, _ROWS_1)],
-      inner=[(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)],
-      out_shapes=[jax.ShapeDtypeStruct((b, h, t, dv), q.dtype),
-                  jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)],
-      outer_blk=cfg.bq, inner_blk=cfg.bk, dims=(b, h, t),
-      inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
+    b, h, t, dk = q.shape
+    dv = v.shape[3]
+    kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
+    return _flash_call(
+        cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, **kw),
+        init=lambda: (jnp.full((cfg.bq, 1), MASK_VALUE, jnp.float32),
+                      jnp.zeros((cfg.bq, 1), jnp.float32), jnp.zeros((cfg.bq, dv), jnp.float32)),
+        finish=_fwd_finish, outer=[(q, _ROWS_H), (q_seg, _ROWS_1)],
+        inner=[(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)],
+        out_shapes=[jax.ShapeDtypeStruct((b, h, t, dv), q.dtype),
+                    jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)],
+        outer_blk=cfg.bq, inner_blk=cfg.bk, dims=(b, h, t),
+        inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash(q, k, v, q_seg, k_seg, cfg: _Cfg):
-  return _forward(q, k, v, q_seg, k_seg, cfg)[0]
+    return _forward(q, k, v, q_seg, k_seg, cfg)[0]
 
 
 def _flash_fwd(q, k, v, q_seg, k_seg, cfg):
-  o, lse = _forward(q, k, v, q_seg, k_seg, cfg)
-  return o, (q, k, v, q_seg, k_seg, o, lse)
+    o, lse = _forward(q, k, v, q_seg, k_seg, cfg)
+    return o, (q, k, v, q_seg, k_seg, o, lse)
 
 
 def _flash_bwd(cfg: _Cfg, res, do):
-  q, k, v, q_seg, k_seg, o, lse = res
-  b, h, t, d_qk = q.shape
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-  do = do.astype(q.dtype)
-  kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
-  q_side = [(q, _ROWS_H), (q_seg, _ROWS_1), (do, _ROWS_H), (lse, _ROWS_H), (delta, _ROWS_H)]
-  kv_side = [(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)]
-  (dq,) = _flash_call(
-      cfg.be, name="mla_prefill_dq", step=functools.partial(_dq_step, **kw),
-      init=lambda: (jnp.zeros((cfg.bq, d_qk), jnp.float32),),
-      finish=lambda c, _: (c[0] * cfg.scale,), outer=q_side, inner=kv_side,
-      out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], outer_blk=cfg.bq, inner_blk=cfg.bk,
-      dims=(b, h, t), inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
-  dk, dv = _flash_call(
-      cfg.be, name="mla_prefill_dkv", step=functools.partial(_dkv_step, **kw),
-      init=lambda: (jnp.zeros((cfg.bk, d_qk), jnp.float32),
-                    jnp.zeros((cfg.bk, v.shape[3]), jnp.float32)),
-      finish=lambda c, _: (c[0] * cfg.scale, c[1]), outer=kv_side, inner=q_side,
-      out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      outer_blk=cfg.bk, inner_blk=cfg.bq, dims=(b, h, t),
-      inner_range=lambda o: (lax.div(o * cfg.bk, cfg.bq), t // cfg.bq))  # lax.div: no sign op
-  return dq, dk, dv, None, None
+    q, k, v, q_seg, k_seg, o, lse = res
+    b, h, t, d_qk = q.shape
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    do = do.astype(q.dtype)
+    kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
+    q_side = [(q, _ROWS_H), (q_seg, _ROWS_1), (do, _ROWS_H), (lse, _ROWS_H), (delta, _ROWS_H)]
+    kv_side = [(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)]
+    (dq,) = _flash_call(
+        cfg.be, name="mla_prefill_dq", step=functools.partial(_dq_step, **kw),
+        init=lambda: (jnp.zeros((cfg.bq, d_qk), jnp.float32),),
+        finish=lambda c, _: (c[0] * cfg.scale,), outer=q_side, inner=kv_side,
+        out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], outer_blk=cfg.bq, inner_blk=cfg.bk,
+        dims=(b, h, t), inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
+    dk, dv = _flash_call(
+        cfg.be, name="mla_prefill_dkv", step=functools.partial(_dkv_step, **kw),
+        init=lambda: (jnp.zeros((cfg.bk, d_qk), jnp.float32),
+                      jnp.zeros((cfg.bk, v.shape[3]), jnp.float32)),
+        finish=lambda c, _: (c[0] * cfg.scale, c[1]), outer=kv_side, inner=q_side,
+        out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        outer_blk=cfg.bk, inner_blk=cfg.bq, dims=(b, h, t),
+        inner_range=lambda o: (lax.div(o * cfg.bk, cfg.bq), t // cfg.bq))  # lax.div: no sign op
+    return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -281,37 +281,37 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
                                              "interpret"))
 def mla_prefill(q, k, v, *, softmax_scale: float, segment_ids=None,
                 block_sizes: BlockSizes | None = None, backend=None, interpret=None):
-  """q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], segment_ids int32 [B,T] | None -> [B,T,H,V].
+    """q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], segment_ids int32 [B,T] | None -> [B,T,H,V].
 
-  Differentiable in q, k, v (Pallas backward). T and head dims are padded internally.
-  """
-  be = _backend.resolve(backend, interpret)
-  bs = block_sizes or BlockSizes()
-  bs.validate(be)
-  b, t, h, d_qk = q.shape
-  if k.shape != q.shape or v.shape[:3] != (b, t, h):
-    raise ValueError(f"need q, k [B,T,H,K] and v [B,T,H,V]; got {q.shape=}, {k.shape=}, "
-                     f"{v.shape=}")
-  if segment_ids is not None and segment_ids.shape != (b, t):
-    raise ValueError(f"{segment_ids.shape=} must be ({b}, {t})")
-  tp = round_up(t, max(bs.block_q, bs.block_k))
-  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-  seg = pad_axis(seg, 1, tp, value=-1)  # padded keys sit after every real query: causally masked
-  to_bhtd = lambda x: pad_axis(pad_axis(jnp.transpose(x, (0, 2, 1, 3)), 2, tp), 3,
-                               _backend.pad_feature(be, x.shape[3]))
-  cfg = _Cfg(float(softmax_scale), bs.block_q, bs.block_k, be)
-  o = _flash(to_bhtd(q), to_bhtd(k), to_bhtd(v), seg[:, None, :, None], seg[:, None, None, :], cfg)
-  return jnp.transpose(o[:, :, :t, :v.shape[3]], (0, 2, 1, 3))
+    Differentiable in q, k, v (Pallas backward). T and head dims are padded internally.
+    """
+    be = _backend.resolve(backend, interpret)
+    bs = block_sizes or BlockSizes()
+    bs.validate(be)
+    b, t, h, d_qk = q.shape
+    if k.shape != q.shape or v.shape[:3] != (b, t, h):
+        raise ValueError(f"need q, k [B,T,H,K] and v [B,T,H,V]; got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(f"{segment_ids.shape=} must be ({b}, {t})")
+    tp = round_up(t, max(bs.block_q, bs.block_k))
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    seg = pad_axis(seg, 1, tp, value=-1)  # padded keys sit after every real query: causally masked
+    to_bhtd = lambda x: pad_axis(pad_axis(jnp.transpose(x, (0, 2, 1, 3)), 2, tp), 3,
+                                 _backend.pad_feature(be, x.shape[3]))
+    cfg = _Cfg(float(softmax_scale), bs.block_q, bs.block_k, be)
+    o = _flash(to_bhtd(q), to_bhtd(k), to_bhtd(v), seg[:, None, :, None], seg[:, None, None, :], cfg)
+    return jnp.transpose(o[:, :, :t, :v.shape[3]], (0, 2, 1, 3))
 
 
 def mla_prefill_reference(q, k, v, *, softmax_scale: float, segment_ids=None, **_):
-  """Plain-jnp `mla_prefill`: materialised causal (+ segment) softmax attention in fp32."""
-  t = q.shape[1]
-  s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q.astype(jnp.float32), k.astype(jnp.float32),
-                         precision=lax.Precision.HIGHEST) * softmax_scale
-  mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
-  if segment_ids is not None:
-    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  p = jax.nn.softmax(jnp.where(mask, s_BxHxTxS, -jnp.inf), axis=-1)
-  out = jnp.einsum("bhts,bshv->bthv", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-  return out.astype(q.dtype)
+    """Plain-jnp `mla_prefill`: materialised causal (+ segment) softmax attention in fp32."""
+    t = q.shape[1]
+    s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q.astype(jnp.float32), k.astype(jnp.float32),
+                           precision=lax.Precision.HIGHEST) * softmax_scale
+    mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    p = jax.nn.softmax(jnp.where(mask, s_BxHxTxS, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhts,bshv->bthv", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return out.astype(q.dtype)

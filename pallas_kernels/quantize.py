@@ -22,72 +22,72 @@ MIN_AMAX = 1e-4
 
 
 def _scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
-  scale = jnp.maximum(amax, MIN_AMAX) / E4M3_MAX
-  if pow2_scale:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-  return scale.astype(jnp.float32)
+    scale = jnp.maximum(amax, MIN_AMAX) / E4M3_MAX
+    if pow2_scale:
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    return scale.astype(jnp.float32)
 
 
 def _cast_e4m3(x: jax.Array) -> jax.Array:
-  # Division can land an ulp above 448; e4m3fn has no inf, so clip before the cast.
-  return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    # Division can land an ulp above 448; e4m3fn has no inf, so clip before the cast.
+    return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
 @functools.partial(jax.jit, static_argnames=("pow2_scale",))
 def quantize_1x128(x_MxK: jax.Array, *, pow2_scale: bool = False):
-  """Per-(row, 128-column) quantisation. Returns (x_q [M,K] e4m3, scale [M,KB] f32)."""
-  if x_MxK.ndim != 2:
-    raise ValueError(f"quantize_1x128 expects [M, K], got {x_MxK.shape=}")
-  m, k = x_MxK.shape
-  kb = -(-k // TILE)
-  x = pad_axis(x_MxK.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
-  scale_MxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=-1), pow2_scale)
-  q = _cast_e4m3(x / scale_MxKB[..., None]).reshape(m, kb * TILE)[:, :k]
-  return q, scale_MxKB
+    """Per-(row, 128-column) quantisation. Returns (x_q [M,K] e4m3, scale [M,KB] f32)."""
+    if x_MxK.ndim != 2:
+        raise ValueError(f"quantize_1x128 expects [M, K], got {x_MxK.shape=}")
+    m, k = x_MxK.shape
+    kb = -(-k // TILE)
+    x = pad_axis(x_MxK.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
+    scale_MxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=-1), pow2_scale)
+    q = _cast_e4m3(x / scale_MxKB[..., None]).reshape(m, kb * TILE)[:, :k]
+    return q, scale_MxKB
 
 
 @functools.partial(jax.jit, static_argnames=("pow2_scale",))
 def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False):
-  """Per-(128x128 block) quantisation. Returns (w_q [N,K] e4m3, scale [NB,KB] f32)."""
-  if w_NxK.ndim != 2:
-    raise ValueError(f"quantize_128x128 expects [N, K], got {w_NxK.shape=}")
-  n, k = w_NxK.shape
-  nb, kb = -(-n // TILE), -(-k // TILE)
-  w = pad_axis(pad_axis(w_NxK.astype(jnp.float32), 0, nb * TILE), 1, kb * TILE)
-  w = w.reshape(nb, TILE, kb, TILE)
-  scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(w), axis=(1, 3)), pow2_scale)
-  q = _cast_e4m3(w / scale_NBxKB[:, None, :, None])
-  return q.reshape(nb * TILE, kb * TILE)[:n, :k], scale_NBxKB
+    """Per-(128x128 block) quantisation. Returns (w_q [N,K] e4m3, scale [NB,KB] f32)."""
+    if w_NxK.ndim != 2:
+        raise ValueError(f"quantize_128x128 expects [N, K], got {w_NxK.shape=}")
+    n, k = w_NxK.shape
+    nb, kb = -(-n // TILE), -(-k // TILE)
+    w = pad_axis(pad_axis(w_NxK.astype(jnp.float32), 0, nb * TILE), 1, kb * TILE)
+    w = w.reshape(nb, TILE, kb, TILE)
+    scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(w), axis=(1, 3)), pow2_scale)
+    q = _cast_e4m3(w / scale_NBxKB[:, None, :, None])
+    return q.reshape(nb * TILE, kb * TILE)[:n, :k], scale_NBxKB
 
 
 def expand_scale(scale: jax.Array, rows: int, cols: int, row_tile: int) -> jax.Array:
-  """Broadcasts a block scale [ceil(rows/row_tile), ceil(cols/128)] to [rows, cols]."""
-  s = jnp.repeat(jnp.repeat(scale, row_tile, axis=0), TILE, axis=1)
-  return s[:rows, :cols]
+    """Broadcasts a block scale [ceil(rows/row_tile), ceil(cols/128)] to [rows, cols]."""
+    s = jnp.repeat(jnp.repeat(scale, row_tile, axis=0), TILE, axis=1)
+    return s[:rows, :cols]
 
 
 @jax.jit
 def dequantize_1x128(x_q: jax.Array, scale_MxKB: jax.Array) -> jax.Array:
-  """Inverse of `quantize_1x128`: fp32 [M, K]."""
-  m, k = x_q.shape
-  return x_q.astype(jnp.float32) * expand_scale(scale_MxKB, m, k, 1)
+    """Inverse of `quantize_1x128`: fp32 [M, K]."""
+    m, k = x_q.shape
+    return x_q.astype(jnp.float32) * expand_scale(scale_MxKB, m, k, 1)
 
 
 @jax.jit
 def dequantize_128x128(w_q: jax.Array, scale_NBxKB: jax.Array) -> jax.Array:
-  """Inverse of `quantize_128x128`: fp32 [N, K] (`fp32(q) * s[i//128, j//128]`)."""
-  n, k = w_q.shape
-  return w_q.astype(jnp.float32) * expand_scale(scale_NBxKB, n, k, TILE)
+    """Inverse of `quantize_128x128`: fp32 [N, K] (`fp32(q) * s[i//128, j//128]`)."""
+    n, k = w_q.shape
+    return w_q.astype(jnp.float32) * expand_scale(scale_NBxKB, n, k, TILE)
 
 
 def check_scale_shapes(name: str, q: jax.Array, scale: jax.Array, row_tile: int) -> None:
-  """Raises if `scale` is not [ceil(rows/row_tile), ceil(K/128)] for `q` [rows, K]."""
-  if q.dtype != jnp.float8_e4m3fn:
-    raise ValueError(f"{name} must be float8_e4m3fn, got {q.dtype=}")
-  want = (-(-q.shape[-2] // row_tile), -(-q.shape[-1] // TILE))
-  if tuple(scale.shape[-2:]) != want:
-    raise ValueError(f"{name} scale has shape {scale.shape}; expected trailing dims {want} "
-                     f"for {name} of shape {q.shape} (tiles of {row_tile}x{TILE})")
+    """Raises if `scale` is not [ceil(rows/row_tile), ceil(K/128)] for `q` [rows, K]."""
+    if q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"{name} must be float8_e4m3fn, got {q.dtype=}")
+    want = (-(-q.shape[-2] // row_tile), -(-q.shape[-1] // TILE))
+    if tuple(scale.shape[-2:]) != want:
+        raise ValueError(f"{name} scale has shape {scale.shape}; expected trailing dims {want} "
+                         f"for {name} of shape {q.shape} (tiles of {row_tile}x{TILE})")
 
 
 __all__ = ["quantize_1x128", "quantize_128x128", "dequantize_1x128", "dequantize_128x128"]

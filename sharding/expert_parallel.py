@@ -25,7 +25,7 @@ Two exchanges, same results (`exchange=`):
 - "ragged": `jax.lax.ragged_all_to_all` sends each device only its filled rows (sorted by
   destination, sizes from one all_gather of the [P] send counts) into a [P * C, D] buffer, and the
   results come back the same way; traffic follows the routed rows, not the worst case. XLA:CPU
-  has no ragged-all-to-all thunk, so a program lowered for CPU runs this path with
+  has no ragged-all-to-all thunk (docs/numerics.md, Backend facts), so a program lowered for CPU runs this path with
   `ragged_all_to_all_by_gather`, an all_gather emulation of the collective's documented
   semantics; the tests check that the real collective lowers for TPU and CUDA.
 "auto" (the default) takes "ragged" on TPU and GPU and "padded" on CPU. Every such choice is made

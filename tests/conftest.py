@@ -10,3 +10,14 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfil
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="Run the tests in reverse collection order (a check that no test depends on another "
+                          "having run first).")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()

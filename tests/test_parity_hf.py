@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 
 from dsv3_jax import load_pretrained
+from tests.helpers import rel_err
 from tests.parity_configs import MTP_CONFIG, PARITY_CONFIGS
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
 TOL = 1e-4
-
-
-def _rel(ours, ref):
-    return float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.mark.parametrize("name", [*PARITY_CONFIGS, "mtp_depth2"])
@@ -31,12 +28,12 @@ def test_golden_fixture(name):
     model = load_pretrained(folder)
     out = model.forward(golden["tokens"])
     assert np.max(np.abs(golden["logits"])) > 1.0  # O(1) logits, or the comparison proves little
-    assert _rel(out.logits, golden["logits"]) <= TOL
+    assert rel_err(out.logits, golden["logits"]) <= TOL
     depth = sum(k.startswith("mtp_logits_") for k in golden.files)
     assert depth == model.config.num_mtp_layers
     t = golden["tokens"].shape[1]
     for k in range(1, depth + 1):
-        assert _rel(out.mtp_logits[k - 1][:, : t - k], golden[f"mtp_logits_{k}"]) <= TOL
+        assert rel_err(out.mtp_logits[k - 1][:, : t - k], golden[f"mtp_logits_{k}"]) <= TOL
 
 
 def test_configs_cover_the_acceptance_grid():
@@ -65,7 +62,7 @@ def test_live_hf(name, hf, tmp_path):
     tokens = np.random.default_rng(1).integers(0, spec["cfg"].vocab_size, (spec["batch"], spec["length"]))
     ref = hf.hf_logits(model, tokens)
     hf.save_hf(model, str(tmp_path), spec["shard_bytes"])
-    assert _rel(load_pretrained(tmp_path)(tokens.astype(np.int32)), ref) <= TOL
+    assert rel_err(load_pretrained(tmp_path)(tokens.astype(np.int32)), ref) <= TOL
 
 
 def test_live_hf_mtp(hf, tmp_path):
@@ -77,4 +74,4 @@ def test_live_hf_mtp(hf, tmp_path):
     out = load_pretrained(tmp_path).forward(tokens.astype(np.int32))
     t = tokens.shape[1]
     for k, ref in enumerate(refs, 1):
-        assert _rel(out.mtp_logits[k - 1][:, : t - k], ref) <= TOL
+        assert rel_err(out.mtp_logits[k - 1][:, : t - k], ref) <= TOL

@@ -17,37 +17,37 @@ from dsv3_jax.data import tokenizer as tokenizer_lib
 
 
 def train_bpe(documents, vocab_size: int = 2048) -> tokenizers.Tokenizer:
-  """Returns a byte-level BPE with `vocab_size` ids in total, special tokens first."""
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size,
-      special_tokens=list(tokenizer_lib.SPECIAL_TOKENS),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False,
-  )
-  tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
-  if tok.get_vocab_size() != vocab_size:
-    raise RuntimeError(
-        f"BPE training gave {tok.get_vocab_size()} ids, not {vocab_size=}: the corpus has too "
-        "few distinct merges for that size.")
-  for want_id, token in enumerate(tokenizer_lib.SPECIAL_TOKENS):
-    assert tok.token_to_id(token) == want_id, (token, tok.token_to_id(token))
-  return tok
+    """Returns a byte-level BPE with `vocab_size` ids in total, special tokens first."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(tokenizer_lib.SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"BPE training gave {tok.get_vocab_size()} ids, not {vocab_size=}: the corpus has too "
+            "few distinct merges for that size.")
+    for want_id, token in enumerate(tokenizer_lib.SPECIAL_TOKENS):
+        assert tok.token_to_id(token) == want_id, (token, tok.token_to_id(token))
+    return tok
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=pathlib.Path, default=tokenizer_lib.BUNDLED_PATH)
-  parser.add_argument("--vocab_size", type=int, default=2048)
-  args = parser.parse_args(argv)
-  tok = train_bpe(corpus.fortune_documents(), args.vocab_size)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  tok.save(str(args.out))
-  print(f"wrote {args.out}: vocab {tok.get_vocab_size()}, "
-        f"pad/bos/eos = {[tok.token_to_id(t) for t in tokenizer_lib.SPECIAL_TOKENS]}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=tokenizer_lib.BUNDLED_PATH)
+    parser.add_argument("--vocab_size", type=int, default=2048)
+    args = parser.parse_args(argv)
+    tok = train_bpe(corpus.fortune_documents(), args.vocab_size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(args.out))
+    print(f"wrote {args.out}: vocab {tok.get_vocab_size()}, "
+          f"pad/bos/eos = {[tok.token_to_id(t) for t in tokenizer_lib.SPECIAL_TOKENS]}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

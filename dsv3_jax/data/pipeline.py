@@ -46,230 +46,230 @@ _SPLIT_CHUNK = 1 << 22
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """What to read and how to batch it; every field is checked once, in `__post_init__`."""
+    """What to read and how to batch it; every field is checked once, in `__post_init__`."""
 
-  seq_len: int  # Row length in tokens; the trainer asks for T + 1.
-  batch_size: int  # Rows per batch on this process (the global batch is batch_size x process_count).
-  data: str | tuple[str, ...] | None = None  # None: bundled fortunes; else globs (sources.py).
-  tokenizer: str | None = None  # tokenizer.json or HF folder; None: the bundled 2048-id BPE.
-  text_field: str = "text"  # JSON field that holds a document in .jsonl files.
-  add_bos: bool = False  # Prepend BOS to every document (EOS is always appended).
-  eval_fraction: float = 0.01  # Share of documents held out for eval.
-  seed: int = 0  # Shuffle and bin-order seed.
-  num_epochs: int | None = None  # Train epochs; None repeats forever.
-  num_packing_bins: int | None = None  # First-fit window in rows; None: 4 x the global batch.
-  num_workers: int = 0  # grain worker processes; 0 runs in the calling process.
+    seq_len: int  # Row length in tokens; the trainer asks for T + 1.
+    batch_size: int  # Rows per batch on this process (the global batch is batch_size x process_count).
+    data: str | tuple[str, ...] | None = None  # None: bundled fortunes; else globs (sources.py).
+    tokenizer: str | None = None  # tokenizer.json or HF folder; None: the bundled 2048-id BPE.
+    text_field: str = "text"  # JSON field that holds a document in .jsonl files.
+    add_bos: bool = False  # Prepend BOS to every document (EOS is always appended).
+    eval_fraction: float = 0.01  # Share of documents held out for eval.
+    seed: int = 0  # Shuffle and bin-order seed.
+    num_epochs: int | None = None  # Train epochs; None repeats forever.
+    num_packing_bins: int | None = None  # First-fit window in rows; None: 4 x the global batch.
+    num_workers: int = 0  # grain worker processes; 0 runs in the calling process.
 
-  def __post_init__(self):
-    checks = {
-        "seq_len": self.seq_len >= 2,
-        "batch_size": self.batch_size >= 1,
-        "eval_fraction": 0.0 < self.eval_fraction < 1.0,
-        "num_epochs": self.num_epochs is None or self.num_epochs >= 1,
-        "num_packing_bins": self.num_packing_bins is None or self.num_packing_bins >= 1,
-        "num_workers": self.num_workers >= 0,
-    }
-    for field, ok in checks.items():
-      if not ok:
-        raise ValueError(f"DataConfig.{field}={getattr(self, field)!r} is out of range.")
+    def __post_init__(self):
+        checks = {
+            "seq_len": self.seq_len >= 2,
+            "batch_size": self.batch_size >= 1,
+            "eval_fraction": 0.0 < self.eval_fraction < 1.0,
+            "num_epochs": self.num_epochs is None or self.num_epochs >= 1,
+            "num_packing_bins": self.num_packing_bins is None or self.num_packing_bins >= 1,
+            "num_workers": self.num_workers >= 0,
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ValueError(f"DataConfig.{field}={getattr(self, field)!r} is out of range.")
 
 
 def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
                  process_index: int | None = None,
                  process_count: int | None = None) -> grain.IterDataset:
-  """Returns the packed, batched dataset of one split for this process.
+    """Returns the packed, batched dataset of one split for this process.
 
-  Args:
-    config: a `DataConfig`.
-    split: "train" (shuffled, repeated per `num_epochs`) or "eval" (in order, one pass).
-    tokenizer: a `tokenizer.Tokenizer`; None loads `config.tokenizer`.
-    process_index, process_count: this process's shard; None asks JAX.
+    Args:
+      config: a `DataConfig`.
+      split: "train" (shuffled, repeated per `num_epochs`) or "eval" (in order, one pass).
+      tokenizer: a `tokenizer.Tokenizer`; None loads `config.tokenizer`.
+      process_index, process_count: this process's shard; None asks JAX.
 
-  Returns:
-    A `grain.IterDataset` of batches (see the module docstring). `iter(ds)` gives a
-    checkpointable `grain.DatasetIterator`.
-  """
-  if split not in ("train", "eval"):
-    raise ValueError(f"{split=} must be 'train' or 'eval'.")
-  tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
-  source = sources_lib.open_source(config.data, text_field=config.text_field,
-                                   vocab_size=tok.vocab_size)
-  process_index, process_count = _process(process_index, process_count)
-  indices = split_indices(len(source), config.eval_fraction)[split]
-  ds = grain.MapDataset.source(_Subset(source, indices))
-  if split == "train":
-    ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
-  ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
-  ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
-  rows = config.batch_size * process_count
-  ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"tokens": config.seq_len}, num_packing_bins=config.num_packing_bins or 4 * rows,
-      seed=config.seed, shuffle_bins=split == "train", padding_struct={"tokens": tok.pad_id})
-  ds = ds.map(_rename_packed)
-  if split == "train":
-    ds = ds.batch(rows, drop_remainder=True)
-  else:
-    ds = ds.batch(rows, batch_fn=_PadBatch(rows, tok.pad_id))
-  if process_count > 1:
-    ds = ds.map(_ProcessRows(process_index * config.batch_size, config.batch_size))
-  if config.num_workers:
-    _ensure_absl_flags_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
-  return ds
+    Returns:
+      A `grain.IterDataset` of batches (see the module docstring). `iter(ds)` gives a
+      checkpointable `grain.DatasetIterator`.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"{split=} must be 'train' or 'eval'.")
+    tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
+    source = sources_lib.open_source(config.data, text_field=config.text_field,
+                                     vocab_size=tok.vocab_size)
+    process_index, process_count = _process(process_index, process_count)
+    indices = split_indices(len(source), config.eval_fraction)[split]
+    ds = grain.MapDataset.source(_Subset(source, indices))
+    if split == "train":
+        ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
+    ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
+    ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
+    rows = config.batch_size * process_count
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct={"tokens": config.seq_len}, num_packing_bins=config.num_packing_bins or 4 * rows,
+        seed=config.seed, shuffle_bins=split == "train", padding_struct={"tokens": tok.pad_id})
+    ds = ds.map(_rename_packed)
+    if split == "train":
+        ds = ds.batch(rows, drop_remainder=True)
+    else:
+        ds = ds.batch(rows, batch_fn=_PadBatch(rows, tok.pad_id))
+    if process_count > 1:
+        ds = ds.map(_ProcessRows(process_index * config.batch_size, config.batch_size))
+    if config.num_workers:
+        _ensure_absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
+    return ds
 
 
 def make_train_and_eval(config: DataConfig, *, tokenizer=None, process_index: int | None = None,
                         process_count: int | None = None):
-  """Returns `(train_ds, eval_ds)`: `make_dataset` for both splits, sharing one tokenizer."""
-  tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
-  kwargs = dict(tokenizer=tok, process_index=process_index, process_count=process_count)
-  return make_dataset(config, "train", **kwargs), make_dataset(config, "eval", **kwargs)
+    """Returns `(train_ds, eval_ds)`: `make_dataset` for both splits, sharing one tokenizer."""
+    tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
+    kwargs = dict(tokenizer=tok, process_index=process_index, process_count=process_count)
+    return make_dataset(config, "train", **kwargs), make_dataset(config, "eval", **kwargs)
 
 
 def split_indices(num_documents: int, eval_fraction: float) -> dict[str, np.ndarray]:
-  """Returns {"train", "eval"} document indices: a fixed hash picks ~eval_fraction for eval.
+    """Returns {"train", "eval"} document indices: a fixed hash picks ~eval_fraction for eval.
 
-  Costs 4 bytes per document (uint32 indices below 2**32 documents), computed in chunks.
-  """
-  if num_documents < 2:
-    raise sources_lib.DataError(f"need at least 2 documents for a train/eval split, got "
-                                f"{num_documents}.")
-  dtype = np.uint32 if num_documents < 2**32 else np.uint64
-  train, evals = [], []
-  for start in range(0, num_documents, _SPLIT_CHUNK):
-    index = np.arange(start, min(num_documents, start + _SPLIT_CHUNK), dtype=np.uint64)
-    is_eval = _uniform_hash(index) < eval_fraction
-    train.append(index[~is_eval].astype(dtype))
-    evals.append(index[is_eval].astype(dtype))
-  train, evals = np.concatenate(train), np.concatenate(evals)
-  if not len(evals) or not len(train):  # Tiny corpora: move the document with the lowest hash.
-    u = _uniform_hash(np.arange(num_documents, dtype=np.uint64))
-    is_eval = np.zeros(num_documents, bool)
-    is_eval[np.argmin(u) if not len(evals) else slice(None)] = True
-    if len(train) == 0:
-      is_eval[np.argmax(u)] = False
-    train, evals = np.flatnonzero(~is_eval).astype(dtype), np.flatnonzero(is_eval).astype(dtype)
-  return {"train": train, "eval": evals}
+    Costs 4 bytes per document (uint32 indices below 2**32 documents), computed in chunks.
+    """
+    if num_documents < 2:
+        raise sources_lib.DataError(f"need at least 2 documents for a train/eval split, got "
+                                    f"{num_documents}.")
+    dtype = np.uint32 if num_documents < 2**32 else np.uint64
+    train, evals = [], []
+    for start in range(0, num_documents, _SPLIT_CHUNK):
+        index = np.arange(start, min(num_documents, start + _SPLIT_CHUNK), dtype=np.uint64)
+        is_eval = _uniform_hash(index) < eval_fraction
+        train.append(index[~is_eval].astype(dtype))
+        evals.append(index[is_eval].astype(dtype))
+    train, evals = np.concatenate(train), np.concatenate(evals)
+    if not len(evals) or not len(train):  # Tiny corpora: move the document with the lowest hash.
+        u = _uniform_hash(np.arange(num_documents, dtype=np.uint64))
+        is_eval = np.zeros(num_documents, bool)
+        is_eval[np.argmin(u) if not len(evals) else slice(None)] = True
+        if len(train) == 0:
+            is_eval[np.argmax(u)] = False
+        train, evals = np.flatnonzero(~is_eval).astype(dtype), np.flatnonzero(is_eval).astype(dtype)
+    return {"train": train, "eval": evals}
 
 
 def checkpoint_save_args(iterator):
-  """Orbax args that save a grain iterator, for `ocp.args.Composite(data=...)`."""
-  return _grain_checkpoint_args()[0](iterator)
+    """Orbax args that save a grain iterator, for `ocp.args.Composite(data=...)`."""
+    return _grain_checkpoint_args()[0](iterator)
 
 
 def checkpoint_restore_args(iterator):
-  """Orbax args that restore `iterator` in place (it must come from the same config)."""
-  return _grain_checkpoint_args()[1](iterator)
+    """Orbax args that restore `iterator` in place (it must come from the same config)."""
+    return _grain_checkpoint_args()[1](iterator)
 
 
 def _grain_checkpoint_args():
-  # grain >= 0.2.13 names them grain.checkpoint.Checkpoint{Save,Restore}; older releases
-  # export the same handler args as grain.python.PyGrainCheckpoint{Save,Restore}.
-  import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
-  ckpt = getattr(grain, "checkpoint", None)
-  if ckpt is not None and hasattr(ckpt, "CheckpointSave"):
-    return ckpt.CheckpointSave, ckpt.CheckpointRestore
-  import grain.python as gp
-  return gp.PyGrainCheckpointSave, gp.PyGrainCheckpointRestore
+    # grain >= 0.2.13 names them grain.checkpoint.Checkpoint{Save,Restore}; older releases
+    # export the same handler args as grain.python.PyGrainCheckpoint{Save,Restore}.
+    import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
+    ckpt = getattr(grain, "checkpoint", None)
+    if ckpt is not None and hasattr(ckpt, "CheckpointSave"):
+        return ckpt.CheckpointSave, ckpt.CheckpointRestore
+    import grain.python as gp
+    return gp.PyGrainCheckpointSave, gp.PyGrainCheckpointRestore
 
 
 def _ensure_absl_flags_parsed():
-  # grain's worker processes read absl flags; outside `absl.app.run` (tests, notebooks) nobody
-  # has parsed them, so accept the defaults rather than fail on first access.
-  from absl import flags
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
+    # grain's worker processes read absl flags; outside `absl.app.run` (tests, notebooks) nobody
+    # has parsed them, so accept the defaults rather than fail on first access.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def _process(process_index, process_count) -> tuple[int, int]:
-  """(index, count) of this process; None asks JAX."""
-  if process_index is None or process_count is None:
-    import jax
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
-  return process_index, process_count
+    """(index, count) of this process; None asks JAX."""
+    if process_index is None or process_count is None:
+        import jax
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
+    return process_index, process_count
 
 
 class _ProcessRows(grain.transforms.Map):
-  """A global batch -> this process's consecutive rows [start, start + n)."""
+    """A global batch -> this process's consecutive rows [start, start + n)."""
 
-  def __init__(self, start: int, n: int):
-    self.start, self.n = start, n
+    def __init__(self, start: int, n: int):
+        self.start, self.n = start, n
 
-  def map(self, batch):
-    return {k: v[self.start:self.start + self.n] for k, v in batch.items()}
+    def map(self, batch):
+        return {k: v[self.start:self.start + self.n] for k, v in batch.items()}
 
 
 def _uniform_hash(x: np.ndarray) -> np.ndarray:
-  """splitmix64 of uint64 `x`, mapped to floats in [0, 1)."""
-  with np.errstate(over="ignore"):
-    z = x + _SPLIT_SALT + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-  return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
+    """splitmix64 of uint64 `x`, mapped to floats in [0, 1)."""
+    with np.errstate(over="ignore"):
+        z = x + _SPLIT_SALT + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
 class _Subset:
-  """A random-access view of `source` at `indices`."""
+    """A random-access view of `source` at `indices`."""
 
-  def __init__(self, source, indices: np.ndarray):
-    self.source, self.indices = source, indices
+    def __init__(self, source, indices: np.ndarray):
+        self.source, self.indices = source, indices
 
-  def __len__(self) -> int:
-    return len(self.indices)
+    def __len__(self) -> int:
+        return len(self.indices)
 
-  def __getitem__(self, i):
-    return self.source[int(self.indices[i])]
+    def __getitem__(self, i):
+        return self.source[int(self.indices[i])]
 
 
 class _Tokenize(grain.transforms.Map):
-  """Document (text or int32 ids) -> int32 [BOS] + ids + [EOS]."""
+    """Document (text or int32 ids) -> int32 [BOS] + ids + [EOS]."""
 
-  def __init__(self, tokenizer, add_bos: bool):
-    self.tokenizer, self.add_bos = tokenizer, add_bos
+    def __init__(self, tokenizer, add_bos: bool):
+        self.tokenizer, self.add_bos = tokenizer, add_bos
 
-  def map(self, document) -> np.ndarray:
-    if isinstance(document, str):
-      ids = np.asarray(self.tokenizer.encode(document), dtype=np.int32)
-    else:
-      ids = np.asarray(document, dtype=np.int32)
-    parts = [[self.tokenizer.bos_id]] if self.add_bos else []
-    parts += [ids, [self.tokenizer.eos_id]]
-    return np.concatenate(parts).astype(np.int32)
+    def map(self, document) -> np.ndarray:
+        if isinstance(document, str):
+            ids = np.asarray(self.tokenizer.encode(document), dtype=np.int32)
+        else:
+            ids = np.asarray(document, dtype=np.int32)
+        parts = [[self.tokenizer.bos_id]] if self.add_bos else []
+        parts += [ids, [self.tokenizer.eos_id]]
+        return np.concatenate(parts).astype(np.int32)
 
 
 class _SplitLong(grain.experimental.FlatMapTransform):
-  """int32 [n] -> [{"tokens": chunk}] with chunks of at most seq_len tokens."""
+    """int32 [n] -> [{"tokens": chunk}] with chunks of at most seq_len tokens."""
 
-  max_fan_out = 2**31 - 1  # Documents have no length limit; the iter flat-map never buffers it.
+    max_fan_out = 2**31 - 1  # Documents have no length limit; the iter flat-map never buffers it.
 
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
 
-  def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
-    return [{"tokens": ids[i:i + self.seq_len]} for i in range(0, len(ids), self.seq_len)]
+    def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
+        return [{"tokens": ids[i:i + self.seq_len]} for i in range(0, len(ids), self.seq_len)]
 
 
 def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {"tokens": row["tokens"].astype(np.int32),
-          "segment_ids": row["tokens_segment_ids"].astype(np.int32),
-          "positions": row["tokens_positions"].astype(np.int32)}
+    return {"tokens": row["tokens"].astype(np.int32),
+            "segment_ids": row["tokens_segment_ids"].astype(np.int32),
+            "positions": row["tokens_positions"].astype(np.int32)}
 
 
 class _PadBatch:
-  """Stacks rows and fills a short last batch with all-padding rows (segment id 0)."""
+    """Stacks rows and fills a short last batch with all-padding rows (segment id 0)."""
 
-  def __init__(self, batch_size: int, pad_id: int):
-    self.batch_size, self.pad_id = batch_size, pad_id
+    def __init__(self, batch_size: int, pad_id: int):
+        self.batch_size, self.pad_id = batch_size, pad_id
 
-  def __call__(self, rows):
-    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    missing = self.batch_size - len(rows)
-    if missing:
-      fill = {"tokens": self.pad_id, "segment_ids": 0, "positions": 0}
-      batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)])
-               for k, v in batch.items()}
-    return batch
+    def __call__(self, rows):
+        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        missing = self.batch_size - len(rows)
+        if missing:
+            fill = {"tokens": self.pad_id, "segment_ids": 0, "positions": 0}
+            batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)])
+                     for k, v in batch.items()}
+        return batch

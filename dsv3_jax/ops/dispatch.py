@@ -5,7 +5,7 @@ J row tiles, t rows per tile.
 
 Three grouped-matmul implementations compute the same function:
 - `ragged`: `jax.lax.ragged_dot`, sparse on TPU/GPU. XLA:CPU computes it as if every row met every
-  expert (DESIGN.md section 4), so it is not used on CPU by default.
+  expert (docs/numerics.md, Backend facts), so it is not used on CPU by default.
 - `tiled`: rows padded per expert to a multiple of a tile, a loop over tiles runs each through its
   expert's weights read in place (`tile_loop_swiglu`, its own backward). Cost ~ (M + E*t) rows; `t`
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.

@@ -6,7 +6,9 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8"
+from tests.helpers import fake_device_flags
+
+os.environ.setdefault("XLA_FLAGS", fake_device_flags(8))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

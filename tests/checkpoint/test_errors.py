@@ -18,6 +18,7 @@ import pytest
 from dsv3_jax.checkpoint import CheckpointError, load_pretrained
 from dsv3_jax.checkpoint.safetensors_io import HFCheckpoint, write_safetensors
 from experiments.make_synthetic_checkpoint import bench_config, make_checkpoint
+from tests import helpers
 from tests.checkpoint.conftest import convert
 
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"
@@ -135,6 +136,6 @@ def test_kill_during_conversion_leaves_nothing_loadable(tmp_path):
         with pytest.raises(CheckpointError):
             load_pretrained(path)
     # The next conversion removes the dead one's leftovers and succeeds.
-    assert subprocess.run(cmd).returncode == 0
+    assert helpers.run(cmd).returncode == 0
     assert not os.path.exists(tmp)
     assert load_pretrained(out).config.num_layers == 12

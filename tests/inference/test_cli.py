@@ -1,12 +1,12 @@
 """`python -m experiments.generate` on a tiny HF folder, with a character-level tokenizer that fits its vocab."""
 
 import pathlib
-import subprocess
-import sys
 
 import tokenizers
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, run_module
+
+ROOT = pathlib.Path(REPO)
 HF_DIR = ROOT / "tests/fixtures/parity/lora_groups_yarn"  # vocab 128, 2 MoE layers
 
 
@@ -21,9 +21,8 @@ def char_tokenizer(path: pathlib.Path) -> pathlib.Path:
 
 def test_cli_streams_and_reports(tmp_path):
     tok = char_tokenizer(tmp_path / "tokenizer.json")
-    cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}",
-           "--prompt=hello world", "--max_new_tokens=5", "--stats", "--cache_dtype=float32"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_module("experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}", "--prompt=hello world",
+                     "--max_new_tokens=5", "--stats", "--cache_dtype=float32", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert out.startswith("hello world"), out
@@ -35,7 +34,6 @@ def test_cli_streams_and_reports(tmp_path):
 
 
 def test_cli_error_names_out_of_range_prompt_ids(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}",
-                          "--prompt=Some text for the bundled 2048-token vocabulary", "--max_new_tokens=2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_module("experiments.generate", f"--checkpoint={HF_DIR}",
+                     "--prompt=Some text for the bundled 2048-token vocabulary", "--max_new_tokens=2", timeout=600)
     assert res.returncode != 0 and "vocab_size=128" in res.stderr, res.stderr[-2000:]

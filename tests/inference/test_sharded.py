@@ -1,15 +1,13 @@
 """Sharded decoding on 8 fake CPU devices: heads of wkv_b / wo on `tensor`, the cache batch on `data`."""
 
-import pathlib
 import sys
 
-from tests.sharding import workers
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests import helpers
 
 SCRIPT = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8"
+from tests.helpers import fake_device_flags
+os.environ["XLA_FLAGS"] = fake_device_flags(8)
 import jax, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from flax import nnx
@@ -47,5 +45,5 @@ print("SHARDED_OK", sharded.output().tolist())
 
 
 def test_sharded_decode_gives_the_same_tokens():
-    res = workers.run([sys.executable, "-c", SCRIPT], workers.fake_device_env(), timeout=900)
+    res = helpers.run([sys.executable, "-c", SCRIPT], helpers.fake_device_env(), timeout=900)
     assert res.returncode == 0 and "SHARDED_OK" in res.stdout, res.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""The router against a numpy transcription of DESIGN.md section 3, and its properties."""
+"""The router against a numpy transcription of docs/numerics.md (Router), and its properties."""
 
 import jax
 import jax.numpy as jnp

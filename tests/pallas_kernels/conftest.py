@@ -5,5 +5,5 @@ import pytest
 
 @pytest.fixture(params=("tpu", "triton"))
 def style(request):
-  """Kernel style, run in interpret mode on this (CPU) machine."""
-  return request.param
+    """Kernel style, run in interpret mode on this (CPU) machine."""
+    return request.param

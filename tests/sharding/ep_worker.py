@@ -11,9 +11,9 @@ capacity factor, the dropped pairs and the output against a numpy model of the r
 import json
 import os
 
-from tests.sharding.parity_worker import FAST_COMPILE
+from tests.helpers import fake_device_flags
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+os.environ.setdefault("XLA_FLAGS", fake_device_flags(8, fast_compile=True))
 
 import functools  # noqa: E402
 

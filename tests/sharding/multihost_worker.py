@@ -9,12 +9,12 @@ import json
 import os
 import sys
 
-from tests.sharding.parity_worker import FAST_COMPILE
+from tests.helpers import fake_device_flags
 
 if __name__ == "__main__":
     _, _port, _nproc, _pid = sys.argv
     devices = 8 // int(_nproc)
-    os.environ["XLA_FLAGS"] = f"--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+    os.environ["XLA_FLAGS"] = fake_device_flags(devices, fast_compile=True)
 
 import jax  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Runs one train step (and three) on meshes and on one device; prints JSON differences per mesh.
 
-    XLA_FLAGS=--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 python -m tests.sharding.parity_worker \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.parity_worker \
         data=8 fsdp=2,tensor=2,expert=2 ...
 
 Run by tests/sharding/test_parity.py in a subprocess (the pytest process has one device).
@@ -13,11 +13,12 @@ import json
 import os
 import sys
 
+from tests.helpers import FAST_COMPILE, fake_device_flags, tree_rel_err  # noqa: F401 (FAST_COMPILE: re-exported)
+
 # Cheap XLA:CPU codegen: compiling dominates these runs (4x faster at level 0); the reference and
 # the sharded steps are compiled alike, so the comparison is unaffected.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+    os.environ.setdefault("XLA_FLAGS", fake_device_flags(8, fast_compile=True))
 
 import jax
 import numpy as np
@@ -81,12 +82,6 @@ def grad_fn(graphdef):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def rel(a, b) -> float:
-    diffs = [np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64)) /
-             max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-    return float(max(diffs))
-
-
 def run(state, step, batches, place):
     loss_curve = []
     for batch in batches:
@@ -119,8 +114,8 @@ def main(args: list[str]) -> None:
         print(json.dumps({"mesh": text, "moe_layers": cfg.num_moe_layers, "loss": float(loss),
                           "stage_handoff": "collective_permute" in hlo, "expert_all_to_all": "all_to_all" in hlo, "ref_loss": float(ref_loss),
                           "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                          "grad_rel": rel(g, ref_grads), "params_rel": rel(final.params, ref_state.params),
-                          "bias_rel": rel(final.router_bias, ref_state.router_bias),
+                          "grad_rel": tree_rel_err(g, ref_grads), "params_rel": tree_rel_err(final.params, ref_state.params),
+                          "bias_rel": tree_rel_err(final.router_bias, ref_state.router_bias),
                           "curve": curve, "ref_curve": ref_curve, "shardings_kept": kept}), flush=True)
 
 

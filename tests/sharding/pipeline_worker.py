@@ -1,14 +1,20 @@
 """The pipeline schedule against a plain scan over the same layers, on 8 fake CPU devices.
 
     python -m tests.sharding.pipeline_worker   # JSON lines: one per (stages, layers, microbatches)
+
+The bubble is measured on the compiled program: the ticks the schedule executes (its
+collective-permutes, one per tick, times the trip counts of the loops around them) and the
+matmuls each device executes (two per layer application), against the matmuls the work needs
+(2 L M / S per device).
 """
 
 import json
 import os
+import re
 
-from tests.sharding.parity_worker import FAST_COMPILE
+from tests.helpers import fake_device_flags
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count=8 " + FAST_COMPILE)
+os.environ.setdefault("XLA_FLAGS", fake_device_flags(8, fast_compile=True))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,6 +40,37 @@ def sequential(stacked, xs, side):
     return y, aux.T
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLED = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
+
+
+def executed(hlo: str, opcode: str) -> int:
+    """How many times a device runs `opcode` in compiled HLO text: each computation's own
+    instructions, plus those of the computations it calls, a while body's times its trip count."""
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            name, comps[m.group(1)] = m.group(1), []
+            entry = name if line.startswith("ENTRY") else entry
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line)
+
+    def count(comp: str) -> int:
+        total = 0
+        for line in comps.get(comp, []):
+            total += bool(re.search(rf"\s{opcode}\(", line))
+            body = _BODY.search(line) if " while(" in line else None
+            for called in _CALLED.findall(line):
+                trip = _TRIP.search(line) if body and called == body.group(1) else None
+                total += count(called) * (int(trip.group(1)) if trip else 1)
+        return total
+
+    return count(entry)
+
+
 def main():
     rng = np.random.default_rng(0)
     # (stages, layers, microbatches, repeats): GPipe even / uneven / one microbatch, then circular.
@@ -46,8 +83,7 @@ def main():
         side = jnp.asarray(rng.standard_normal((micro, 1, D)), jnp.float32)
 
         def piped(stacked, xs, side):
-            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, repeats=repeats,
-                                           return_activity=True)
+            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, repeats=repeats)
 
         def loss(f):
             def total(s, x, e):
@@ -55,19 +91,22 @@ def main():
                 return jnp.sum(jnp.sin(y)) + jnp.sum(aux ** 2)
             return total
 
-        out, aux, activity = jax.jit(piped)(stacked, xs, side)
+        compiled = jax.jit(piped).lower(stacked, xs, side).compile()
+        out, aux = compiled(stacked, xs, side)
         ref, aux_ref = jax.jit(sequential)(stacked, xs, side)
         g = jax.jit(jax.grad(loss(piped), argnums=(0, 1, 2)))(stacked, xs, side)
         g_ref = jax.jit(jax.grad(loss(sequential), argnums=(0, 1, 2)))(stacked, xs, side)
         grad_rel = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
                        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
-        hlo = jax.jit(piped).lower(stacked, xs, side).as_text()
+        hlo = compiled.as_text()
+        matmuls = executed(hlo, "dot")  # two per layer application, padding slots and idle ticks included
         print(json.dumps({"stages": stages, "layers": layers, "microbatches": micro, "repeats": repeats,
                           "out_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
                           "aux_rel": float(np.linalg.norm(aux - aux_ref) / np.linalg.norm(aux_ref)), "grad_rel": grad_rel,
-                          "bubble_measured": 1.0 - float(activity),
+                          "ticks": executed(hlo, "collective-permute"),
+                          "bubble_measured": 1.0 - 2 * layers * micro / stages / matmuls,
                           "bubble_theory": pipeline.bubble_fraction(stages, micro, repeats),
-                          "ppermute": "collective_permute" in hlo}), flush=True)
+                          "ppermute": "collective-permute" in hlo}), flush=True)
 
 
 if __name__ == "__main__":

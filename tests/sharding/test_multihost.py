@@ -2,7 +2,6 @@
 with 8 devices (issue acceptance 3)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,13 +9,11 @@ import sys
 import pytest
 
 from sharding import multihost
-from tests.sharding import workers
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO, fake_device_env, run_module
 
 
 def _env():
-    env = workers.fake_device_env()
+    env = fake_device_env()
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
     return env
@@ -50,8 +47,7 @@ def test_two_processes_match_one_process_with_eight_devices():
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     two = _result(outs[0][0])
-    one_run = subprocess.run([sys.executable, "-m", "tests.sharding.multihost_worker", "0", "1", "0"], cwd=REPO,
-                             env=_env(), capture_output=True, text=True, timeout=600)
+    one_run = run_module("tests.sharding.multihost_worker", "0", "1", "0", env=_env(), timeout=600)
     assert one_run.returncode == 0, one_run.stderr[-3000:]
     one = _result(one_run.stdout)
     assert two["processes"] == 2 and one["processes"] == 1

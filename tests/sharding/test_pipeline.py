@@ -17,8 +17,8 @@ def test_stage_layers_balance_uneven_counts():
     assert valid.tolist() == [True, True, True, True, True, False, True, False]
 
 
-def test_bubble_theory_and_microbatch_choice():
-    assert pipeline.bubble_fraction(16, 64) == pytest.approx(15 / 79)
+def test_microbatch_choice_meets_the_target_bubble():
+    # bubble_fraction itself is held to the compiled schedule in the eight-device test below.
     assert pipeline.num_microbatches_for(64, 4, target_bubble=0.2) == 16  # 3/19 <= 0.2 < 3/11
     assert pipeline.bubble_fraction(4, pipeline.num_microbatches_for(64, 4, 0.2)) <= 0.2
 
@@ -30,7 +30,13 @@ def test_pipeline_matches_sequential_layers_on_eight_devices():
     for r in rows:
         assert r["out_rel"] < 1e-6 and r["aux_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
         assert r["ppermute"], r
-        assert r["bubble_measured"] == pytest.approx(r["bubble_theory"], abs=1e-6), r
+        # The compiled program runs R*M + S - 1 ticks, and its idle share of matmuls is the theory's
+        # bubble when the stages split the layers evenly; uneven stages also run padding slots.
+        assert r["ticks"] == r["repeats"] * r["microbatches"] + r["stages"] - 1, r
+        if r["layers"] % (r["stages"] * r["repeats"]) == 0:
+            assert r["bubble_measured"] == pytest.approx(r["bubble_theory"], abs=1e-9), r
+        else:
+            assert r["bubble_measured"] > r["bubble_theory"] + 0.05, r
 
 
 def test_microbatches_keep_every_microbatch_splittable_over_the_batch_shards():
@@ -62,7 +68,6 @@ def test_circular_slots_bubble_and_microbatches():
     assert index.tolist() == [0, 1, 3, 0, 2, 0, 4, 0]
     assert valid.tolist() == [True, True, True, False, True, False, True, False]
     assert pipeline.slots_per_stage(5, 2, repeats=2) == 4
-    assert pipeline.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
     # the circular schedule needs M >= S: 16 rows over 8 shards allow M in {1, 2}, both < 4 stages
     with pytest.raises(ValueError, match="at least 4 microbatches"):
         pipeline.resolve_microbatches(16, 4, batch_shards=8, repeats=2)

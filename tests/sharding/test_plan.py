@@ -1,19 +1,16 @@
 """experiments.plan: the 671B train step lowered for an abstract 256-device mesh (acceptance 4)."""
 
-import os
 import re
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import helpers
+
 GiB = 1024 ** 3
 
 
 def _plan(*flags):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = helpers.repo_env()
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "experiments.plan", *flags], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return helpers.run_module("experiments.plan", *flags, env=env, timeout=600)
 
 
 def _row(stdout: str, name: str) -> float:

@@ -5,8 +5,6 @@ Specs are checked on abstract meshes (no devices needed); the per-device byte co
 """
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,11 +12,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sharding
-from tests.sharding import workers
+from tests import helpers
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import sharded, state as state_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_resolve_sizes_fills_minus_one_and_defaults_to_one():
@@ -178,8 +175,7 @@ def test_layers_the_stages_do_not_divide_shard_pipeline_elsewhere(preset):
 
 def test_per_device_bytes_on_eight_devices():
     """Placed parameters hold total / shards bytes per device on each sharded parameter."""
-    env = workers.fake_device_env(XLA_FLAGS=workers.FAKE_DEVICES_XLA_FLAGS)
-    out = workers.run([sys.executable, "-m", "tests.sharding.bytes_worker"], env, timeout=300)
+    out = helpers.run_module("tests.sharding.bytes_worker", env=helpers.fake_device_env(8), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["devices"] == 8

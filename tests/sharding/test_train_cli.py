@@ -7,25 +7,21 @@ import sys
 
 import pytest
 
-from tests.sharding import workers
-from tests.sharding.parity_worker import FAST_COMPILE
+from tests import helpers
 
-REPO = workers.REPO
+REPO = helpers.REPO
 STEPS = 3
 OVERRIDES = [
-    "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.moe_intermediate_size=16",
-    "--config.model.num_layers=5", "--config.model.num_heads=2", "--config.model.q_lora_rank=16",
-    "--config.model.kv_lora_rank=16", "--config.model.qk_nope_head_dim=8", "--config.model.qk_rope_head_dim=8",
-    "--config.model.v_head_dim=8", "--config.data.seq_len=32", "--config.data.batch_size=8",
+    *helpers.shrunk_flags(num_layers=5), "--config.data.seq_len=32", "--config.data.batch_size=8",
     "--config.optimizer.warmup_steps=2", "--config.train.eval_every=0", "--config.train.log_every=1",
     "--config.train.checkpoint_every=100", "--config.train.compilation_cache=", f"--steps={STEPS}",
 ]
 
 
 def train_losses(workdir, devices: int, *mesh_flags) -> list[float]:
-    env = workers.fake_device_env(XLA_FLAGS=f"--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 --xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env = helpers.fake_device_env(XLA_FLAGS=helpers.fake_device_flags(devices, fast_compile=True))
     cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *OVERRIDES, *mesh_flags]
-    out = workers.run(cmd, env, timeout=900)
+    out = helpers.run(cmd, env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -61,8 +57,8 @@ def test_mesh_overrides_give_the_single_device_loss_curve(tmp_path, one_device_c
     (["--config.mesh.pipeline=8", "--config.mesh.data=1"], "pipeline=8 stages exceed the 4 layers they split"),
 ])
 def test_bad_mesh_is_a_clear_error(tmp_path, flags, message):
-    env = workers.fake_device_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    out = workers.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", *OVERRIDES, *flags], env,
+    env = helpers.fake_device_env(8)
+    out = helpers.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", *OVERRIDES, *flags], env,
                       timeout=600)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-2000:]

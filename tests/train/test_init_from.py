@@ -6,12 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from dsv3_jax import ModelConfig, load_pretrained
+from dsv3_jax import load_pretrained
+from tests.helpers import shrunk_tiny_config
 from tests.train.conftest import run_train
 
-HF_CFG = ModelConfig.tiny(vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                          num_layers=2, num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                          qk_rope_head_dim=8, v_head_dim=8, num_mtp_layers=0)
+HF_CFG = shrunk_tiny_config(vocab_size=2048, num_mtp_layers=0)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3
 from dsv3_jax.train import losses
+from tests.helpers import shrunk_tiny_config
 
 # Two packed rows of T + 1 = 8 tokens: documents 1, 2 (+ padding) and 1 (+ padding).
 TOKENS = np.array([[5, 6, 7, 8, 9, 10, 0, 0], [11, 12, 13, 14, 15, 0, 0, 0]], np.int32)
@@ -64,9 +65,7 @@ def test_cross_entropy_gradient_is_softmax_minus_onehot_in_numpy():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.tiny(vocab_size=64, num_mtp_layers=2, hidden_size=32, intermediate_size=64,
-                           moe_intermediate_size=16, num_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    cfg = shrunk_tiny_config(vocab_size=64, num_layers=3, num_mtp_layers=2)
     return DeepSeekV3(cfg, rngs=nnx.Rngs(3))
 
 

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3
 from dsv3_jax.train import balancing, optimizer, state as state_lib, step as step_lib
+from tests.helpers import shrunk_tiny_config
 
 GAMMA = 0.01
-CFG = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                       num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                       v_head_dim=8)
+CFG = shrunk_tiny_config(vocab_size=64, num_layers=3)
 OPT = ml_collections.ConfigDict(dict(schedule="wsd", peak_lr=1e-2, end_lr=1e-3, warmup_steps=2, decay_fraction=0.5,
                                      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
 
@@ -57,8 +56,6 @@ def test_router_bias_moves_by_gamma_sign_of_load_outside_the_optimizer(setup):
     assert int(new.step) == 1 and int(new.skipped) == 0
     assert not np.array_equal(new.rng, state.rng)
     np.testing.assert_allclose(metrics["lr"], schedule(0), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(balancing.max_violation(counts["moe_layers"])),
-                               counts["moe_layers"].max(-1) / counts["moe_layers"].mean(-1) - 1, rtol=1e-6)
 
 
 def test_non_finite_step_is_skipped_and_counted(setup):

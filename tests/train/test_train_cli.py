@@ -5,12 +5,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from tests.helpers import run_module
 from tests.train.conftest import REPO, STEPS, run_train, train_command, train_env
 
 RESUME_FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
@@ -82,8 +82,8 @@ def test_sigkill_at_a_random_step_then_restart_continues_exactly(tmp_path, compi
 
 def test_plot_draws_curves_and_heatmap(uninterrupted, tmp_path):
     workdir, _, _ = uninterrupted
-    subprocess.run([sys.executable, "-m", "experiments.plot", f"--workdir={workdir}", f"--out={tmp_path}"],
-                   cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=120)
+    result = run_module("experiments.plot", f"--workdir={workdir}", f"--out={tmp_path}", env=train_env(), timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
     for name in ("loss.png", "expert_load.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
