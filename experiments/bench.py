@@ -70,7 +70,8 @@ def _timed_steps(run_step, steps: int) -> tuple[float, list[float]]:
     return first, times
 
 
-def jax_train(name, experts, batch, seq, steps):
+def jax_train_workload(name, experts, batch, seq):
+    """A callable running one train step (fwd + bwd + clipped AdamW) on a fixed random batch."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -96,7 +97,11 @@ def jax_train(name, experts, batch, seq, steps):
         holder[0], metrics = train_step(holder[0], data)
         jax.block_until_ready(metrics["loss"])
 
-    first, times = _timed_steps(run_step, steps)
+    return run_step
+
+
+def jax_train(name, experts, batch, seq, steps):
+    first, times = _timed_steps(jax_train_workload(name, experts, batch, seq), steps)
     return {"first_step_s": first, "step_s": times, "peak": jax_peak()}
 
 
@@ -127,7 +132,8 @@ def hf_train(name, experts, batch, seq, steps):
     return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
 
 
-def jax_decode(prompt, batch, new_tokens):
+def jax_decode_workload(prompt, batch, new_tokens):
+    """A callable: greedy `generate` of `new_tokens` (default) after random prompts; returns seconds."""
     import jax
     from flax import nnx
 
@@ -137,11 +143,16 @@ def jax_decode(prompt, batch, new_tokens):
     model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
     prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
 
-    def run(n):
+    def run(n=new_tokens):
         start = time.perf_counter()
         jax.block_until_ready(generate(model, prompts, n))
         return time.perf_counter() - start
 
+    return run
+
+
+def jax_decode(prompt, batch, new_tokens):
+    run = jax_decode_workload(prompt, batch, new_tokens)
     compile_s = run(new_tokens)
     return {"compile_s": compile_s, "short_s": run(1), "long_s": run(new_tokens)}
 
@@ -209,7 +220,10 @@ WORKERS = {"jax_train": jax_train, "hf_train": hf_train, "jax_decode": jax_decod
 # ------------------------------------------------------------------------------------ driver
 def run_worker(fn: str, kwargs: dict, tree: str, timeout: int) -> dict:
     """One worker in a fresh process with `tree` first on the path; its result and peak RSS."""
-    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    # PASSIVE: torch's OpenMP threads sleep instead of spinning at barriers; on a shared machine
+    # spinning made transformers' step up to 10x slower, so this is the fair setting for it.
+    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps([fn, kwargs])],
                                 cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -246,22 +260,22 @@ def plan(args) -> list[tuple[str, str, str, dict]]:
         for e in (8, 32, 128):
             jobs.append((f"experts {e}", "train", dict(name="issue", experts=e, batch=8, seq=256, steps=args.steps)))
     if "decode" in args.only:
-        for prompt in (1024, 4096):
-            for batch in (1, 8):
-                jobs.append((f"decode {prompt // 1024}K b{batch}", "decode",
-                             dict(prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
+        for point in args.decode:
+            prompt, batch = (int(x) for x in point.split("x"))
+            jobs.append((f"decode {prompt // 1024}K b{batch}", "decode",
+                         dict(prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
     if "trainer" in args.only:
         jobs.append(("trainer", "trainer", dict(steps=args.steps)))
     out = []
     for measure, kind, kwargs in jobs:
-        for fw in frameworks(args, kind):
+        for fw in frameworks(args, kind, measure):
             worker = "jax_trainer" if kind == "trainer" else f"{'hf' if fw == 'hf' else 'jax'}_{kind}"
             out.append((measure, fw, worker, kwargs))
     return out
 
 
-def frameworks(args, kind: str) -> list[str]:
-    fws = ["jax"] + (["before"] if args.baseline else [])
+def frameworks(args, kind: str, measure: str) -> list[str]:
+    fws = ["jax"] + (["before"] if args.baseline and measure in args.baseline_measures else [])
     if kind != "trainer" and not args.no_hf:
         fws.append("hf")
     return fws
@@ -373,6 +387,10 @@ def main(argv=None) -> None:
     p.add_argument("--new_tokens", type=int, default=33, help="generated tokens per decode measure")
     p.add_argument("--small", action="store_true", help="also train `small` at batch 1 x 1024 (slow)")
     p.add_argument("--baseline", help="a source tree of dsv3-jax to measure as 'before'")
+    p.add_argument("--baseline_measures", default="train issue,trainer", type=lambda s: s.split(","),
+                   help="measures that also run the baseline tree")
+    p.add_argument("--decode", default="1024x1,1024x8,4096x1,4096x8", type=lambda s: s.split(","),
+                   help="decode points PROMPTxBATCH")
     p.add_argument("--no_hf", action="store_true", help="skip transformers even when torch is installed")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
     p.add_argument("--json", default="runs/bench.json")

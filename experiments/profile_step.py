@@ -1,0 +1,97 @@
+"""Top operations of the bench's train step (or one decode step) by time, from a jax.profiler trace.
+
+    python -m experiments.profile_step [--what=train|decode] [--steps=3] [--top=25]
+
+Traces a few steps of experiments.bench's issue config (after compiling), reads the XLA:CPU op
+events of the perfetto trace, names each fused op by the jax operation it came from (the HLO
+metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+_SKIP = ("ThunkExecutor", "$", "PjitFunction", "Slinky", "while", "conditional", "call", "Execute")
+
+
+def op_names(dump_dir: str) -> dict[tuple[str, str], str]:
+    """(HLO module, instruction) -> the jax op_name in its metadata, from XLA's optimized-HLO dumps."""
+    names = {}
+    for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+        module = re.match(r"module_\d+\.(.*?)\.", os.path.basename(path)).group(1)
+        for line in open(path):
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"", line)
+            if m:
+                names[(module, m.group(1))] = m.group(2)
+    return names
+
+
+def category(op_name: str) -> str:
+    """'bwd attention: BTHK,BSHK->BHTS/dot_general' style label from a jax op_name."""
+    phase = "bwd" if "transpose(" in op_name else "fwd"
+    op = re.sub(r"^jit\(train_step\)/", "", op_name)
+    op = re.sub(r"(transpose|jvp|remat|checkpoint)\(", "", op).replace(")", "")
+    op = re.sub(r"(while/body/)?closed_call/|while/body/", "", op).strip("/")
+    return f"{phase} {op[:80]}"
+
+
+def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
+    path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names, totals = op_names(dump_dir), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith(_SKIP):
+            key = (e.get("args", {}).get("hlo_module", ""), e["name"])
+            totals[category(names.get(key, f"{key[0]}/{key[1]} (no metadata)"))] += e.get("dur", 0)
+    whole = sum(totals.values())
+    lines = [f"Op time summed over threads: {whole / steps / 1e3:.0f} ms per step.", "",
+             "| ms/step | share | op (jax op_name, fwd/bwd) |", "|---|---|---|"]
+    for name, us in totals.most_common(top):
+        lines.append(f"| {us / steps / 1e3:.1f} | {100 * us / whole:.1f}% | `{name}` |")
+    return "\n".join(lines)
+
+
+def workload(what: str):
+    """A callable running one train step, or one greedy generate of 16 tokens after a 4K prompt."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dsv3_bench", os.path.join(_ROOT, "experiments", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.jax_train_workload("issue", None, 8, 256) if what == "train" else bench.jax_decode_workload(4096, 1, 17)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--what", default="train", choices=["train", "decode"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    dump_dir = tempfile.mkdtemp(prefix="profile_hlo_")
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
+    import jax  # after XLA_FLAGS: the dump flags are read when the backend starts
+
+    call = workload(args.what)
+    call()  # compile
+    trace_dir = tempfile.mkdtemp(prefix="profile_trace_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            call()
+    print(top_ops(trace_dir, dump_dir, args.steps, args.top))
+
+
+if __name__ == "__main__":
+    main()
