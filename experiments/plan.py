@@ -96,49 +96,44 @@ def expert_exchange_rows(cfg: ModelConfig, tokens: int, experts_axis: int, capac
     return experts_axis * expert_parallel.capacity(m, experts_axis, capacity_factor)
 
 
-def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int]], *, experts_axis: int = 1,
-                     stages: int = 1) -> dict[str, int]:
-    """Estimate, bytes per device, for a step with per-layer rematerialisation (cfg.remat).
+def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int, bool]], *,
+                     experts_axis: int = 1, stages: int = 1) -> dict[str, int]:
+    """Estimate, bytes per device.
 
-    groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once):
-    outside a pipeline both token counts are the device's share of the batch; in the pipelined MoE
-    stack a stage saves every microbatch's input but works on one microbatch at a time.
-    - saved: each layer's input [tokens, D] in compute dtype, for every layer the device runs;
-    - working: the largest live set of one layer while it is recomputed and differentiated: q/k/v
-      of every head, attention probabilities [heads, T, T] per sequence (naive attention), and the
-      MoE's rows through [D + 3F] (x, gate, up, hidden) twice (fwd + bwd);
-    - expert-parallel buffers (experts_axis P > 1): the exchange's R = P * C rows (receive buffer,
-      its expert-sorted copy, results, return buffer: 4 x D) twice (fwd + bwd); dropless
-      C = M is the worst case (every peer sending all its rows to this device);
+    groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once,
+    MoE or dense): outside a pipeline both token counts are the device's share of the batch; in
+    the pipelined MoE stack a stage saves every microbatch's input but works on one at a time.
+    - residuals of one layer (what its backward needs): q/k/v of every head and the attention
+      probabilities [heads, T, T] per sequence (naive attention), ~8 fp32 [tokens, D] tensors
+      (norms, residual adds), and the FFN's rows: the dense MLP's [tokens, 3 x its width], or the
+      MoE's routed rows through [2 D + 3 F] (the rows and their expert-sorted copy; gate, up,
+      hidden). With expert parallelism the rows are the receive buffer's R = P * C, dropless
+      C = M being the worst case (every peer sending all its rows to this device);
+    - saved: each layer's input [tokens, D] with per-layer remat (cfg.remat), else its residuals;
+    - working set: one layer's residuals twice (recomputed, and their gradients);
+    - expert-parallel buffers (P > 1): the results' receive and return buffers, 2 x R x D;
     - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient;
     - pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
-    Without remat, `saved` grows by the working set (and exchange buffers) of every layer instead.
     """
     cb = jnp.dtype(cfg.compute_dtype).itemsize
     d, h, f = cfg.hidden_size, cfg.num_heads, cfg.moe_intermediate_size
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
 
-    def exchange(tokens: int) -> int:
-        if experts_axis <= 1:
-            return 0
-        return 2 * expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor) * 4 * d * cb
+    def rows(tokens: int) -> int:
+        return expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
 
-    def working(tokens: int) -> int:
+    def residuals(tokens: int, moe: bool) -> int:
         t = max(1, min(tokens, seq))
-        seqs = max(1, tokens // t)
-        attn = tokens * h * (2 * qk + cfg.v_head_dim) * cb + seqs * h * t * t * 4
-        rows = expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
-        moe = 2 * rows * (d + 3 * f) * cb
-        return attn + moe + 8 * tokens * d * 4
+        attn = tokens * h * (2 * cfg.qk_head_dim + cfg.v_head_dim) * cb + max(1, tokens // t) * h * t * t * 4
+        ffn = rows(tokens) * (2 * d + 3 * f) * cb if moe else tokens * 3 * cfg.intermediate_size * cb
+        return attn + ffn + 8 * tokens * d * 4
 
-    def per_layer(tokens: int) -> int:
-        return 0 if cfg.remat else working(tokens) + exchange(tokens)
-
-    saved = sum(n * (saved_tokens * d * cb + per_layer(live)) for n, saved_tokens, live in groups)
-    live = max(live for _, _, live in groups)
-    out = {"saved layer inputs": saved, "one layer working set": working(live)}
+    saved = sum(n * (saved_tokens * d * cb if cfg.remat else residuals(live, moe))
+                for n, saved_tokens, live, moe in groups if n)
+    live, moe = max((live, moe) for n, _, live, moe in groups if n)
+    out = {"saved layer inputs" if cfg.remat else "saved residuals": saved,
+           "one layer working set": 2 * residuals(live, moe)}
     if experts_axis > 1:
-        out["expert-parallel buffers"] = exchange(live)
+        out["expert-parallel buffers"] = 2 * rows(live) * d * cb
     out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
     if stages > 1:
         out["pipeline buffers"] = 2 * groups[-1][1] * d * cb
@@ -170,9 +165,10 @@ def plan(config) -> dict:
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
     acts = activation_bytes(cfg, seq, [
-        (cfg.num_dense_layers + cfg.num_mtp_layers, tokens_per_device, tokens_per_device),
+        (cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
+        (cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
         (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
-         stack_tokens // micro)], experts_axis=experts_axis, stages=stages)
+         stack_tokens // micro, True)], experts_axis=experts_axis, stages=stages)
     moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
                             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
@@ -194,18 +190,14 @@ def plan(config) -> dict:
               f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
               f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
         if _CHECK.value:
-            compiled = compiled_bytes(lowered)
-            print(f"compiled on this host: {compiled / GiB:.3f} GiB per device (arguments + outputs - aliased + "
-                  f"temporaries); plan / compiled = {total / compiled:.3f}")
+            m = lowered.compile().memory_analysis()
+            compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            print(f"compiled on this host: {compiled / GiB:.3f} GiB per device (arguments "
+                  f"{m.argument_size_in_bytes / GiB:.3f} + outputs {m.output_size_in_bytes / GiB:.3f} - aliased "
+                  f"{m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}); "
+                  f"plan / compiled = {total / compiled:.3f}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
-
-
-def compiled_bytes(lowered) -> int:
-    """XLA's per-device bytes for the compiled step: its buffers in, out (less those aliased to
-    inputs by donation) and its temporaries."""
-    m = lowered.compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 def _platform() -> str:

@@ -56,6 +56,24 @@ def is_active(mesh, expert_axis: str = "expert") -> bool:
     return mesh is not None and not mesh.empty and mesh.shape.get(expert_axis, 1) > 1
 
 
+def splits_tokens(mesh, token_axes: Sequence[str] = ("data", "fsdp", "expert")) -> bool:
+    """True when `mesh` splits tokens over any of `token_axes`."""
+    return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in token_axes)
+
+
+def token_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array,
+                   expert_weights: Sequence[jax.Array], dispatch_fn: Callable[..., jax.Array], *, mesh,
+                   token_axes: Sequence[str] = ("data", "fsdp", "expert")) -> jax.Array:
+    """`dispatch_fn(x, experts, weights, *expert_weights)` on each device's own tokens, with every
+    expert's weights whole (gathered, as FSDP gathers any weight). Without this, XLA's partitioner
+    gathers every device's routing to sort it globally, and each device computes the whole batch's
+    experts: P x the work on a data- or fsdp-split mesh."""
+    token_axes = tuple(a for a in token_axes if mesh.shape.get(a, 1) > 1)
+    tokens = P(token_axes, None)
+    return jax.shard_map(dispatch_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, *(P() for _ in expert_weights)),
+                         out_specs=tokens, check_vma=False)(x_NxD, experts_NxK, weights_NxK, *expert_weights)
+
+
 def capacity(rows: int, num_devices: int, capacity_factor: float | None) -> int:
     """Rows each device sends to each device: all of them (dropless) or cf * rows / P."""
     if capacity_factor is None:

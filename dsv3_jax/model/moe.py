@@ -72,8 +72,8 @@ class MoE(nnx.Module):
 
     def _routed(self, x_NxD: jax.Array, route: routing.Routing) -> tuple[jax.Array, jax.Array]:
         """Routed experts: all-to-all expert parallelism when the context mesh (`jax.set_mesh`)
-        splits experts over `expert`, the single-device dispatch otherwise. Same function when
-        dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs)."""
+        splits experts over `expert`, else the single-device dispatch on each device's tokens.
+        Same function when dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         weights = (self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt))
         impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
@@ -85,5 +85,8 @@ class MoE(nnx.Module):
                 num_experts=cfg.num_routed_experts, capacity_factor=cfg.expert_capacity_factor,
                 exchange=cfg.expert_exchange)
             return y, dropped.astype(jnp.float32)
-        return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *weights, impl=impl,
-                                       max_tile=cfg.moe_tile_size), jnp.float32(0)
+        dispatch_fn = functools.partial(dispatch.routed_experts, impl=impl, max_tile=cfg.moe_tile_size)
+        if expert_parallel.splits_tokens(mesh):  # each device sorts and computes its own tokens only
+            return expert_parallel.token_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, dispatch_fn,
+                                                  mesh=mesh), jnp.float32(0)
+        return dispatch_fn(x_NxD, route.experts_NxK, route.weights_NxK, *weights), jnp.float32(0)
