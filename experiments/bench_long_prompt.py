@@ -39,7 +39,7 @@ def worker(length: int, chunk: int, layers: int) -> dict:
     start = time.perf_counter()
     list(gen)
     seconds = time.perf_counter() - start
-    slots = gen.cache.moe.latent.shape[2]
+    slots = next(s for s in gen.cache if s is not None).latent.shape[2]
     cache_mb = cache_bytes_per_token(cfg, "float32") * cfg.num_layers * slots / 2**20
     return {"length": length, "before_mb": before, "peak_mb": _rss_mb(), "cache_mb": cache_mb,
             "seconds": seconds, "chunks": gen.stats.prefill_chunks}

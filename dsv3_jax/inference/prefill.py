@@ -33,7 +33,7 @@ def check_chunk(chunk: int) -> None:
 def plan(length: int, chunk: int) -> list[tuple[int, int]]:
     """(start, width) of each chunk covering positions 0 .. length - 1."""
     check_chunk(chunk)
-    full, rest = divmod(length, chunk)
+    full, rest = divmod(int(length), chunk)
     spans = [(i * chunk, chunk) for i in range(full)]
     if rest:
         spans.append((full * chunk, min(chunk, max(MIN_WIDTH, 1 << (rest - 1).bit_length()))))
