@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv3_jax.inference.cache import CACHE_DTYPES, init_cache
+from dsv3_jax.inference import init_cache, model_step, mtp_draft
 from dsv3_jax.inference import prefill as chunking
-from dsv3_jax.inference.decode import model_step, mtp_draft
+from dsv3_jax.inference.cache import CACHE_DTYPES
 from dsv3_jax.serving.sampling import RowSampling, sample_rows
 from dsv3_jax.serving.speculation import accept_rows
 
