@@ -48,8 +48,11 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: 
     # Fresh buffers for every leaf (the step donates its state and XLA refuses one buffer twice),
     # committed to the device like a restored state, so both lower to the same program.
     # Leaves already spread over a mesh (parameters loaded with `load_pretrained(mesh=...)`) stay there.
+    # Under tracing (eval_shape in experiments.plan) there is no placement to keep.
     def fresh(x):
         x = jnp.array(x)
-        return x if len(x.sharding.device_set) > 1 else jax.device_put(x, jax.local_devices()[0])
+        if isinstance(x, jax.core.Tracer) or len(x.sharding.device_set) > 1:
+            return x
+        return jax.device_put(x, jax.local_devices()[0])
 
     return graphdef, jax.tree.map(fresh, state)
