@@ -14,6 +14,7 @@ if that run fails or stalls too, and also on the overall `timeout`.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -148,3 +149,17 @@ def shrunk_tiny_config(**overrides):
 def shrunk_flags(prefix: str = "--config.model.", **overrides) -> list[str]:
     """The `SHRUNK` sizes (`overrides` win) as command-line overrides of an ml_collections config."""
     return [f"{prefix}{name}={value}" for name, value in {**SHRUNK, **overrides}.items()]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (servers and jax.distributed coordinators in tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_cluster(env: dict) -> dict:
+    """`env` without the JAX_* variables that would make a child join another cluster."""
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(key, None)
+    return env

@@ -2,7 +2,6 @@
 HTTP tests, started from a converted test checkpoint."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,16 +9,11 @@ import urllib.request
 
 import pytest
 
+from tests.helpers import free_port
 from tests.serving.checkpoint import make_served_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_BATCH, MAX_SEQ_LEN, MAX_QUEUE = 4, 128, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

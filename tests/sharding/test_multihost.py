@@ -2,27 +2,17 @@
 with 8 devices (issue acceptance 3)."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from sharding import multihost
-from tests.helpers import REPO, fake_device_env, run_module
+from tests.helpers import REPO, fake_device_env, free_port, run_module, without_cluster
 
 
 def _env():
-    env = fake_device_env()
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(key, None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return without_cluster(fake_device_env())
 
 
 def _result(stdout: str) -> dict:
@@ -39,7 +29,7 @@ def test_single_process_needs_no_initialize(monkeypatch):
 
 
 def test_two_processes_match_one_process_with_eight_devices():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tests.sharding.multihost_worker", str(port), "2"]
     procs = [subprocess.Popen(cmd + [str(pid)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for pid in range(2)]

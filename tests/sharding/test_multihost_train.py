@@ -5,13 +5,13 @@ with 8 devices, and resume together after both are killed (issue 12, acceptance 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.helpers import free_port, without_cluster
 from experiments.launch import local
 from tests.sharding import workers
 from tests.sharding.parity_worker import FAST_COMPILE
@@ -27,15 +27,7 @@ def _env(devices: int) -> dict:
     env = workers.fake_device_env(XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=900 "
                                   f"--xla_cpu_collective_timeout_seconds=900 "
                                   f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(key, None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return without_cluster(env)
 
 
 def _curve(workdir) -> list[tuple[int, float]]:
@@ -44,7 +36,7 @@ def _curve(workdir) -> list[tuple[int, float]]:
 
 
 def _start_pair(workdir, logs):
-    cmds = local.commands(2, [f"--workdir={workdir}", *COMMON, "--config.data.batch_size=4"], port=_free_port())
+    cmds = local.commands(2, [f"--workdir={workdir}", *COMMON, "--config.data.batch_size=4"], port=free_port())
     assert [c.env["JAX_PROCESS_ID"] for c in cmds] == ["0", "1"]
     return local.start(cmds, _env(4), cwd=workers.REPO, stdout=subprocess.DEVNULL, stderr=logs)
 
