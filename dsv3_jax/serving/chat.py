@@ -103,7 +103,8 @@ class ChatTokenizer:
         self.tokenizer = load_tokenizer(path)
         self.path = pathlib.Path(self.tokenizer.path)
         template = _read_template(self.path.parent / "tokenizer_config.json")
-        if template is None and self.path == BUNDLED_PATH:
+        # A copy of the bundled tokenizer (a training run exported with --to-hf) is the bundled one.
+        if template is None and self.path.read_bytes() == pathlib.Path(BUNDLED_PATH).read_bytes():
             template = BUNDLED_TEMPLATE
         self.template = template
         self.specials = {"bos_token": _token_text(self.tokenizer, self.tokenizer.bos_id),

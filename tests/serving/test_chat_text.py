@@ -1,5 +1,7 @@
 """Chat templates against HF transformers' own rendering; streaming text and stop strings."""
 
+import json
+
 import pytest
 
 from dsv3_jax.data import load_tokenizer
@@ -57,8 +59,17 @@ def test_bundled_tokenizer_uses_the_documented_template():
     assert text == "<|bos|>User: hi\n\nAssistant:"
 
 
-def test_no_template_is_a_clear_error(tmp_path):
+def test_a_copy_of_the_bundled_tokenizer_uses_its_template(tmp_path):
+    """A training run exported with --to-hf carries a copy of the bundled tokenizer.json."""
     (tmp_path / "tokenizer.json").write_bytes(BUNDLED_PATH.read_bytes())
+    text = ChatTokenizer(tmp_path / "tokenizer.json").render([{"role": "user", "content": "hi"}])
+    assert text == "<|bos|>User: hi\n\nAssistant:"
+
+
+def test_no_template_is_a_clear_error(tmp_path):
+    # Another tokenizer (same vocabulary, written differently) with no tokenizer_config.json.
+    other = json.loads(BUNDLED_PATH.read_text(encoding="utf-8"))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(other, indent=1), encoding="utf-8")
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ChatTokenizer(tmp_path / "tokenizer.json").render([{"role": "user", "content": "hi"}])
 
