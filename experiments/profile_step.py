@@ -23,7 +23,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-_SKIP = ("ThunkExecutor", "$", "PjitFunction", "Slinky", "while", "conditional", "call", "Execute")
+_SKIP = ("ThunkExecutor", "$", "PjitFunction", "Slinky", "while", "conditional", "cond.", "call", "Execute")
 
 
 def op_names(dump_dir: str) -> dict[tuple[str, str], str]:

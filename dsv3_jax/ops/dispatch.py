@@ -57,19 +57,29 @@ def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
 
 
 def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
-    m, num_experts = x_MxD.shape[0], rows.group_sizes_E.shape[0]
+    """Rows padded per expert to a multiple of the tile t, each tile through its expert's SwiGLU.
+
+    Sorted rows whose expert is E (the expert-parallel receive side's padding) belong to no expert:
+    they are in no tile and their outputs are zero. Tiles past the last expert's rows are skipped
+    at run time, so the work is sum_e ceil(size_e / t) tiles, not the static bound.
+    """
+    (m, d), num_experts = x_MxD.shape, rows.group_sizes_E.shape[0]
     t = tile_rows(m, num_experts, max_tile)
     num_tiles = -(-m // t) + min(num_experts, m)  # bound on sum_e ceil(size_e / t)
     padded_E = (rows.group_sizes_E + t - 1) // t * t
     padded_end_E = jnp.cumsum(padded_E)
     start_E = jnp.cumsum(rows.group_sizes_E) - rows.group_sizes_E
-    pos_M = padded_end_E[rows.expert_M] - padded_E[rows.expert_M] + jnp.arange(m) - start_E[rows.expert_M]
-    tile_expert_J = jnp.searchsorted(padded_end_E, jnp.arange(num_tiles) * t, side="right")
-    tile_expert_J = jnp.minimum(tile_expert_J, num_experts - 1).astype(jnp.int32)
+    expert_M = jnp.minimum(rows.expert_M, num_experts - 1)
+    pos_M = padded_end_E[expert_M] - padded_E[expert_M] + jnp.arange(m) - start_E[expert_M]
+    pos_M = jnp.where(rows.expert_M < num_experts, pos_M, num_tiles * t)  # no expert: out of every tile
+    first_row_J = jnp.arange(num_tiles) * t
+    tile_expert_J = jnp.minimum(jnp.searchsorted(padded_end_E, first_row_J, side="right"), num_experts - 1)
+    active_J = first_row_J < padded_end_E[-1]
 
-    x_JxtxD = jnp.zeros((num_tiles * t, x_MxD.shape[1]), x_MxD.dtype).at[pos_M].set(x_MxD)
-    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, -1), tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    return y_JxtxD.reshape(num_tiles * t, -1)[pos_M]
+    x_JxtxD = jnp.zeros((num_tiles * t, d), x_MxD.dtype).at[pos_M].set(x_MxD, mode="drop")
+    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), active_J,
+                               w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
 def _at(w_ExAxB, e):
@@ -84,52 +94,68 @@ def _mm(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
+def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
+    """One row tile through one expert's SwiGLU: (y [t, D], gate [t, F], up [t, F]), the unit of
+    work of `tile_loop_swiglu` (gate and up are what its backward needs)."""
+    dt = x_txD.dtype
+    gate, up = _mm("tD,DF->tF", x_txD, w1_DxF).astype(dt), _mm("tD,DF->tF", x_txD, w3_DxF).astype(dt)
+    return _mm("tF,FD->tD", _swiglu(gate, up), w2_FxD).astype(dt), gate, up
+
+
 @jax.custom_vjp
-def tile_loop_swiglu(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+def tile_loop_swiglu(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
 
-    Each step reads its expert's weights in place (no [J, D, F] copy of them) and the backward
-    adds each tile's weight gradient into its expert's slot of one [E, D, F] buffer, so memory
-    follows the rows, not tiles x weights.
+    Tiles with active_J False are skipped (a `lax.cond`: no work, zero output), forward and
+    backward. Each step reads its expert's weights in place (no [J, D, F] copy of them) and the
+    backward adds each tile's weight gradient into its expert's slot of one [E, D, F] buffer, so
+    memory follows the rows, not tiles x weights.
     """
-    return _tile_loop_fwd(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)[0]
+    return _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)[0]
 
 
-def _tile_loop_fwd(x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
-    dt = x_JxtxD.dtype
+def _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[2]
 
     def tile(_, xs):
-        x_txD, e = xs
-        gate, up = (_mm("tD,DF->tF", x_txD, _at(w, e)).astype(dt) for w in (w1_ExDxF, w3_ExDxF))
-        y_txD = _mm("tF,FD->tD", _swiglu(gate, up), _at(w2_ExFxD, e)).astype(dt)
-        return None, (y_txD, gate, up)
+        x_txD, e, active = xs
+        skipped = (jnp.zeros((t, d), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype))
+        return None, jax.lax.cond(active, lambda: _tile_swiglu(x_txD, _at(w1_ExDxF, e), _at(w3_ExDxF, e),
+                                                                _at(w2_ExFxD, e)), lambda: skipped)
 
-    _, (y_JxtxD, gate_JxtxF, up_JxtxF) = jax.lax.scan(tile, None, (x_JxtxD, tile_expert_J))
-    return y_JxtxD, (x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF)
+    _, (y_JxtxD, gate_JxtxF, up_JxtxF) = jax.lax.scan(tile, None, (x_JxtxD, tile_expert_J, active_J))
+    return y_JxtxD, (x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF)
+
+
+def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD):
+    """One tile's backward: (dx [t, D], dw1 [D, F], dw3 [D, F], dw2 [F, D]), fp32 weight grads."""
+    dt = x.dtype
+    gate32 = gate.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate32)
+    act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
+    dh = _mm("tD,FD->tF", dy, w2_FxD)
+    dup = (dh * act.astype(jnp.float32)).astype(dt)
+    dgate = (dh * up.astype(jnp.float32) * sig * (1 + gate32 * (1 - sig))).astype(dt)
+    dx = _mm("tF,DF->tD", dgate, w1_DxF) + _mm("tF,DF->tD", dup, w3_DxF)
+    return dx.astype(dt), _mm("tD,tF->DF", x, dgate), _mm("tD,tF->DF", x, dup), _mm("tF,tD->FD", act * up, dy)
 
 
 def _tile_loop_bwd(res, dy_JxtxD):
-    x_JxtxD, tile_expert_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF = res
-    dt = x_JxtxD.dtype
+    x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF = res
+    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[2]
 
     def tile(dw, xs):
-        dw1, dw3, dw2 = dw
-        x, e, gate, up, dy = xs
-        gate32 = gate.astype(jnp.float32)
-        sig = jax.nn.sigmoid(gate32)
-        act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
-        dh = _mm("tD,FD->tF", dy, _at(w2_ExFxD, e))
-        dup = dh * act.astype(jnp.float32)
-        dgate = dh * up.astype(jnp.float32) * sig * (1 + gate32 * (1 - sig))
-        dgate, dup = dgate.astype(dt), dup.astype(dt)
-        dx = _mm("tF,DF->tD", dgate, _at(w1_ExDxF, e)) + _mm("tF,DF->tD", dup, _at(w3_ExDxF, e))
-        dw = (_add_at(dw1, e, _mm("tD,tF->DF", x, dgate)), _add_at(dw3, e, _mm("tD,tF->DF", x, dup)),
-              _add_at(dw2, e, _mm("tF,tD->FD", act * up, dy)))
-        return dw, dx.astype(dt)
+        x, e, active, gate, up, dy = xs
+        skipped = (jnp.zeros((t, d), x.dtype), jnp.zeros((d, f), jnp.float32), jnp.zeros((d, f), jnp.float32),
+                   jnp.zeros((f, d), jnp.float32))
+        dx, g1, g3, g2 = jax.lax.cond(active, lambda: _tile_grads(x, gate, up, dy, _at(w1_ExDxF, e), _at(w3_ExDxF, e),
+                                                                  _at(w2_ExFxD, e)), lambda: skipped)
+        return (_add_at(dw[0], e, g1), _add_at(dw[1], e, g3), _add_at(dw[2], e, g2)), dx
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
-    (dw1, dw3, dw2), dx_JxtxD = jax.lax.scan(tile, zeros, (x_JxtxD, tile_expert_J, gate_JxtxF, up_JxtxF, dy_JxtxD))
-    return (dx_JxtxD, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype))
+    (dw1, dw3, dw2), dx_JxtxD = jax.lax.scan(tile, zeros, (x_JxtxD, tile_expert_J, active_J, gate_JxtxF, up_JxtxF,
+                                                           dy_JxtxD))
+    return (dx_JxtxD, None, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype))
 
 
 tile_loop_swiglu.defvjp(_tile_loop_fwd, _tile_loop_bwd)
@@ -188,49 +214,6 @@ def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Ar
     return out.astype(x_NxD.dtype)
 
 
-def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
-    """One row tile through one expert's SwiGLU (the unit of work of `_active_tiles_mlp`)."""
-    def mm(lhs, w):
-        return jnp.einsum("tD,DF->tF", lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
-
-    return mm(_swiglu(mm(x_txD, w1_DxF), mm(x_txD, w3_DxF)), w2_FxD)
-
-
-def _active_tiles_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
-    """The tiled grouped SwiGLU computing only tiles that hold rows: sorted rows past sum(sizes_E)
-    belong to no expert and cost nothing. The tile count is static (a buffer sized for the worst
-    case), so each tile is a `lax.cond` in a scan: an empty tile is skipped at run time, forward
-    and backward, and the work follows the rows received, not the buffer."""
-    (m, d), e = x_MxD.shape, sizes_E.shape[0]
-    t = tile_rows(m, e, max_tile)
-    num_tiles = -(-m // t) + min(e, m)  # bound on sum_e ceil(size_e / t)
-    tiles_E = (sizes_E + t - 1) // t
-    first_tile_E = jnp.cumsum(tiles_E) - tiles_E
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    j = jnp.arange(num_tiles)
-    expert_J = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), j, side="right"), e - 1)
-    within_J = j - first_tile_E[expert_J]  # tile index inside its expert's rows
-    active_J = within_J < tiles_E[expert_J]
-    first_J = start_E[expert_J] + within_J * t  # first sorted row of tile j
-    x_pad = jnp.concatenate([x_MxD, jnp.zeros((t, d), x_MxD.dtype)])  # a last tile may run past M
-
-    def tile(_, tile_j):
-        expert, first, active = tile_j
-        return None, jax.lax.cond(
-            active, lambda: _tile_swiglu(jax.lax.dynamic_slice_in_dim(x_pad, first, t), w1_ExDxF[expert],
-                                         w3_ExDxF[expert], w2_ExFxD[expert]),
-            lambda: jnp.zeros((t, d), x_MxD.dtype))
-
-    _, y_JxtxD = jax.lax.scan(tile, None, (expert_J, first_J, active_J))
-    # sorted row r of expert e sits in tile first_tile_E[e] + (r - start_E[e]) // t, at row (r - start_E[e]) % t
-    row = jnp.arange(m)
-    expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), row, side="right"), e - 1)
-    offset_M = row - start_E[expert_M]
-    y_MxD = y_JxtxD.reshape(num_tiles * t, d).at[(first_tile_E[expert_M] + offset_M // t) * t + offset_M % t].get(
-        mode="fill", fill_value=0)
-    return jnp.where((row < jnp.sum(sizes_E))[:, None], y_MxD, 0)
-
-
 def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,
                      w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
                      max_tile: int = 128) -> jax.Array:
@@ -238,7 +221,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
 
     Rows with `valid_R` False are padding from the all-to-all. They sort after every expert's rows
     and belong to no group (excluded from the group sizes), so the grouped matmuls (`ragged_dot`,
-    the fp8 kernel, the active-tile loop) never compute them; their outputs are zero. `auto`
+    the fp8 kernel, the tile loop) never compute them; their outputs are zero. `auto`
     follows the platform the program is lowered for: the tiled loop on CPU, `ragged_dot` elsewhere.
     """
     e = w1_ExDxF.shape[0]
@@ -247,7 +230,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
     weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
 
     def tiled():
-        return _active_tiles_mlp(x_MxD, rows.group_sizes_E, *weights, max_tile)
+        return _tiled_mlp(x_MxD, rows, *weights, max_tile)
 
     def ragged():
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights)
