@@ -29,192 +29,21 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:  # run as a script (the --baseline worker) as well as with -m
     sys.path.append(_ROOT)
 
-ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                    num_layers=4, num_dense_layers=1, num_heads=4, q_lora_rank=128, kv_lora_rank=64,
-                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_routed_experts=16,
-                    num_shared_experts=1, num_experts_per_token=2, num_expert_groups=4, num_groups_per_token=2,
-                    num_mtp_layers=0, yarn=None, max_position_embeddings=8192, param_dtype="float32",
-                    compute_dtype="float32", initializer_range=0.02)
 
+def workers():
+    """experiments/bench_workers.py, loaded by path (a --baseline tree on sys.path has its own
+    `experiments` package, which may not have it)."""
+    import importlib.util
 
-def model_config(name: str, experts: int | None = None):
-    from dsv3_jax import ModelConfig
-
-    if name == "issue":
-        fields = dict(ISSUE_CONFIG)
-        if experts:
-            fields["num_routed_experts"] = experts
-        return ModelConfig(**fields)
-    from experiments.configs import small
-
-    return ModelConfig.from_dict(dict(small.get_config().model.to_dict(), compute_dtype="float32", num_mtp_layers=0))
-
-
-# ----------------------------------------------------------------------------------- workers
-def _timed_steps(run_step, steps: int) -> tuple[float, list[float]]:
-    start = time.perf_counter()
-    run_step()
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        run_step()
-        times.append(time.perf_counter() - start)
-    return first, times
-
-
-def jax_train_workload(name, experts, batch, seq):
-    """A callable running one train step (fwd + bwd + clipped AdamW) on a fixed random batch."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dsv3_jax import DeepSeekV3
-    from dsv3_jax.train import optimizer as optimizer_lib, state as state_lib, step as step_lib
-    from experiments.configs.base import base_config
-
-    cfg = model_config(name, experts)
-    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
-    opt = base_config().optimizer
-    _, params, _ = state_lib.split_model(model)
-    tx = optimizer_lib.make_optimizer(opt, 1000, optimizer_lib.decay_mask(params))
-    graphdef, state = state_lib.init_train_state(model, tx, 0)
-    train_step = step_lib.make_train_step(graphdef, tx, optimizer_lib.make_schedule(opt, 1000), mtp_weight=0.3,
-                                          balance_weight=1e-4, bias_update_speed=1e-3)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
-    data = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
-            "positions": jnp.broadcast_to(jnp.arange(seq + 1, dtype=jnp.int32), tokens.shape)}
-    holder = [state]
-
-    def run_step():
-        holder[0], metrics = train_step(holder[0], data)
-        jax.block_until_ready(metrics["loss"])
-
-    return run_step
-
-
-def jax_train(name, experts, batch, seq, steps):
-    first, times = _timed_steps(jax_train_workload(name, experts, batch, seq), steps)
-    return {"first_step_s": first, "step_s": times, "peak": jax_peak()}
-
-
-def hf_model(cfg):
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg.to_hf_config())).float()
-
-
-def hf_train(name, experts, batch, seq, steps):
-    import torch
-
-    cfg = model_config(name, experts)
-    model = hf_model(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-    def run_step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    first, times = _timed_steps(run_step, steps)
-    return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
-
-
-def jax_decode_workload(prompt, batch, new_tokens):
-    """A callable: greedy `generate` of `new_tokens` (default) after random prompts; returns seconds."""
-    import jax
-    from flax import nnx
-
-    from dsv3_jax import DeepSeekV3
-    from dsv3_jax.inference import generate
-
-    model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
-    prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
-
-    def run(n=new_tokens):
-        start = time.perf_counter()
-        jax.block_until_ready(generate(model, prompts, n))
-        return time.perf_counter() - start
-
-    return run
-
-
-def jax_decode(prompt, batch, new_tokens):
-    run = jax_decode_workload(prompt, batch, new_tokens)
-    compile_s = run(new_tokens)
-    return {"compile_s": compile_s, "short_s": run(1), "long_s": run(new_tokens)}
-
-
-def hf_decode(prompt, batch, new_tokens):
-    import torch
-
-    model = hf_model(model_config("issue")).eval()
-    ids = torch.randint(0, 4096, (batch, prompt), generator=torch.Generator().manual_seed(1))
-
-    def run(n):
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
-
-    return {"compile_s": run(2), "short_s": run(1), "long_s": run(new_tokens)}
-
-
-def jax_trainer(steps):
-    """experiments.train end to end on the issue config and the bundled corpus: mean step time of
-    each logging window of `steps` steps after the first (which compiles)."""
-    from experiments import train
-    from experiments.configs import tiny
-
-    config = tiny.get_config()
-    with config.unlocked():
-        config.model.update({k: v for k, v in ISSUE_CONFIG.items() if k != "yarn"})
-        config.model.yarn = None
-        config.data.seq_len, config.data.batch_size = 256, 8
-        config.train.update(steps=3 * steps, log_every=steps, eval_every=0, checkpoint_every=10**9, compilation_cache="",
-                            workdir=tempfile.mkdtemp(prefix="bench_trainer_"))
-    records = train.train(config)
-    return {"step_s": [8 * 256 / r["tokens_per_sec"] for r in records[1:]]}
-
-
-def jax_peak(n: int = 2048) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    mm(a).block_until_ready()
-    return 2.0 * n**3 / min(_once(lambda: mm(a).block_until_ready()) for _ in range(5))
-
-
-def torch_peak(n: int = 2048) -> float:
-    import torch
-
-    a = torch.ones((n, n))
-    return 2.0 * n**3 / min(_once(lambda: a @ a) for _ in range(5))
-
-
-def _once(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-WORKERS = {"jax_train": jax_train, "hf_train": hf_train, "jax_decode": jax_decode, "hf_decode": hf_decode,
-           "jax_trainer": jax_trainer}
+    spec = importlib.util.spec_from_file_location("dsv3_bench_workers", os.path.join(_HERE, "bench_workers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -305,7 +134,7 @@ def summarize(results: dict, args) -> dict:
             row.update(step_s=step, tokens_per_s=tokens / step)
             if "first_step_s" in ok[0]:
                 row["compile_s"] = ok[0]["first_step_s"] - step
-                cfg = model_config(kw["name"], kw["experts"])
+                cfg = workers().model_config(kw["name"], kw["experts"])
                 row["mfu"] = flops_per_token(cfg, kw["seq"]) * tokens / step / peak
         table[f"{measure} | {fw}"] = row
     return {"peak_flops": peak, "rows": table}
@@ -398,7 +227,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.worker:
         fn, kwargs = json.loads(args.worker)
-        print("BENCH_RESULT " + json.dumps(WORKERS[fn](**kwargs)), flush=True)
+        print("BENCH_RESULT " + json.dumps(workers().WORKERS[fn](**kwargs)), flush=True)
         return
     args.no_hf = args.no_hf or not _has_torch()
     meta, results, jobs = machine(), {}, plan(args)

@@ -68,7 +68,7 @@ def workload(what: str):
     """A callable running one train step, or one greedy generate of 16 tokens after a 4K prompt."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("dsv3_bench", os.path.join(_ROOT, "experiments", "bench.py"))
+    spec = importlib.util.spec_from_file_location("dsv3_bench_workers", os.path.join(_ROOT, "experiments", "bench_workers.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench.jax_train_workload("issue", None, 8, 256) if what == "train" else bench.jax_decode_workload(4096, 1, 17)
