@@ -101,10 +101,6 @@ class ModelConfig:
     expert_capacity_factor: float | None = None
     expert_exchange: str = "auto"  # auto: ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
     remat: bool = False  # rematerialise each layer in the backward pass
-    # Layers per step of the layer scan. 0 = auto: a stack of <= 4 layers is unrolled whole (no
-    # stacked [L, ...] buffers for its saved activations, each zero-filled and written per layer),
-    # deeper stacks are scanned one layer per step (compile time flat in depth).
-    layer_unroll: int = 0
     # Microbatches of the pipeline schedule when the mesh has pipeline > 1 (0: the fewest that keep
     # the bubble (S - 1) / (M + S - 1) <= 0.2, as far as the batch divides; sharding/pipeline.py).
     pipeline_microbatches: int = 0
@@ -171,12 +167,6 @@ class ModelConfig:
             d["yarn"] = YarnConfig(**d["yarn"])
         return cls(**d)
 
-    def scan_unroll(self, num_layers: int) -> int:
-        """Layers per scan step for a stack of `num_layers` (`layer_unroll`, 0 = auto)."""
-        if self.layer_unroll:
-            return min(self.layer_unroll, num_layers)
-        return num_layers if num_layers <= 4 else 1
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -192,7 +182,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches", "layer_unroll"):
+        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative int, got {value!r}")

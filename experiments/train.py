@@ -104,7 +104,7 @@ def model_config(config) -> ModelConfig:
 
 
 # Fields of config.model that say how to run a model rather than what it is.
-_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul", "remat", "layer_unroll")
+_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul", "remat")
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:

@@ -56,9 +56,8 @@ class Block(nnx.Module):
         return (x + y, stats) if cache is None else (x + y, stats, entries)
 
 
-def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None,
-              unroll: int = 1):
-    """Runs layer-stacked blocks with one scan (compile time flat in depth), `unroll` layers a step.
+def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None):
+    """Runs layer-stacked blocks with one scan (compile time flat in depth).
 
     Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): with a
     stacked `cache` [L, B, S, ...] it rides in the carry and each layer's entries are written in
@@ -80,7 +79,7 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
 
     if remat:
         body = nnx.remat(body)
-    x, stats = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=True)(x_BxTxD, blocks)
+    x, stats = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_BxTxD, blocks)
     return x, stats, None
 
 

@@ -116,16 +116,14 @@ class DeepSeekV3(nnx.Module):
         dense, moe = (None, None) if cache is None else (cache.dense, cache.moe)
         x, stats = emb, None
         if self.dense_layers is not None:
-            x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense,
-                                    unroll=cfg.scan_unroll(cfg.num_dense_layers))
+            x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense)
         if self.moe_layers is not None:
             mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
             if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
                 x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
                                                microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats)
             else:
-                x, stats, moe = run_stack(self.moe_layers, x, ctx, remat=cfg.remat, cache=moe,
-                                          unroll=cfg.scan_unroll(cfg.num_moe_layers))
+                x, stats, moe = run_stack(self.moe_layers, x, ctx, remat=cfg.remat, cache=moe)
         h = self.norm(x)
         mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:

@@ -47,7 +47,6 @@ def get_config() -> ml_collections.ConfigDict:
         expert_capacity_factor=ml_collections.config_dict.placeholder(float),  # None: dropless; cf x the rows
         expert_exchange="auto",  # ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
         remat=True,  # keeps one layer's activations: batch 8 x 1024 trains in ~15 GB (without: ~23 GB)
-        layer_unroll=0,  # layers per scan step; 0 = auto (stacks of <= 4 layers unrolled)
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)
     ))

@@ -102,8 +102,7 @@ def tiled_loss_and_grads():
     return _loss_and_grads(CFG.replace(moe_impl="tiled"), _tokens(2, 8))
 
 
-@pytest.mark.parametrize("overrides", [dict(moe_impl="dense"), dict(moe_impl="ragged"), dict(remat=True),
-                                       dict(layer_unroll=1)])
+@pytest.mark.parametrize("overrides", [dict(moe_impl="dense"), dict(moe_impl="ragged"), dict(remat=True)])
 def test_switches_do_not_change_numbers(overrides, tiled_loss_and_grads):
     ref_l, ref_g = tiled_loss_and_grads
     alt_l, alt_g = _loss_and_grads(CFG.replace(**overrides), _tokens(2, 8))
