@@ -15,9 +15,9 @@ load (peak RSS against peak RSS); the 8-device load below 1.3 x the model's byte
 What the load itself may not exceed is what the devices must hold plus one block of staging. On
 fake CPU devices the shards live in host RAM, and on the fsdp=2 x expert=4 mesh every non-expert
 parameter is split over fsdp only, so it is held 4 times (once per expert rank): the devices hold
-`device_bytes` = 1.16 x the model's bytes for the bf16 1 GB folder, inherent to the mesh. The
-rest, peak - before - device_bytes, is the staging: one device block being read, plus the MTP
-copy comparison's 8 MB row blocks; it is printed too and stays a few percent.
+`device_bytes` = 1.16 x the model's bytes for the bf16 1 GB folder (1.13 x for the FP8 one),
+inherent to the mesh. The rest, peak - before - device_bytes, is the staging: one device block
+being read, plus the MTP copy comparison's 8 MB row blocks; it is printed too (0.02 x here).
 
     python -m experiments.bench_load worker HF_DIR OUT MODE [PORT PROCESS_ID]
 
