@@ -1,8 +1,8 @@
 """Expert parallelism end to end: `experiments.train` on 8 fake CPU devices with `mesh.expert=8`
 against one device, same config and steps, for this checkout and (optionally) an older one.
 
-    git archive main | tar -x -C /tmp/before       # the code before, outside this checkout
-    python -m experiments.bench_expert_parallel --before /tmp/before [--steps 25]
+    git archive 2eac503^ | tar -x -C /tmp/before   # the code before the receive side computed only
+    python -m experiments.bench_expert_parallel --before /tmp/before [--steps 25] [--rounds 2]
 
 Runs alternate (before 1 device, before 8 devices, after 1, after 8, then the same again per
 `--rounds`), each in its own process; tokens/s is the median over the logged windows after the
@@ -13,7 +13,9 @@ work; one that computes the rows it received does the routed work.
 
 Also printed, from the config (no run needed): the receive buffer per device, P*C rows of D in
 the compute dtype, dropless (C = M, every row of every peer) and with a capacity factor, and the
-rows a device's grouped matmul runs through its experts per MoE layer, before and after.
+rows a device's grouped matmul runs through its experts per MoE layer, before and after
+(before: every buffer row; after: the rows received, ~M under balanced routing, each expert's group
+rounded up to the tile). The table is printed last.
 """
 
 from __future__ import annotations
@@ -59,33 +61,68 @@ def train_tokens_per_sec(code: str, devices: int, args, *extra: str) -> tuple[fl
     return statistics.median(r["tokens_per_sec"] for r in records[1:]), records[-1]
 
 
-def buffer_report(args) -> None:
+def buffer_rows(args) -> dict:
+    """Per device and MoE layer, from the config: M, the receive buffer and the rows computed."""
     sys.path.insert(0, REPO)
     import importlib.util
 
     import numpy as np
 
+    from dsv3_jax.ops import dispatch
     from sharding import expert_parallel
     spec = importlib.util.spec_from_file_location("bench_config", os.path.join(REPO, args.config))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config()
-    tokens = c.data.batch_size * c.data.seq_len // P
-    m = tokens * c.model.num_experts_per_token
-    row_bytes = c.model.hidden_size * np.dtype(c.model.compute_dtype).itemsize
-    print(f"per device: {tokens} tokens x top-{c.model.num_experts_per_token} = M = {m} (token, expert) rows; "
-          f"expert={P}; D = {c.model.hidden_size} in {c.model.compute_dtype}")
-    for name, cf in (("dropless", None), (f"capacity factor {args.capacity_factor}", args.capacity_factor)):
-        r = P * expert_parallel.capacity(m, P, cf)
-        print(f"  receive buffer, {name:<22} {r:>7} rows  {r * row_bytes / MiB:8.3f} MiB per MoE layer "
-              f"(x2 with the results' return buffer)")
-    print(f"  rows through the experts per MoE layer: before {P * m} (the whole dropless buffer), "
-          f"after ~{m} on average (the rows received, rounded up to the tile per expert)")
+    m = c.data.batch_size * c.data.seq_len // P * c.model.num_experts_per_token
+    local_experts = c.model.num_routed_experts // P
+    r = {"m": m, "row_bytes": c.model.hidden_size * np.dtype(c.model.compute_dtype).itemsize,
+         "what": f"{c.data.batch_size * c.data.seq_len // P} tokens x top-{c.model.num_experts_per_token} = "
+                 f"M = {m} rows per device; E/P = {local_experts} local experts; D = {c.model.hidden_size} "
+                 f"in {c.model.compute_dtype}"}
+    for name, cf in (("dropless", None), ("cf", args.capacity_factor)):
+        buffer = P * expert_parallel.capacity(m, P, cf)
+        # after: the rows received (M on average under balanced routing; the whole buffer when
+        # every peer routes all its rows here), each local expert's group rounded up to the tile
+        tile = dispatch.tile_rows(buffer, local_experts, c.model.moe_tile_size)
+        r[name] = {"buffer": buffer, "before": f"{buffer}",
+                   "after": f"~{min(buffer, m)} + <= {local_experts * tile} tile rounding"}
+    return r
+
+
+def print_table(args, rows: dict, tps: dict, cf_run: tuple[float, dict] | None) -> None:
+    """The issue's table: tokens/s ratio before and after, buffer bytes and rows per device."""
+    def cell(name, devices):
+        return f"{statistics.median(tps[(name, devices)]):.1f}" if (name, devices) in tps else "-"
+
+    def ratio(name):
+        if (name, 1) not in tps:
+            return "-"
+        return f"{statistics.median(tps[(name, P)]) / statistics.median(tps[(name, 1)]):.3f}"
+
+    cf = args.capacity_factor
+    lines = [("train tokens/s, 1 device", cell("before", 1), cell("after", 1)),
+             (f"train tokens/s, {P} devices (expert={P})", cell("before", P), cell("after", P)),
+             (f"ratio {P} devices / 1 device", ratio("before"), ratio("after"))]
+    if cf_run:
+        lines.append((f"train tokens/s, {P} devices, cf {cf:g}", "-", f"{cf_run[0]:.1f} "
+                      f"(dropped {cf_run[1]['dropped_fraction']:.4f})"))
+    for name, label in (("dropless", "dropless"), ("cf", f"cf {cf:g}")):
+        b = rows[name]["buffer"]
+        mib = f"{b} rows, {b * rows['row_bytes'] / MiB:.3f} MiB"
+        lines.append((f"receive buffer per device, {label}", mib, mib))
+        lines.append((f"rows computed per MoE layer per device, {label}", rows[name]["before"],
+                      rows[name]["after"]))
+    print(f"\n{rows['what']}; buffer bytes are per MoE layer, x2 with the results' return buffer")
+    width = max(len(k) for k, _, _ in lines)
+    print(f"{'':<{width}}  {'before':>24}  {'after':>32}")
+    for k, before, after in lines:
+        print(f"{k:<{width}}  {before:>24}  {after:>32}")
 
 
 def main() -> None:
     args = _parse()
-    buffer_report(args)
+    rows = buffer_rows(args)
     codes = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", REPO)]
     results: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
@@ -94,14 +131,10 @@ def main() -> None:
                 tps, _ = train_tokens_per_sec(code, devices, args)
                 results.setdefault((name, devices), []).append(tps)
                 print(f"  {name:<6} {devices} device(s): {tps:9.1f} tokens/s", flush=True)
-    print(f"\n{'code':<8}{'1 device':>12}{'8 devices':>12}{'8 / 1':>9}   (train tokens/s, medians)")
-    for name, _ in codes:
-        one, eight = statistics.median(results[(name, 1)]), statistics.median(results[(name, P)])
-        print(f"{name:<8}{one:>12.1f}{eight:>12.1f}{eight / one:>9.3f}")
+    cf_run = None
     if args.capacity_factor:
-        tps, last = train_tokens_per_sec(REPO, P, args, f"--config.model.expert_capacity_factor={args.capacity_factor}")
-        print(f"after, 8 devices, capacity factor {args.capacity_factor}: {tps:.1f} tokens/s, "
-              f"dropped_fraction at the last step {last['dropped_fraction']:.4f}")
+        cf_run = train_tokens_per_sec(REPO, P, args, f"--config.model.expert_capacity_factor={args.capacity_factor}")
+    print_table(args, rows, results, cf_run)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,24 @@ def scale_window(rows: slice, cols: slice, block: int = BLOCK) -> tuple[slice, s
     return (slice(rows.start // block, -(-rows.stop // block)), slice(cols.start // block, -(-cols.stop // block)))
 
 
+def dequantize_window(read_q, read_s, rows: slice, cols: slice, dtype, scratch_bytes: int = 64 << 20) -> np.ndarray:
+    """q[rows, cols] dequantised into a new `dtype` array, with at most `scratch_bytes` of float32
+    at a time (row blocks aligned to the 128-row scale blocks, so each scale row is read once):
+    a window of a [18432, 7168] tensor costs its bf16 bytes, not twice that in float32 as well.
+    `read_q(rows, cols)` gives the e4m3 window, `read_s(rows, cols)` a window of `scale_inv`;
+    `rows` and `cols` have start and stop set."""
+    out = np.empty((rows.stop - rows.start, cols.stop - cols.start), dtype)
+    step = max(1, scratch_bytes // (4 * max(out.shape[1], 1)) // BLOCK) * BLOCK
+    r0 = rows.start
+    while r0 < rows.stop:
+        r1 = min(rows.stop, (r0 // step + 1) * step)
+        rs, cs = scale_window(slice(r0, r1), cols)
+        out[r0 - rows.start:r1 - rows.start] = dequantize(read_q(slice(r0, r1), cols), read_s(rs, cs),
+                                                          row0=r0, col0=cols.start)
+        r0 = r1
+    return out
+
+
 def quantize(w: np.ndarray, *, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] -> (e4m3 [out, in], fp32 scale_inv [ceil(out/128), ceil(in/128)]), DeepSeek recipe:
     scale = max(amax over the block's valid elements, 1e-4) / 448."""

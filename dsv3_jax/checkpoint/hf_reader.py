@@ -31,7 +31,8 @@ from dsv3_jax.checkpoint.safetensors_io import CheckpointError, HFCheckpoint
 from dsv3_jax.config import ModelConfig
 
 FLOATS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
-ROW_BLOCK_BYTES = 64 << 20  # rows read at once when comparing or converting whole tensors
+ROW_BLOCK_BYTES = 64 << 20  # rows read at once when converting whole tensors
+COMPARE_BLOCK_BYTES = 8 << 20  # rows of each MTP copy and its main tensor compared at once (float32)
 
 
 def scale_name(name: str) -> str:
@@ -132,7 +133,7 @@ class HFReader:
         for copy, main in pairs:
             shape = self.ckpt.header(main)[0]
             same = True
-            for r0, r1 in row_blocks(shape[0], math.prod(shape[1:]) * 4):
+            for r0, r1 in row_blocks(shape[0], math.prod(shape[1:]) * 4, COMPARE_BLOCK_BYTES):
                 a = self.window(copy, slice(r0, r1))
                 b = self.window(main, slice(r0, r1))
                 same = same and np.array_equal(a, b)
@@ -148,17 +149,18 @@ class HFReader:
         mapped, and for FP8 only the scale blocks covering the window are read."""
         shape, stored, _ = self.ckpt.header(name)
         rows = _bounded(rows, shape[0])
-        x = self.ckpt.read_rows(name, rows.start, rows.stop)
-        if len(shape) == 2:
-            cols = _bounded(cols, shape[1])
-            x = x[:, cols]
-        self.bytes_read += x.nbytes
+        cols = _bounded(cols, shape[1]) if len(shape) == 2 else None
         if stored != fp8.E4M3:
-            return x.astype(dtype)
-        rs, cs = fp8.scale_window(rows, cols)
-        s = np.array(self.ckpt.read_rows(scale_name(name), rs.start, rs.stop)[:, cs])
-        self.bytes_read += s.nbytes
-        return fp8.dequantize(x, s, row0=rows.start, col0=cols.start).astype(dtype)
+            return self._read(name, rows, cols).astype(dtype)
+        return fp8.dequantize_window(lambda r, c: self._read(name, r, c),
+                                     lambda r, c: self._read(scale_name(name), r, c), rows, cols, dtype)
+
+    def _read(self, name: str, rows: slice, cols: slice | None) -> np.ndarray:
+        """A memory-mapped view of tensor[rows, cols] (nothing copied yet), counted in `bytes_read`."""
+        x = self.ckpt.read_rows(name, rows.start, rows.stop)
+        x = x[:, cols] if cols is not None else x
+        self.bytes_read += x.nbytes
+        return x
 
     def leaf_window(self, leaf: hf_names.Leaf, dtype) -> Callable:
         """`window` for `read_shard`: (stack index, rows, cols) -> that HF tensor's window."""

@@ -152,10 +152,9 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
 
         def window(stack, rows, cols, q_arr=q_arr, s_arr=s_arr, target=target):
             rows, cols = (slice(*r.indices(n)[:2]) for r, n in zip((rows, cols), q_arr.shape[len(stack):]))
-            rs, cs = fp8.scale_window(rows, cols)
-            q = np.asarray(q_arr[stack + (rows, cols)].read().result())
-            s = np.asarray(s_arr[stack + (rs, cs)].read().result())
-            return fp8.dequantize(q, s, row0=rows.start, col0=cols.start).astype(target)
+            return fp8.dequantize_window(lambda r, c: np.asarray(q_arr[stack + (r, c)].read().result()),
+                                         lambda r, c: np.asarray(s_arr[stack + (r, c)].read().result()),
+                                         rows, cols, target)
 
         var.set_value(build_array(var.shape, target, place(leaf.path, var),
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))

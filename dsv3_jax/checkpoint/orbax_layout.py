@@ -159,16 +159,31 @@ def item_keys(root: str, item: str) -> set[tuple[str, ...]]:
 
 
 class ItemReader:
-    """Reads slices of the arrays of one item without restoring whole arrays."""
+    """Reads slices of the arrays of one item without restoring whole arrays: ours (a zarr folder
+    per array) or any item Orbax's Standard/PyTree handlers wrote, in the layout its `_METADATA`
+    names (an OCDBT database, zarr or zarr3), e.g. the `state` item of a training step."""
 
     def __init__(self, root: str, item: str):
         self.dir = os.path.join(root, item)
         self._ctx = _context()
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
+        try:
+            with open(os.path.join(self.dir, "_METADATA")) as f:
+                layout = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            layout = {}
+        self._ocdbt = bool(layout.get("use_ocdbt", False))
+        self._driver = "zarr3" if layout.get("use_zarr3") else "zarr"
+
+    def _spec(self, name: str) -> dict:
+        if self._ocdbt:  # one database for the item; an array is a key prefix in it
+            base = {"driver": "file", "path": os.path.abspath(self.dir) + "/"}
+            return {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name + "/"}}
+        return {"driver": self._driver, "kvstore": _kvstore(self.dir, name)}
 
     def array(self, path: tuple[str, ...]) -> ts.TensorStore:
         if path not in self._open:
-            spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path))}
+            spec = self._spec(".".join(path))
             try:
                 self._open[path] = ts.open(spec, open=True, context=self._ctx).result()
             except ValueError as e:

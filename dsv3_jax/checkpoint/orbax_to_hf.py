@@ -51,11 +51,13 @@ def _layer_of(name: str) -> int:
 
 
 class _Source:
-    """Reads HF-oriented slices from the checkpoint: from `params`, or dequantised / raw from `fp8`."""
+    """Reads HF-oriented slices from the checkpoint: from `params`, or dequantised / raw from `fp8`.
+    `params` is anything with `read(path, index)` (a slice of one parameter), e.g. an
+    `orbax_layout.ItemReader`; a training run's state is read through `run_folder`'s adapter."""
 
-    def __init__(self, root: str, meta: dict):
-        self.params = orbax_layout.ItemReader(root, orbax_layout.PARAMS)
-        self.fp8 = orbax_layout.ItemReader(root, orbax_layout.FP8)
+    def __init__(self, params, fp8_reader: orbax_layout.ItemReader | None, meta: dict):
+        self.params = params
+        self.fp8 = fp8_reader
         self.fp8_leaves = set(meta.get("fp8_leaves", []))
         self._last: tuple = (None, None)
 
@@ -152,19 +154,28 @@ def hf_config(cfg: ModelConfig, dtype: np.dtype, fp8_out: bool) -> dict:
     return out
 
 
-def convert_orbax_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, fp8_out: bool = False, dtype=None,
-                        shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
-                        overwrite: bool = False) -> dict:
-    """Writes HF folder `out` from our Orbax checkpoint `ckpt`. Returns a summary dict."""
-    root, out = os.path.abspath(os.fspath(ckpt)), os.path.abspath(os.fspath(out))
+def convert_orbax_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, **kw) -> dict:
+    """Writes HF folder `out` from our Orbax checkpoint `ckpt` (options: `write_hf`). Returns a summary dict."""
+    root = os.path.abspath(os.fspath(ckpt))
     if not orbax_layout.is_orbax_checkpoint(root):
         raise CheckpointError(f"{root} is not an Orbax checkpoint written by `python -m dsv3_jax.convert`")
+    meta = orbax_layout.read_meta(root)
+    params = orbax_layout.ItemReader(root, orbax_layout.PARAMS)
+    return write_hf(meta, params, out, fp8_reader=orbax_layout.ItemReader(root, orbax_layout.FP8), **kw)
+
+
+def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_layout.ItemReader | None = None,
+             fp8_out: bool = False, dtype=None, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+             overwrite: bool = False) -> dict:
+    """Writes HF folder `out` from parameters read slice by slice: `meta` as in our checkpoint's
+    config/metadata (model config, fp8_leaves, source), `params.read(path, index)` one [layer] or
+    [layer, expert] slice of a parameter, `fp8_reader` the kept-FP8 item if any."""
+    out = os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
-    meta = orbax_layout.read_meta(root)
     cfg = ModelConfig.from_dict(meta["model"])
     want = np.dtype(jnp.dtype(dtype)) if dtype is not None else None
-    src = _Source(root, meta)
+    src = _Source(params, fp8_reader, meta)
     tensors = sorted(_plan(cfg, meta, src, fp8_out, want), key=lambda t: t.layer)  # stable: table order within a layer
     source = meta.get("source", {})
     weight_map = _assign_shards(tensors, source.get("weight_map"), shard_bytes)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import NamedTuple
 
 import jax
@@ -113,29 +112,36 @@ def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overri
     return model
 
 
+class StateParams:
+    """A step's train state read like our checkpoint's `params` item (`orbax_layout.ItemReader`
+    over the `state` item Orbax wrote): `read(path, index)` is one slice of a parameter or router
+    bias, read with tensorstore, nothing else restored."""
+
+    def __init__(self, run: RunStep):
+        self.dir = os.path.join(run.step_dir, "state")
+        self.reader = orbax_layout.ItemReader(run.step_dir, "state")
+        self.keys = orbax_layout.item_keys(run.step_dir, "state")
+
+    def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
+        for kind in ("params", "router_bias"):  # the TrainState fields that hold the model
+            if (kind, *path) in self.keys:
+                return self.reader.read((kind, *path), index)
+        raise CheckpointError(f"{self.dir} has no parameter {'.'.join(path)} (params/ or router_bias/); "
+                              "does model_config.json belong to this run?")
+
+
 def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
     """HF folder `out` (config.json, safetensors, the run's tokenizer.json) from a run's step.
 
-    The parameters go through our Orbax layout in a temporary folder, one leaf at a time, and then
-    through `convert_orbax_to_hf`, so the HF names, shards and FP8 option are the converter's own.
+    The converter's own writer (`orbax_to_hf.write_hf`: HF names, shards, FP8 option) reads the
+    step's train state one [layer] or [layer, expert] slice at a time (`StateParams`), so the export
+    holds one HF tensor at a time, never the model or a whole stacked leaf.
     """
-    from dsv3_jax.checkpoint.load import _variables
-    from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
+    from dsv3_jax.checkpoint.orbax_to_hf import write_hf
     from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
-    model = load_run(run)
-    tmp = tempfile.mkdtemp(prefix="run_export_", dir=os.path.dirname(os.path.abspath(out)) or None)
-    try:
-        writer = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.PARAMS))
-        for path, var in _variables(model).items():
-            value = np.asarray(jax.device_get(var[...]))
-            writer.write(writer.create(path, value.shape, value.dtype), value)
-        writer.finish()
-        orbax_layout.write_config(tmp, {"model": model.config.to_dict(), "fp8_leaves": [],
-                                        "source": {"run": run.run_dir, "step": run.step}}, [orbax_layout.PARAMS])
-        summary = convert_orbax_to_hf(tmp, out, **convert_kw)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
+    summary = write_hf(meta, StateParams(run), out, **convert_kw)
     tokenizer = run.tokenizer or BUNDLED_PATH
     if os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, "tokenizer.json")

@@ -51,6 +51,20 @@ def test_fp8_window_dequantises_like_the_whole_tensor():
         rs, cs = fp8.scale_window(rows, cols)
         got = fp8.dequantize(q[rows, cols], s[rs, cs], row0=rows.start, col0=cols.start)
         np.testing.assert_array_equal(got, whole[rows, cols])
+        # the bounded form: row blocks of 128 rows (the scratch holds 128 rows of float32), each
+        # reading its scale rows once, rounded once into the target dtype
+        reads = []
+
+        def read_s(r, c):
+            reads.append(r)
+            return s[r, c]
+
+        got = fp8.dequantize_window(lambda r, c: q[r, c], read_s, rows, cols, jnp.bfloat16,
+                                    scratch_bytes=4 * (cols.stop - cols.start) * 128)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, whole[rows, cols].astype(jnp.bfloat16))
+        scale_rows = [i for r in reads for i in range(r.start, r.stop)]
+        assert scale_rows == list(range(rs.start, rs.stop)), (rows, reads)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -64,3 +64,52 @@ def test_export_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_pa
     assert np.max(np.abs(ours - theirs)) <= 1e-4 * np.max(np.abs(theirs))
     again = _run("dsv3_jax.convert", "--to-hf", f"--ckpt={run_dir}", f"--out={out}", "--no-progress")
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_export_reads_slices_and_equals_a_whole_model_export(run_dir, tmp_path, monkeypatch):
+    """`--to-hf` of a run reads its train state one [layer] / [layer, expert] slice at a time
+    (never a whole stacked leaf) and writes what the restored model, each leaf written whole into
+    our layout and converted, gives: the export as it was done before it read per slice."""
+    from dsv3_jax.checkpoint import hf_names, orbax_layout
+    from dsv3_jax.checkpoint.load import _variables
+    from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
+    from dsv3_jax.checkpoint.safetensors_io import HFCheckpoint
+
+    model = load_pretrained(run_dir)  # Orbax restores every leaf whole
+    variables = _variables(model)
+    ref = str(tmp_path / "ref_ckpt")
+    writer = orbax_layout.ItemWriter(os.path.join(ref, orbax_layout.PARAMS))
+    for path, var in variables.items():
+        value = np.asarray(var[...])
+        writer.write(writer.create(path, value.shape, value.dtype), value)
+    writer.finish()
+    orbax_layout.write_config(ref, {"model": model.config.to_dict(), "fp8_leaves": []}, [orbax_layout.PARAMS])
+    convert_orbax_to_hf(ref, tmp_path / "ref", progress=False)
+
+    reads = []
+    read = orbax_layout.ItemReader.read
+
+    def counting_read(self, path, index=()):
+        x = read(self, path, index)
+        reads.append((path[1:], x.nbytes))  # path: ("params" | "router_bias", *parameter path)
+        return x
+
+    monkeypatch.setattr(orbax_layout.ItemReader, "read", counting_read)
+    run_folder.export_hf(run_folder.find(run_dir), str(tmp_path / "hf"), progress=False)
+    a, b = HFCheckpoint(str(tmp_path / "ref")), HFCheckpoint(str(tmp_path / "hf"))
+    assert sorted(a.names()) == sorted(b.names()) and len(a.names()) > 20
+    for name in a.names():
+        x, y = a.get(name), b.get(name)
+        assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), name
+    slice_bytes = {}
+    for leaf in hf_names.leaves(model.config):
+        value = variables[leaf.path][...]
+        k = hf_names.stacked_dims(leaf)
+        slice_bytes[leaf.path] = value.nbytes // int(np.prod(value.shape[:k], dtype=np.int64))
+    assert {p for p, _ in reads} == set(slice_bytes)
+    assert all(n <= slice_bytes[p] for p, n in reads), [(p, n, slice_bytes[p]) for p, n in reads if n > slice_bytes[p]]
+    # the stacks of several slices (experts; layers where there are several) are never read whole
+    split = {p for p, n in slice_bytes.items() if n < variables[p][...].nbytes}
+    experts = {leaf.path for leaf in hf_names.leaves(model.config) if hf_names.stacked_dims(leaf) == 2}
+    assert experts and experts <= split, (experts, split)
+    assert all(n < variables[p][...].nbytes for p, n in reads if p in split)
