@@ -34,9 +34,11 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
-from sharding import expert_parallel, multihost, pipeline
+from sharding import multihost, pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
+from experiments import plan_memory
+from experiments.plan_memory import LayerGroup
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices of the planned mesh; default: the product of the "
@@ -52,8 +54,8 @@ GiB = 1024 ** 3
 
 
 def model_config(config) -> ModelConfig:
-    """The planned architecture; presets take the config's expert-parallel choices."""
-    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange") if k in config.model}
+    """The planned architecture; presets take the config's expert-parallel and attention choices."""
+    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange", "attention_impl") if k in config.model}
     if _MODEL.value == "deepseek_v3":
         return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16", **ep)
     if _MODEL.value == "tiny":
@@ -87,59 +89,6 @@ def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     return model, box["graphdef"], state
 
 
-def expert_exchange_rows(cfg: ModelConfig, tokens: int, experts_axis: int, capacity_factor) -> int:
-    """Rows of one device's expert-parallel receive buffer for `tokens` tokens: P * C, C the rows
-    sent to each peer (sharding/expert_parallel.py); the tokens' own M = tokens * K without EP."""
-    m = tokens * cfg.num_experts_per_token
-    if experts_axis <= 1:
-        return m
-    return experts_axis * expert_parallel.capacity(m, experts_axis, capacity_factor)
-
-
-def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int, bool]], *,
-                     experts_axis: int = 1, stages: int = 1) -> dict[str, int]:
-    """Estimate, bytes per device.
-
-    groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once,
-    MoE or dense): outside a pipeline both token counts are the device's share of the batch; in
-    the pipelined MoE stack a stage saves every microbatch's input but works on one at a time.
-    - residuals of one layer (what its backward needs): q/k/v of every head and the attention
-      probabilities [heads, T, T] per sequence (naive attention), ~8 fp32 [tokens, D] tensors
-      (norms, residual adds), and the FFN's rows: the dense MLP's [tokens, 3 x its width], or the
-      MoE's routed rows through [2 D + 3 F] (the rows and their expert-sorted copy; gate, up,
-      hidden). With expert parallelism the rows are the receive buffer's R = P * C, dropless
-      C = M being the worst case (every peer sending all its rows to this device);
-    - saved: each layer's input [tokens, D] with per-layer remat (cfg.remat), else its residuals;
-    - working set: one layer's residuals twice (recomputed, and their gradients);
-    - expert-parallel buffers (P > 1): the results' receive and return buffers, 2 x R x D;
-    - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient;
-    - pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
-    """
-    cb = jnp.dtype(cfg.compute_dtype).itemsize
-    d, h, f = cfg.hidden_size, cfg.num_heads, cfg.moe_intermediate_size
-
-    def rows(tokens: int) -> int:
-        return expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
-
-    def residuals(tokens: int, moe: bool) -> int:
-        t = max(1, min(tokens, seq))
-        attn = tokens * h * (2 * cfg.qk_head_dim + cfg.v_head_dim) * cb + max(1, tokens // t) * h * t * t * 4
-        ffn = rows(tokens) * (2 * d + 3 * f) * cb if moe else tokens * 3 * cfg.intermediate_size * cb
-        return attn + ffn + 8 * tokens * d * 4
-
-    saved = sum(n * (saved_tokens * d * cb if cfg.remat else residuals(live, moe))
-                for n, saved_tokens, live, moe in groups if n)
-    live, moe = max((live, moe) for n, _, live, moe in groups if n)
-    out = {"saved layer inputs" if cfg.remat else "saved residuals": saved,
-           "one layer working set": 2 * residuals(live, moe)}
-    if experts_axis > 1:
-        out["expert-parallel buffers"] = 2 * rows(live) * d * cb
-    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
-    if stages > 1:
-        out["pipeline buffers"] = 2 * groups[-1][1] * d * cb
-    return out
-
-
 def plan(config) -> dict:
     cfg = model_config(config)
     sizes = mesh_sizes(config)
@@ -164,11 +113,13 @@ def plan(config) -> dict:
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
-    acts = activation_bytes(cfg, seq, [
-        (cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
-        (cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
-        (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
-         stack_tokens // micro, True)], experts_axis=experts_axis, stages=stages)
+    program = plan_memory.program_for(cfg, _platform())
+    acts = plan_memory.activation_bytes(cfg, seq, [
+        LayerGroup(cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
+        LayerGroup(cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
+        LayerGroup(pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
+                   stack_tokens // micro, True)], program=program, experts_axis=experts_axis, stages=stages,
+        gathers_experts=experts_axis == 1 and _experts_split(state, shardings, mesh))
     moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
                             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
@@ -200,6 +151,14 @@ def plan(config) -> dict:
             "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
 
 
+def _experts_split(state, shardings, mesh) -> bool:
+    """Whether the routed experts' weights are split over devices (then a mesh that splits tokens
+    but not experts gathers them whole in each MoE layer: `expert_parallel.token_parallel`)."""
+    if "moe_layers" not in state.params:
+        return False
+    return sharding.shards_of(shardings.params["moe_layers"]["ffn"]["w1"].spec, mesh) > 1
+
+
 def _platform() -> str:
     return jax.default_backend() if _CHECK.value else _PLATFORM.value
 
@@ -216,8 +175,8 @@ def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_param
               f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}")
     if experts_axis > 1:
         cb, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
-        dropless = expert_exchange_rows(cfg, live, experts_axis, None)
-        capped = expert_exchange_rows(cfg, live, experts_axis, cfg.expert_capacity_factor or 1.0)
+        dropless = plan_memory.received_rows(cfg, live, experts_axis, None)
+        capped = plan_memory.received_rows(cfg, live, experts_axis, cfg.expert_capacity_factor or 1.0)
         print(f"expert parallelism: {experts_axis} devices, receive buffer per MoE layer {dropless} rows "
               f"({dropless * d * cb / GiB:.3f} GiB) dropless, {capped} rows ({capped * d * cb / GiB:.3f} GiB) with "
               f"capacity factor {cfg.expert_capacity_factor or 1.0}; planned: "
