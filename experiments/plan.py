@@ -26,6 +26,7 @@ import functools
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +54,26 @@ _CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this
 GiB = 1024 ** 3
 
 
-def model_config(config) -> ModelConfig:
+class Options(NamedTuple):
+    """What to plan beyond the training config (the flags above)."""
+
+    model: str = "config"  # "config", "deepseek_v3" or "tiny"
+    devices: int | None = None  # devices of the planned mesh
+    platform: str = "tpu"  # lowering platform of the abstract plan
+    lower: bool = True  # trace and lower the train step
+    check_compiled: bool = False  # compile on this host's devices and compare memory_analysis()
+
+    @property
+    def lowering_platform(self) -> str:
+        return jax.default_backend() if self.check_compiled else self.platform
+
+
+def model_config(config, opts: Options) -> ModelConfig:
     """The planned architecture; presets take the config's expert-parallel and attention choices."""
     ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange", "attention_impl") if k in config.model}
-    if _MODEL.value == "deepseek_v3":
+    if opts.model == "deepseek_v3":
         return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16", **ep)
-    if _MODEL.value == "tiny":
+    if opts.model == "tiny":
         return ModelConfig.tiny(**ep)
     return ModelConfig.from_dict(config.model.to_dict())
 
@@ -67,9 +82,9 @@ def mesh_sizes(config) -> dict[str, int]:
     return {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
 
 
-def num_devices(sizes: dict[str, int]) -> int:
-    if _DEVICES.value:
-        return _DEVICES.value
+def num_devices(sizes: dict[str, int], opts: Options) -> int:
+    if opts.devices:
+        return opts.devices
     if all(v > 0 for v in sizes.values()):
         return math.prod(sizes.values())
     return jax.device_count()
@@ -89,11 +104,11 @@ def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     return model, box["graphdef"], state
 
 
-def plan(config) -> dict:
-    cfg = model_config(config)
+def plan(config, opts: Options = Options()) -> dict:
+    cfg = model_config(config, opts)
     sizes = mesh_sizes(config)
-    n = num_devices(sizes)
-    mesh = sharding.make_mesh(sizes) if _CHECK.value else sharding.abstract_mesh(sizes, n)
+    n = num_devices(sizes, opts)
+    mesh = sharding.make_mesh(sizes) if opts.check_compiled else sharding.abstract_mesh(sizes, n)
     rules = sharding.get_rules(config.mesh.get("rules", "default"))
     batch, seq = config.data.batch_size, config.data.seq_len
     sharded.check_batch(batch, mesh, rules)
@@ -113,7 +128,7 @@ def plan(config) -> dict:
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
-    program = plan_memory.program_for(cfg, _platform())
+    program = plan_memory.program_for(cfg, opts.lowering_platform)
     acts = plan_memory.activation_bytes(cfg, seq, [
         LayerGroup(cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
         LayerGroup(cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
@@ -130,23 +145,25 @@ def plan(config) -> dict:
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
                 stack_tokens // micro)
     lowered_s, compiled = None, None
-    if _LOWER.value or _CHECK.value:
+    if opts.lower or opts.check_compiled:
         t0 = time.perf_counter()
-        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
+        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config, opts)
         lowered_s = time.perf_counter() - t0
         text = lowered.as_text()
         ragged = text.count("ragged_all_to_all")
-        print(f"train step traced and lowered ({_platform()}) for the {'' if _CHECK.value else 'abstract '}{n}-device "
+        print(f"train step traced and lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}{n}-device "
               f"mesh in {lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')} "
               f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
               f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
-        if _CHECK.value:
+        if opts.check_compiled:
             m = lowered.compile().memory_analysis()
             compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-            print(f"compiled on this host: {compiled / GiB:.3f} GiB per device (arguments "
+            # Per device: memory_analysis() of the SPMD executable. The donated state is both an
+            # argument and an (aliased) output, counted once; gradients and activations are temporaries.
+            print(f"compiled on this host, memory_analysis() per device: {compiled / GiB:.3f} GiB = arguments "
                   f"{m.argument_size_in_bytes / GiB:.3f} + outputs {m.output_size_in_bytes / GiB:.3f} - aliased "
-                  f"{m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}); "
-                  f"plan / compiled = {total / compiled:.3f}")
+                  f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
+                  f"plan total / compiled = {total / compiled:.3f}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
 
@@ -157,10 +174,6 @@ def _experts_split(state, shardings, mesh) -> bool:
     if "moe_layers" not in state.params:
         return False
     return sharding.shards_of(shardings.params["moe_layers"]["ffn"]["w1"].spec, mesh) > 1
-
-
-def _platform() -> str:
-    return jax.default_backend() if _CHECK.value else _PLATFORM.value
 
 
 def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro, live):
@@ -197,7 +210,8 @@ def _decay_mask_for(cfg: ModelConfig):
     return optimizer_lib.decay_mask(params)
 
 
-def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config):
+def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config,
+                     opts: Options):
     """jit(train_step).trace(...).lower() on ShapeDtypeStructs that carry the abstract shardings."""
     step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
                                     balance_weight=config.loss.balance_weight,
@@ -208,11 +222,11 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     row = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharded.batch_sharding(mesh, rules))
     batch_sds = {"tokens": row, "segment_ids": row, "positions": row}
-    if _CHECK.value:  # a concrete mesh of this host's devices, lowered for them
+    if opts.check_compiled:  # a concrete mesh of this host's devices, lowered for them
         with jax.set_mesh(mesh):
             return jitted.trace(abstract, batch_sds, **kwargs).lower()
     with jax.sharding.use_abstract_mesh(mesh):
-        return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(_PLATFORM.value,))
+        return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(opts.platform,))
 
 
 def main(argv):
@@ -220,7 +234,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
     multihost.initialize()
     try:
-        plan(_CONFIG.value)
+        plan(_CONFIG.value, Options(_MODEL.value, _DEVICES.value, _PLATFORM.value, _LOWER.value, _CHECK.value))
     except (sharding.MeshError, sharding.ShardingRuleError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
