@@ -152,12 +152,13 @@ def activation_bytes(cfg: ModelConfig, seq: int, groups: list[LayerGroup], *, pr
     b, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
     groups = [g for g in groups if g.layers]
 
-    def saved(g: LayerGroup) -> int:
-        return layer_saved_bytes(cfg, g.saved_tokens, g.moe, experts_axis, program, gathers_experts and g.moe)
+    def saved(g: LayerGroup, tokens: int) -> int:
+        return layer_saved_bytes(cfg, tokens, g.moe, experts_axis, program, gathers_experts and g.moe)
 
-    kept = sum(g.layers * (g.saved_tokens * d * b if cfg.remat else saved(g)) for g in groups)
-    work = max((saved(g) if cfg.remat else 0) + layer_backward_bytes(cfg, g.live_tokens, seq, g.moe, experts_axis,
-                                                                      program) for g in groups)
+    kept = sum(g.layers * (g.saved_tokens * d * b if cfg.remat else saved(g, g.saved_tokens)) for g in groups)
+    # with remat, the layer at work recomputes its saved tensors for the tokens it works on
+    work = max((saved(g, g.live_tokens) if cfg.remat else 0)
+               + layer_backward_bytes(cfg, g.live_tokens, seq, g.moe, experts_axis, program) for g in groups)
     out = {"saved layer inputs" if cfg.remat else "saved for the backward": kept,
            "one layer's backward": work}
     if experts_axis > 1:
