@@ -7,15 +7,17 @@
 Nothing is allocated: the model and train state are shapes (`nnx.eval_shape` / `jax.eval_shape`),
 the mesh is a `jax.sharding.AbstractMesh` of `--devices` devices, and the train step is traced and
 lowered to StableHLO for it, which checks every sharding and shape. Prints the bytes per device of
-parameters, gradients, AdamW state (2 moments, in their dtype) and an activation estimate (below):
-saved layer inputs, one layer's working set, the logits, the expert-parallel exchange buffers
-(dropless: the worst case of P x the device's rows; with `model.expert_capacity_factor` cf: cf x
-them) and the pipeline's microbatch buffers. The `auto` implementation choices (expert exchange,
-grouped matmul) are made for `--platform`, not for this host: the 671B TPU plan lowers the
-ragged all-to-all and `ragged_dot`.
+parameters, gradients, AdamW state (2 moments, in their dtype) and the activations the step holds
+(`experiments/plan_memory.py`: saved tensors per layer, one layer's backward, the expert-parallel
+exchange buffers, dropless the worst case of P x the device's rows, with
+`model.expert_capacity_factor` cf x them; the logits; the pipeline's microbatch buffers). The
+`auto` implementation choices (expert exchange, grouped matmul) are made for `--platform`, not for
+this host, in the lowered program and in the count: the 671B TPU plan lowers the ragged all to
+all and `ragged_dot`.
 
 `--check_compiled` compiles the step for this host's devices instead (e.g. 8 fake CPU devices)
-and prints XLA's own per-device figures (`memory_analysis()`) beside the plan's.
+and prints XLA's own per-device figure beside the plan's total: `memory_analysis()` arguments +
+outputs - aliased (the donated state, counted once) + temporaries.
 
 `data.batch_size` here is the global batch (all devices).
 """

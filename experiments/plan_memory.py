@@ -35,6 +35,15 @@ backward layer at work) or, with per-layer remat, inside one layer's backward. C
   Dropless, C = M: the worst case of every peer sending all its rows to one device.
 - logits: fp32 [N, vocab] of the main head and of each MTP depth, with their gradients.
 - pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
+
+The counts were read off the program: jax's saved residuals of one block and of
+`dispatch.local_expert_mlp` for each grouped-matmul implementation, and the buffers live at the
+peak in XLA:CPU's buffer assignment of the compiled step (`--xla_dump_to`). The CPU program's
+plan is checked against `memory_analysis()` of the compiled step (tests/sharding/test_plan.py);
+the TPU program's rows (`ragged_dot`, ragged exchange) follow the same count and have not been
+compared with a TPU compile. Not counted: the copy of the AdamW moments XLA:CPU makes for the
+update (it reads the old moments after writing the new ones in place), and on an uneven
+pipeline the stage weights gathered each step.
 """
 
 from __future__ import annotations
@@ -58,15 +67,16 @@ class LayerGroup(NamedTuple):
 class Program(NamedTuple):
     """The implementation choices of the program lowered for one platform."""
 
-    grouped: str  # "ragged" (ragged_dot) or "tiled"
+    grouped: str  # "ragged" (ragged_dot, fp8) or "tiled"
     exchange: str  # "ragged" or "padded"
     flash: bool  # attention keeps no [S, S] probabilities
 
 
 def program_for(cfg: ModelConfig, platform: str) -> Program:
-    """`auto` choices as dispatch.py and expert_parallel.py make them for `platform`."""
+    """`auto` choices as dispatch.py and expert_parallel.py make them for `platform`. The fp8
+    kernel is counted as `ragged_dot` (same rows); the `dense` reference is not modelled."""
     cpu = platform == "cpu"
-    grouped = {"auto": "tiled" if cpu else "ragged", "fp8": "ragged", "dense": "ragged"}.get(cfg.moe_impl, cfg.moe_impl)
+    grouped = "tiled" if cfg.moe_impl == "tiled" or (cfg.moe_impl == "auto" and cpu) else "ragged"
     exchange = cfg.expert_exchange if cfg.expert_exchange != "auto" else ("padded" if cpu else "ragged")
     return Program(grouped, exchange, cfg.attention_impl == "pallas")
 
