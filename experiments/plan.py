@@ -7,15 +7,17 @@
 Nothing is allocated: the model and train state are shapes (`nnx.eval_shape` / `jax.eval_shape`),
 the mesh is a `jax.sharding.AbstractMesh` of `--devices` devices, and the train step is traced and
 lowered to StableHLO for it, which checks every sharding and shape. Prints the bytes per device of
-parameters, gradients, AdamW state (2 moments, in their dtype) and an activation estimate (below):
-saved layer inputs, one layer's working set, the logits, the expert-parallel exchange buffers
-(dropless: the worst case of P x the device's rows; with `model.expert_capacity_factor` cf: cf x
-them) and the pipeline's microbatch buffers. The `auto` implementation choices (expert exchange,
-grouped matmul) are made for `--platform`, not for this host: the 671B TPU plan lowers the
-ragged all-to-all and `ragged_dot`.
+parameters, gradients, AdamW state (2 moments, in their dtype) and the activations the step holds
+(`experiments/plan_memory.py`: saved tensors per layer, one layer's backward, the expert-parallel
+exchange buffers, dropless the worst case of P x the device's rows, with
+`model.expert_capacity_factor` cf x them; the logits; the pipeline's microbatch buffers). The
+`auto` implementation choices (expert exchange, grouped matmul) are made for `--platform`, not for
+this host, in the lowered program and in the count: the 671B TPU plan lowers the ragged all to
+all and `ragged_dot`.
 
 `--check_compiled` compiles the step for this host's devices instead (e.g. 8 fake CPU devices)
-and prints XLA's own per-device figures (`memory_analysis()`) beside the plan's.
+and prints XLA's own per-device figure beside the plan's total: `memory_analysis()` arguments +
+outputs - aliased (the donated state, counted once) + temporaries.
 
 `data.batch_size` here is the global batch (all devices).
 """
@@ -26,6 +28,7 @@ import functools
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +37,11 @@ from flax import nnx
 from ml_collections import config_flags
 
 import sharding
-from sharding import expert_parallel, multihost, pipeline
+from sharding import multihost, pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
+from experiments import plan_memory
+from experiments.plan_memory import LayerGroup
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices of the planned mesh; default: the product of the "
@@ -51,12 +56,26 @@ _CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this
 GiB = 1024 ** 3
 
 
-def model_config(config) -> ModelConfig:
-    """The planned architecture; presets take the config's expert-parallel choices."""
-    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange") if k in config.model}
-    if _MODEL.value == "deepseek_v3":
+class Options(NamedTuple):
+    """What to plan beyond the training config (the flags above)."""
+
+    model: str = "config"  # "config", "deepseek_v3" or "tiny"
+    devices: int | None = None  # devices of the planned mesh
+    platform: str = "tpu"  # lowering platform of the abstract plan
+    lower: bool = True  # trace and lower the train step
+    check_compiled: bool = False  # compile on this host's devices and compare memory_analysis()
+
+    @property
+    def lowering_platform(self) -> str:
+        return jax.default_backend() if self.check_compiled else self.platform
+
+
+def model_config(config, opts: Options) -> ModelConfig:
+    """The planned architecture; presets take the config's expert-parallel and attention choices."""
+    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange", "attention_impl") if k in config.model}
+    if opts.model == "deepseek_v3":
         return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16", **ep)
-    if _MODEL.value == "tiny":
+    if opts.model == "tiny":
         return ModelConfig.tiny(**ep)
     return ModelConfig.from_dict(config.model.to_dict())
 
@@ -65,9 +84,9 @@ def mesh_sizes(config) -> dict[str, int]:
     return {axis: int(config.mesh[axis]) for axis in sharding.AXES if axis in config.mesh}
 
 
-def num_devices(sizes: dict[str, int]) -> int:
-    if _DEVICES.value:
-        return _DEVICES.value
+def num_devices(sizes: dict[str, int], opts: Options) -> int:
+    if opts.devices:
+        return opts.devices
     if all(v > 0 for v in sizes.values()):
         return math.prod(sizes.values())
     return jax.device_count()
@@ -87,64 +106,11 @@ def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     return model, box["graphdef"], state
 
 
-def expert_exchange_rows(cfg: ModelConfig, tokens: int, experts_axis: int, capacity_factor) -> int:
-    """Rows of one device's expert-parallel receive buffer for `tokens` tokens: P * C, C the rows
-    sent to each peer (sharding/expert_parallel.py); the tokens' own M = tokens * K without EP."""
-    m = tokens * cfg.num_experts_per_token
-    if experts_axis <= 1:
-        return m
-    return experts_axis * expert_parallel.capacity(m, experts_axis, capacity_factor)
-
-
-def activation_bytes(cfg: ModelConfig, seq: int, groups: list[tuple[int, int, int, bool]], *,
-                     experts_axis: int = 1, stages: int = 1) -> dict[str, int]:
-    """Estimate, bytes per device.
-
-    groups: (layers this device runs, tokens it saves per layer, tokens a layer works on at once,
-    MoE or dense): outside a pipeline both token counts are the device's share of the batch; in
-    the pipelined MoE stack a stage saves every microbatch's input but works on one at a time.
-    - residuals of one layer (what its backward needs): q/k/v of every head and the attention
-      probabilities [heads, T, T] per sequence (naive attention), ~8 fp32 [tokens, D] tensors
-      (norms, residual adds), and the FFN's rows: the dense MLP's [tokens, 3 x its width], or the
-      MoE's routed rows through [2 D + 3 F] (the rows and their expert-sorted copy; gate, up,
-      hidden). With expert parallelism the rows are the receive buffer's R = P * C, dropless
-      C = M being the worst case (every peer sending all its rows to this device);
-    - saved: each layer's input [tokens, D] with per-layer remat (cfg.remat), else its residuals;
-    - working set: one layer's residuals twice (recomputed, and their gradients);
-    - expert-parallel buffers (P > 1): the results' receive and return buffers, 2 x R x D;
-    - logits: fp32 [tokens, vocab] of the main head and each MTP depth, with their gradient;
-    - pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
-    """
-    cb = jnp.dtype(cfg.compute_dtype).itemsize
-    d, h, f = cfg.hidden_size, cfg.num_heads, cfg.moe_intermediate_size
-
-    def rows(tokens: int) -> int:
-        return expert_exchange_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
-
-    def residuals(tokens: int, moe: bool) -> int:
-        t = max(1, min(tokens, seq))
-        attn = tokens * h * (2 * cfg.qk_head_dim + cfg.v_head_dim) * cb + max(1, tokens // t) * h * t * t * 4
-        ffn = rows(tokens) * (2 * d + 3 * f) * cb if moe else tokens * 3 * cfg.intermediate_size * cb
-        return attn + ffn + 8 * tokens * d * 4
-
-    saved = sum(n * (saved_tokens * d * cb if cfg.remat else residuals(live, moe))
-                for n, saved_tokens, live, moe in groups if n)
-    live, moe = max((live, moe) for n, _, live, moe in groups if n)
-    out = {"saved layer inputs" if cfg.remat else "saved residuals": saved,
-           "one layer working set": 2 * residuals(live, moe)}
-    if experts_axis > 1:
-        out["expert-parallel buffers"] = 2 * rows(live) * d * cb
-    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0][1] * cfg.vocab_size * 4
-    if stages > 1:
-        out["pipeline buffers"] = 2 * groups[-1][1] * d * cb
-    return out
-
-
-def plan(config) -> dict:
-    cfg = model_config(config)
+def plan(config, opts: Options = Options()) -> dict:
+    cfg = model_config(config, opts)
     sizes = mesh_sizes(config)
-    n = num_devices(sizes)
-    mesh = sharding.make_mesh(sizes) if _CHECK.value else sharding.abstract_mesh(sizes, n)
+    n = num_devices(sizes, opts)
+    mesh = sharding.make_mesh(sizes) if opts.check_compiled else sharding.abstract_mesh(sizes, n)
     rules = sharding.get_rules(config.mesh.get("rules", "default"))
     batch, seq = config.data.batch_size, config.data.seq_len
     sharded.check_batch(batch, mesh, rules)
@@ -164,11 +130,13 @@ def plan(config) -> dict:
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
-    acts = activation_bytes(cfg, seq, [
-        (cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
-        (cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
-        (pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
-         stack_tokens // micro, True)], experts_axis=experts_axis, stages=stages)
+    program = plan_memory.program_for(cfg, opts.lowering_platform)
+    acts = plan_memory.activation_bytes(cfg, seq, [
+        LayerGroup(cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
+        LayerGroup(cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
+        LayerGroup(pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
+                   stack_tokens // micro, True)], program=program, experts_axis=experts_axis, stages=stages,
+        gathers_experts=experts_axis == 1 and _experts_split(state, shardings, mesh))
     moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
                             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
@@ -179,29 +147,35 @@ def plan(config) -> dict:
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
                 stack_tokens // micro)
     lowered_s, compiled = None, None
-    if _LOWER.value or _CHECK.value:
+    if opts.lower or opts.check_compiled:
         t0 = time.perf_counter()
-        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config)
+        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config, opts)
         lowered_s = time.perf_counter() - t0
         text = lowered.as_text()
         ragged = text.count("ragged_all_to_all")
-        print(f"train step traced and lowered ({_platform()}) for the {'' if _CHECK.value else 'abstract '}{n}-device "
+        print(f"train step traced and lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}{n}-device "
               f"mesh in {lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')} "
               f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
               f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
-        if _CHECK.value:
+        if opts.check_compiled:
             m = lowered.compile().memory_analysis()
             compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-            print(f"compiled on this host: {compiled / GiB:.3f} GiB per device (arguments "
+            # Per device: memory_analysis() of the SPMD executable. The donated state is both an
+            # argument and an (aliased) output, counted once; gradients and activations are temporaries.
+            print(f"compiled on this host, memory_analysis() per device: {compiled / GiB:.3f} GiB = arguments "
                   f"{m.argument_size_in_bytes / GiB:.3f} + outputs {m.output_size_in_bytes / GiB:.3f} - aliased "
-                  f"{m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}); "
-                  f"plan / compiled = {total / compiled:.3f}")
+                  f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
+                  f"plan total / compiled = {total / compiled:.3f}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
 
 
-def _platform() -> str:
-    return jax.default_backend() if _CHECK.value else _PLATFORM.value
+def _experts_split(state, shardings, mesh) -> bool:
+    """Whether the routed experts' weights are split over devices (then a mesh that splits tokens
+    but not experts gathers them whole in each MoE layer: `expert_parallel.token_parallel`)."""
+    if "moe_layers" not in state.params:
+        return False
+    return sharding.shards_of(shardings.params["moe_layers"]["ffn"]["w1"].spec, mesh) > 1
 
 
 def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro, live):
@@ -216,8 +190,8 @@ def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_param
               f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}")
     if experts_axis > 1:
         cb, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
-        dropless = expert_exchange_rows(cfg, live, experts_axis, None)
-        capped = expert_exchange_rows(cfg, live, experts_axis, cfg.expert_capacity_factor or 1.0)
+        dropless = plan_memory.received_rows(cfg, live, experts_axis, None)
+        capped = plan_memory.received_rows(cfg, live, experts_axis, cfg.expert_capacity_factor or 1.0)
         print(f"expert parallelism: {experts_axis} devices, receive buffer per MoE layer {dropless} rows "
               f"({dropless * d * cb / GiB:.3f} GiB) dropless, {capped} rows ({capped * d * cb / GiB:.3f} GiB) with "
               f"capacity factor {cfg.expert_capacity_factor or 1.0}; planned: "
@@ -238,7 +212,8 @@ def _decay_mask_for(cfg: ModelConfig):
     return optimizer_lib.decay_mask(params)
 
 
-def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config):
+def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config,
+                     opts: Options):
     """jit(train_step).trace(...).lower() on ShapeDtypeStructs that carry the abstract shardings."""
     step = step_lib.make_train_step(graphdef, tx, schedule, mtp_weight=config.loss.mtp_weight,
                                     balance_weight=config.loss.balance_weight,
@@ -249,11 +224,11 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     row = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharded.batch_sharding(mesh, rules))
     batch_sds = {"tokens": row, "segment_ids": row, "positions": row}
-    if _CHECK.value:  # a concrete mesh of this host's devices, lowered for them
+    if opts.check_compiled:  # a concrete mesh of this host's devices, lowered for them
         with jax.set_mesh(mesh):
             return jitted.trace(abstract, batch_sds, **kwargs).lower()
     with jax.sharding.use_abstract_mesh(mesh):
-        return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(_PLATFORM.value,))
+        return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(opts.platform,))
 
 
 def main(argv):
@@ -261,7 +236,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
     multihost.initialize()
     try:
-        plan(_CONFIG.value)
+        plan(_CONFIG.value, Options(_MODEL.value, _DEVICES.value, _PLATFORM.value, _LOWER.value, _CHECK.value))
     except (sharding.MeshError, sharding.ShardingRuleError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,181 @@
+"""Activation memory of one train step, per device, counted from the tensors the program holds.
+
+Letters: N tokens a layer works on (this device's), S sequence length, B = N / S sequences,
+D model, H heads, Q/V query-key/value head dims, L_q/L_kv the MLA low-rank widths, I dense width,
+F expert width, F_s shared-expert width, E experts, K experts per token, M = N*K (token, slot)
+rows, P devices on the `expert` axis, C rows sent to each of them, R = P*C rows received (M without
+expert parallelism), G rows the grouped matmul holds (below), b the compute dtype's bytes.
+
+The step's memory peaks where the backward starts (every layer's saved tensors live, the first
+backward layer at work) or, with per-layer remat, inside one layer's backward. Counted:
+
+- saved per layer (no remat; what autodiff keeps for the backward, `jax.ad_checkpoint`'s
+  residuals of one block): the residual stream and norms, 4 fp32 + 3 b x [N, D] (each RMSNorm's
+  normalised and scaled input, the layer input, the attention sum); MLA 3 x [N, L_q + L_kv] (the
+  down-projection and its RMSNorm) and [N, H, 2Q + 2V] (q, k, v, the heads' output); each SwiGLU
+  6 x [rows, width] (gate, up, three silu intermediates, their product); the MoE router's
+  fp32 [N, E] scores and the combine's [N, K, D] rows; the routed experts' rows below.
+  With per-layer remat only the layer input [N, D] is saved.
+- routed rows: `ragged_dot` (TPU, GPU) holds the R rows: [R, D] + 6 x [R, F]. The tiled grouped
+  matmul (XLA:CPU) pads each expert's rows to a tile t, G = (ceil(R / t) + local experts) * t rows.
+  On the expert-parallel receive side it is a scan of `cond`s whose autodiff keeps [G, D] +
+  9 x [G, F]; the single-device tile loop has its own backward and keeps [G, D] + 2 x [G, F].
+  Expert parallelism adds bool [R, D] x 3 and [M, D] x 2 (the masks of padding rows).
+- gathered expert weights: on a mesh that splits tokens but not experts (`token_parallel`), each
+  MoE layer's experts are gathered whole, 3 x [E, D, F] per layer, and kept for the backward.
+- one layer's backward (the working set): its recomputed saved tensors (remat), the gradients
+  of its rows ([G, D] x 4 + [G, F] tiled; [R, D] + 2 x [R, F] ragged), naive attention's
+  [B, H, S, S] probabilities and their gradient in fp32 and the scores' gradient in b
+  (`ops/attention.py`'s backward; the flash kernel, `attention_impl="pallas"`, holds blocks
+  only), and the dense layer's 3 x [N, I].
+- expert-parallel buffers (P > 1), per direction (the forward, recomputed or not, and its
+  transpose): padded exchange, [R, D] x 6 (send, receive, result, return; the receive side's
+  scattered and masked results) and [M, D] x 2 (the sender's sorted and unsorted results);
+  ragged exchange, [R, D] x 3 and [M, D] x 3 (no padded send buffer; the gathered rows instead).
+  Dropless, C = M: the worst case of every peer sending all its rows to one device.
+- logits: fp32 [N, vocab] of the main head and of each MTP depth, with their gradients.
+- pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
+
+The counts were read off the program: jax's saved residuals of one block and of
+`dispatch.local_expert_mlp` for each grouped-matmul implementation, and the buffers live at the
+peak in XLA:CPU's buffer assignment of the compiled step (`--xla_dump_to`). The CPU program's
+plan is checked against `memory_analysis()` of the compiled step (tests/sharding/test_plan.py);
+the TPU program's rows (`ragged_dot`, ragged exchange) follow the same count and have not been
+compared with a TPU compile. Not counted: the copy of the AdamW moments XLA:CPU makes for the
+update (it reads the old moments after writing the new ones in place), and on an uneven
+pipeline the stage weights gathered each step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from dsv3_jax import ModelConfig
+from dsv3_jax.ops import dispatch
+from sharding import expert_parallel
+
+
+class LayerGroup(NamedTuple):
+    layers: int  # layers of this kind this device runs
+    saved_tokens: int  # tokens whose saved tensors it keeps per layer
+    live_tokens: int  # tokens one layer works on at once (a microbatch in the pipeline)
+    moe: bool
+
+
+class Program(NamedTuple):
+    """The implementation choices of the program lowered for one platform."""
+
+    grouped: str  # "ragged" (ragged_dot, fp8) or "tiled"
+    exchange: str  # "ragged" or "padded"
+    flash: bool  # attention keeps no [S, S] probabilities
+
+
+def program_for(cfg: ModelConfig, platform: str) -> Program:
+    """`auto` choices as dispatch.py and expert_parallel.py make them for `platform`. The fp8
+    kernel is counted as `ragged_dot` (same rows); the `dense` reference is not modelled."""
+    cpu = platform == "cpu"
+    grouped = "tiled" if cfg.moe_impl == "tiled" or (cfg.moe_impl == "auto" and cpu) else "ragged"
+    exchange = cfg.expert_exchange if cfg.expert_exchange != "auto" else ("padded" if cpu else "ragged")
+    return Program(grouped, exchange, cfg.attention_impl == "pallas")
+
+
+def received_rows(cfg: ModelConfig, tokens: int, experts_axis: int, capacity_factor) -> int:
+    """R: rows of one device's expert-parallel receive buffer for `tokens` tokens, P * C with C the
+    rows sent to each peer (sharding/expert_parallel.py); the tokens' own M = tokens * K without EP."""
+    m = tokens * cfg.num_experts_per_token
+    if experts_axis <= 1:
+        return m
+    return experts_axis * expert_parallel.capacity(m, experts_axis, capacity_factor)
+
+
+def grouped_rows(rows: int, experts: int, grouped: str, max_tile: int) -> int:
+    """G: rows the grouped matmul holds for `rows` rows over `experts` experts (dispatch.py)."""
+    if grouped != "tiled":
+        return rows
+    t = dispatch.tile_rows(rows, experts, max_tile)
+    return (-(-rows // t) + min(experts, rows)) * t
+
+
+class _Shapes(NamedTuple):
+    n: int  # N
+    m: int  # M
+    r: int  # R
+    g: int  # G
+
+
+def _shapes(cfg: ModelConfig, tokens: int, experts_axis: int, program: Program) -> _Shapes:
+    r = received_rows(cfg, tokens, experts_axis, cfg.expert_capacity_factor)
+    g = grouped_rows(r, cfg.num_routed_experts // experts_axis, program.grouped, cfg.moe_tile_size)
+    return _Shapes(tokens, tokens * cfg.num_experts_per_token, r, g)
+
+
+def layer_saved_bytes(cfg: ModelConfig, tokens: int, moe: bool, experts_axis: int, program: Program,
+                      gathers_experts: bool) -> int:
+    """Bytes one layer keeps for its backward without remat (module docstring)."""
+    b, d, s = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size, _shapes(cfg, tokens, experts_axis, program)
+    n = s.n
+    out = n * d * (4 * 4 + 3 * b)
+    out += 3 * n * (cfg.q_lora_rank + cfg.kv_lora_rank) * b + n * cfg.num_heads * 2 * (cfg.qk_head_dim + cfg.v_head_dim) * b
+    if not moe:
+        return out + 6 * n * cfg.intermediate_size * b
+    f = cfg.moe_intermediate_size
+    out += 6 * n * f * cfg.num_shared_experts * b + n * cfg.num_routed_experts * 4 + s.m * d * b
+    if program.grouped == "tiled":
+        out += s.g * (d + (9 if experts_axis > 1 else 2) * f) * b
+    else:
+        out += s.r * (d + 6 * f) * b
+    if experts_axis > 1:
+        out += 3 * s.r * d + 2 * s.m * d
+    if gathers_experts:
+        out += 3 * cfg.num_routed_experts * d * f * b
+    return out
+
+
+def layer_backward_bytes(cfg: ModelConfig, tokens: int, seq: int, moe: bool, experts_axis: int,
+                         program: Program) -> int:
+    """Gradients one layer's backward holds beyond its saved tensors (module docstring)."""
+    b, d, s = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size, _shapes(cfg, tokens, experts_axis, program)
+    seqs = max(1, s.n // seq)
+    out = 0 if program.flash else seqs * cfg.num_heads * seq * seq * (2 * 4 + b)
+    if not moe:
+        return out + 3 * s.n * cfg.intermediate_size * b
+    f = cfg.moe_intermediate_size
+    if program.grouped == "tiled":
+        return out + s.g * (4 * d + f) * b
+    return out + (s.r * d + 2 * s.r * f) * b
+
+
+def exchange_bytes(cfg: ModelConfig, tokens: int, experts_axis: int, program: Program) -> int:
+    """The expert-parallel exchange's buffers in one layer, forward and transpose (0 without EP)."""
+    if experts_axis <= 1:
+        return 0
+    b, d, s = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size, _shapes(cfg, tokens, experts_axis, program)
+    per_direction = 6 * s.r + 2 * s.m if program.exchange == "padded" else 3 * s.r + 3 * s.m
+    return 2 * per_direction * d * b
+
+
+def activation_bytes(cfg: ModelConfig, seq: int, groups: list[LayerGroup], *, program: Program,
+                     experts_axis: int = 1, stages: int = 1, gathers_experts: bool = False) -> dict[str, int]:
+    """The activation rows of the plan, bytes per device (module docstring)."""
+    b, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
+    groups = [g for g in groups if g.layers]
+
+    def saved(g: LayerGroup, tokens: int) -> int:
+        return layer_saved_bytes(cfg, tokens, g.moe, experts_axis, program, gathers_experts and g.moe)
+
+    kept = sum(g.layers * (g.saved_tokens * d * b if cfg.remat else saved(g, g.saved_tokens)) for g in groups)
+    # with remat, the layer at work recomputes its saved tensors for the tokens it works on
+    work = max((saved(g, g.live_tokens) if cfg.remat else 0)
+               + layer_backward_bytes(cfg, g.live_tokens, seq, g.moe, experts_axis, program) for g in groups)
+    out = {"saved layer inputs" if cfg.remat else "saved for the backward": kept,
+           "one layer's backward": work}
+    if experts_axis > 1:
+        out["expert-parallel buffers"] = max((exchange_bytes(cfg, g.live_tokens, experts_axis, program)
+                                              for g in groups if g.moe), default=0)
+    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0].saved_tokens * cfg.vocab_size * 4
+    if stages > 1:
+        out["pipeline buffers"] = 2 * groups[-1].saved_tokens * d * b
+    return out
+
