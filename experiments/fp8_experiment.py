@@ -1,19 +1,22 @@
 """BF16 against the full FP8 recipe (DeepSeek-V3 section 3.3): same data, seed and schedule.
 
-    python -m experiments.fp8_experiment --runs=runs/fp8 --train_steps=300         # both runs, then the plot
-    python -m experiments.fp8_experiment --runs=runs/fp8 --only=fp8          # one run (run both in parallel)
+    python -m experiments.fp8_experiment --runs=runs/fp8 --arms=bf16,fp8,fp32 --batch=16 --seq_len=128 \
+        --train_steps=300 --cross_eval=8                                  # the runs of docs/fp8.md
     python -m experiments.fp8_experiment --runs=runs/fp8 --plot_only --png=docs/fp8_loss.png
 
 The model is the tiny training preset with every matmul width a multiple of 128 (the FP8 tiles),
-on 8 x 64-token rows a step;
+on `--batch` x `--seq_len`-token rows a step, with the preset's schedule over `--train_steps`.
 `bf16` computes in bfloat16 with fp32 AdamW moments, `fp8` adds `fp8_matmul=True` (Fprop, Dgrad
-and Wgrad in FP8, FP8 residuals) and bf16 moments. Prints the mean training loss of the last
-`--window` steps of each and their relative difference (the paper reports < 0.25%), and writes
-both curves to a PNG.
+and Wgrad in FP8, FP8 residuals) and bf16 moments, `fp32` computes in fp32 (the full-precision
+reference), `bf16_moments` is bf16 with only the moments changed. Prints the mean training loss
+(and lm loss) of the last `--window` steps of each run and its signed difference relative to
+bf16 (the paper reports < 0.25%), writes the curves to a PNG, and with `--cross_eval` evaluates
+each run's final weights under each arm's forward.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -22,9 +25,13 @@ from absl import app, flags
 _RUNS = flags.DEFINE_string("runs", "runs/fp8", "Folder of the two runs (bf16/, fp8/).")
 _STEPS = flags.DEFINE_integer("train_steps", 300, "Train steps of each run.")
 _WINDOW = flags.DEFINE_integer("window", 50, "Steps at the end whose mean loss is compared.")
-_ONLY = flags.DEFINE_enum("only", None, ["bf16", "fp8", "bf16_moments"], "Run just this one.")
-_PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Read the two runs' metrics; train nothing.")
+_ARMS = flags.DEFINE_list("arms", "bf16,fp8", "Runs to train, one after the other (keys of RECIPES).")
+_BATCH = flags.DEFINE_integer("batch", 8, "Rows per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per row.")
+_PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Read the runs' metrics; train nothing.")
 _PNG = flags.DEFINE_string("png", "docs/fp8_loss.png", "Where the two curves go.")
+_CROSS_EVAL = flags.DEFINE_integer("cross_eval", 0, "Held-out batches on which to evaluate each run's final "
+                                   "weights under each arm's forward (0: skip).")
 _MEMORY = flags.DEFINE_bool("memory", False, "Print the bytes saved for backward per MoE layer (bf16 vs FP8 "
                             "caching) and the optimizer-state bytes (fp32 vs bf16 moments); train nothing.")
 
@@ -32,6 +39,8 @@ _MEMORY = flags.DEFINE_bool("memory", False, "Print the bytes saved for backward
 MODEL = dict(compute_dtype="bfloat16", moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=128)
 RECIPES = {
     "bf16": dict(model=dict(fp8_matmul=False), moment_dtype="float32"),
+    # Everything in fp32: which of bf16 and fp8 lands nearer full precision.
+    "fp32": dict(model=dict(compute_dtype="float32"), moment_dtype="float32"),
     "fp8": dict(model=dict(fp8_matmul=True), moment_dtype="bfloat16"),
     # bf16 with only the moments changed: how far a small numeric change moves the last-50 mean.
     "bf16_moments": dict(model=dict(fp8_matmul=False), moment_dtype="bfloat16"),
@@ -39,13 +48,13 @@ RECIPES = {
 COMPARED = ("bf16", "fp8")  # the claim; bf16_moments is reported when its run exists
 
 
-def run_config(name: str, workdir: str, steps: int):
+def run_config(name: str, workdir: str, steps: int, batch: int = 8, seq_len: int = 64):
     from experiments.configs import tiny
 
     c = tiny.get_config()
     c.model.update({**MODEL, **RECIPES[name]["model"]})
     c.optimizer.moment_dtype = RECIPES[name]["moment_dtype"]
-    c.data.seq_len, c.data.batch_size = 64, 8  # 512 tokens a step: 300 steps fit a shared 2-core machine
+    c.data.seq_len, c.data.batch_size = seq_len, batch
     c.train.workdir = os.path.join(workdir, name)
     c.train.steps = steps
     c.train.log_every = 1  # a loss for every step
@@ -54,22 +63,59 @@ def run_config(name: str, workdir: str, steps: int):
     return c
 
 
-def losses(workdir: str, name: str) -> np.ndarray:
+def losses(workdir: str, name: str, key: str = "loss") -> np.ndarray:
+    """Per-step `key` (the training loss: lm + MTP + balance; or `lm_loss`) of one run, in step order."""
     from dsv3_jax.train.metrics import read_metrics
 
     records = read_metrics(os.path.join(workdir, name))
-    return np.array([r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "loss" in r])
+    return np.array([r[key] for r in sorted(records, key=lambda r: r["step"]) if key in r])
 
 
-def compare(workdir: str, window: int) -> dict:
+def compare(workdir: str, window: int, key: str = "loss") -> dict:
+    """Mean `key` over the last `window` steps of every run under `workdir`, and each one's signed
+    difference relative to bf16 ((run - bf16) / bf16)."""
     names = [name for name in RECIPES if name in COMPARED or os.path.isdir(os.path.join(workdir, name))]
-    curves = {name: losses(workdir, name) for name in names}
+    curves = {name: losses(workdir, name, key) for name in names}
     n = min(len(c) for c in curves.values())
     if n < window:
         raise SystemExit(f"need {window} logged steps in each run under {workdir}; have {n}")
     means = {name: float(np.mean(c[n - window:n])) for name, c in curves.items()}
-    rel = {name: abs(m - means["bf16"]) / means["bf16"] for name, m in means.items() if name != "bf16"}
+    rel = {name: (m - means["bf16"]) / means["bf16"] for name, m in means.items() if name != "bf16"}
     return dict(curves=curves, steps=n, means=means, relative_difference=rel)
+
+
+def cross_eval(workdir: str, max_batches: int) -> dict:
+    """Held-out loss of each run's final weights under each arm's forward: {(weights, forward): loss}.
+
+    Separates "these weights are better" (a row lower under every forward) from "this forward
+    reads a lower loss" (a column lower for every row's weights)."""
+    from flax import nnx
+
+    from dsv3_jax import load_pretrained
+    from dsv3_jax.train import losses as losses_lib
+    from experiments.train import make_data
+
+    @nnx.jit
+    def nll(model, batch):
+        inputs, targets, mask = losses_lib.inputs_and_targets(batch)
+        t = inputs.shape[1]
+        out = model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
+                            with_mtp=False)
+        return losses_lib.cross_entropy(out.logits, targets, mask)
+
+    names = [n for n in RECIPES if os.path.isdir(os.path.join(workdir, n, "checkpoints"))]
+    with open(os.path.join(workdir, names[0], "config.json")) as f:
+        data = json.load(f)["data"]
+    c = run_config(names[0], workdir, 1, data["batch_size"], data["seq_len"])
+    batches = [b for _, b in zip(range(max_batches), make_data(c, c.model.vocab_size)[1])]
+    table = {}
+    for weights in names:
+        for forward in names:
+            policy = {"compute_dtype": MODEL["compute_dtype"], "fp8_matmul": False, **RECIPES[forward]["model"]}
+            model = load_pretrained(os.path.join(workdir, weights), **policy)
+            sums = [nll(model, b) for b in batches]
+            table[weights, forward] = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
+    return table
 
 
 def plot(result: dict, window: int, png: str) -> None:
@@ -83,7 +129,7 @@ def plot(result: dict, window: int, png: str) -> None:
                 lw=1)
     ax.axvspan(result["steps"] - window, result["steps"], color="0.9")
     ax.set(xlabel="step", ylabel="training loss (lm + MTP + balance)", yscale="log",
-           title=f"BF16 vs FP8 recipe: relative difference {100 * result['relative_difference']['fp8']:.3f}%")
+           title=f"BF16 vs FP8 recipe: FP8 relative to BF16 {100 * result['relative_difference']['fp8']:+.3f}%")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
@@ -153,17 +199,21 @@ def main(argv):
     if not _PLOT_ONLY.value:
         from experiments.train import train
 
-        for name in [_ONLY.value] if _ONLY.value else list(RECIPES):
-            train(run_config(name, _RUNS.value, _STEPS.value))
-        if _ONLY.value:
-            return
+        for name in _ARMS.value:
+            if name not in RECIPES:
+                raise app.UsageError(f"--arms: unknown arm {name!r}; choose from {sorted(RECIPES)}")
+            train(run_config(name, _RUNS.value, _STEPS.value, _BATCH.value, _SEQ_LEN.value))
     result = compare(_RUNS.value, _WINDOW.value)
     plot(result, _WINDOW.value, _PNG.value)
-    print(f"steps {result['steps']}, mean training loss over the last {_WINDOW.value}: "
-          + ", ".join(f"{name} {m:.5f}" for name, m in result["means"].items()) + "; relative to bf16: "
-          + ", ".join(f"{name} {100 * r:.4f}%" for name, r in result["relative_difference"].items())
-          + f" (paper: FP8 < 0.25%); curves in {_PNG.value}")
-
+    for key, what in (("loss", "training loss (lm + MTP + balance)"), ("lm_loss", "lm loss")):
+        r = compare(_RUNS.value, _WINDOW.value, key)
+        print(f"steps {r['steps']}, mean {what} over the last {_WINDOW.value}: "
+              + ", ".join(f"{name} {m:.5f}" for name, m in r["means"].items()) + "; relative to bf16: "
+              + ", ".join(f"{name} {100 * d:+.4f}%" for name, d in r["relative_difference"].items()))
+    print(f"paper: FP8 within 0.25% of BF16; curves in {_PNG.value}")
+    if _CROSS_EVAL.value:
+        for (weights, forward), loss in cross_eval(_RUNS.value, _CROSS_EVAL.value).items():
+            print(f"held-out loss, {weights} weights, {forward} forward: {loss:.5f}")
 
 if __name__ == "__main__":
     app.run(main)

@@ -1,7 +1,9 @@
 """FP8 (e4m3) block quantisation, DeepSeek recipe: 1x128 tiles for activations, 128x128 for weights.
 
-`scale = max(amax_of_tile, 1e-4) / 448`, `q = cast_e4m3(x / scale)`; with `pow2_scale` the scale
-is rounded *up* to a power of two ("ue8m0"), so `|x / scale| <= 448` still holds. Partial edge
+`scale = max(amax_of_tile, min_amax) / 448`, `q = cast_e4m3(x / scale)`; with `pow2_scale` the scale
+is rounded *up* to a power of two ("ue8m0"), so `|x / scale| <= 448` still holds. `min_amax`
+defaults to DeepGEMM's 1e-4, right for weights and activations; gradients, whose size follows the
+loss normalisation (~1/tokens per step), need a floor that only guards all-zero tiles. Partial edge
 tiles (K or N not multiples of 128) are quantised over their valid elements only.
 
 Shapes: M rows (tokens), N output features, K contraction; KB = ceil(K/128), NB = ceil(N/128).
@@ -21,8 +23,8 @@ E4M3_MAX = 448.0
 MIN_AMAX = 1e-4
 
 
-def _scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
-    scale = jnp.maximum(amax, MIN_AMAX) / E4M3_MAX
+def _scale_from_amax(amax: jax.Array, pow2_scale: bool, min_amax: float) -> jax.Array:
+    scale = jnp.maximum(amax, min_amax) / E4M3_MAX
     if pow2_scale:
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
     return scale.astype(jnp.float32)
@@ -33,21 +35,21 @@ def _cast_e4m3(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
-@functools.partial(jax.jit, static_argnames=("pow2_scale",))
-def quantize_1x128(x_MxK: jax.Array, *, pow2_scale: bool = False):
+@functools.partial(jax.jit, static_argnames=("pow2_scale", "min_amax"))
+def quantize_1x128(x_MxK: jax.Array, *, pow2_scale: bool = False, min_amax: float = MIN_AMAX):
     """Per-(row, 128-column) quantisation. Returns (x_q [M,K] e4m3, scale [M,KB] f32)."""
     if x_MxK.ndim != 2:
         raise ValueError(f"quantize_1x128 expects [M, K], got {x_MxK.shape=}")
     m, k = x_MxK.shape
     kb = -(-k // TILE)
     x = pad_axis(x_MxK.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
-    scale_MxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=-1), pow2_scale)
+    scale_MxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=-1), pow2_scale, min_amax)
     q = _cast_e4m3(x / scale_MxKB[..., None]).reshape(m, kb * TILE)[:, :k]
     return q, scale_MxKB
 
 
-@functools.partial(jax.jit, static_argnames=("pow2_scale",))
-def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False):
+@functools.partial(jax.jit, static_argnames=("pow2_scale", "min_amax"))
+def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False, min_amax: float = MIN_AMAX):
     """Per-(128x128 block) quantisation. Returns (w_q [N,K] e4m3, scale [NB,KB] f32)."""
     if w_NxK.ndim != 2:
         raise ValueError(f"quantize_128x128 expects [N, K], got {w_NxK.shape=}")
@@ -55,7 +57,7 @@ def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False):
     nb, kb = -(-n // TILE), -(-k // TILE)
     w = pad_axis(pad_axis(w_NxK.astype(jnp.float32), 0, nb * TILE), 1, kb * TILE)
     w = w.reshape(nb, TILE, kb, TILE)
-    scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(w), axis=(1, 3)), pow2_scale)
+    scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(w), axis=(1, 3)), pow2_scale, min_amax)
     q = _cast_e4m3(w / scale_NBxKB[:, None, :, None])
     return q.reshape(nb * TILE, kb * TILE)[:n, :k], scale_NBxKB
 

@@ -9,6 +9,9 @@ block of the contraction accumulated and scaled in fp32 (`pallas_kernels.fp8_mat
 - Wgrad  dw = x^T . dy:  the contraction is the token axis, so x and dy are both quantised in
                          128x1 tiles (128 tokens, one feature).
 
+Every scale is the tile's own `amax / 448`, as in the paper: the amax floor (`MIN_AMAX`) only
+guards all-zero tiles. DeepGEMM's floor of 1e-4 (the quantiser's default, kept for inference)
+would coarsen gradients, whose entries shrink with the tokens a step averages over (~1/tokens).
 What the backward needs is saved in FP8 with its scales: x as its 128x1 tiles, w as its forward
 blocks; the bf16/fp32 input is not kept. Master weights and the returned gradients stay in their
 own dtypes. Letters: M tokens (rows), K input features, N output features, G groups (experts).
@@ -20,6 +23,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+MIN_AMAX = 1e-30  # guards 0/0 only; amax / 448 stays a normal fp32
 
 
 def _kernels():
@@ -35,7 +40,7 @@ def _kernels():
 def _quantize_tokens(a_MxK):
     """1x128 tiles along the feature axis: ([M,K] e4m3, [M,KB] scales)."""
     from pallas_kernels import quantize_1x128
-    return quantize_1x128(a_MxK.astype(jnp.float32))
+    return quantize_1x128(a_MxK.astype(jnp.float32), min_amax=MIN_AMAX)
 
 
 def _quantize_tokens_t(a_MxK):
@@ -46,7 +51,7 @@ def _quantize_tokens_t(a_MxK):
 def _quantize_weight_t(w_KxN):
     """128x128 blocks of w^T: ([N,K] e4m3, [NB,KB] scales); transposed, the same blocks serve Dgrad."""
     from pallas_kernels import quantize_128x128
-    return quantize_128x128(w_KxN.T.astype(jnp.float32))
+    return quantize_128x128(w_KxN.T.astype(jnp.float32), min_amax=MIN_AMAX)
 
 
 def _dtype_carriers(x, w):
@@ -112,7 +117,8 @@ def fp8_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.
 
 def _quantize_weights_t(w_GxKxN):
     from pallas_kernels import quantize_128x128
-    return jax.vmap(quantize_128x128)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
+    quantize = functools.partial(quantize_128x128, min_amax=MIN_AMAX)
+    return jax.vmap(quantize)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
 
 
 def _group_aligned_t(a_MxK, sizes_G):
