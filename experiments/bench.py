@@ -123,9 +123,9 @@ def summarize(results: dict, args) -> dict:
             table[f"{measure} | {fw}"] = {"error": runs[-1].get("error", "")[-200:]}
             continue
         row = {"peak_rss_gb": max(r["peak_rss_gb"] for r in ok)}
-        if "long_s" in ok[0]:
+        if "decode_s" in ok[0]:
             batch, n = (int(x) for x in (measure.split(" b")[1], args.new_tokens))
-            rates = [batch * (n - 1) / max(r["long_s"] - r["short_s"], 1e-9) for r in ok]
+            rates = [batch * (n - 1) / statistics.median(r["decode_s"]) for r in ok]
             row.update(tokens_per_s=statistics.median(rates), compile_s=ok[0]["compile_s"])
         else:
             step = statistics.median(statistics.median(r["step_s"]) for r in ok)
@@ -267,7 +267,7 @@ def _short(r: dict) -> str:
         return "failed"
     if "step_s" in r:
         return f"median step {statistics.median(r['step_s']):.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
-    return f"generate {r['long_s']:.2f} s, 1 token {r['short_s']:.2f} s"
+    return "decode (first to last token) s: " + ", ".join(f"{s:.3f}" for s in r["decode_s"])
 
 
 def write_report(path: str, table: str) -> None:

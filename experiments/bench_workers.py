@@ -127,36 +127,51 @@ def jax_decode_workload(prompt, batch, new_tokens):
     return run
 
 
-def jax_decode(prompt, batch, new_tokens):
-    run = jax_decode_workload(prompt, batch, new_tokens)
-    compile_s = run(new_tokens)
-    return {"compile_s": compile_s, **_short_and_long(run, new_tokens)}
+def jax_decode(prompt, batch, new_tokens, repeats: int = 3):
+    """Greedy decode: seconds from the first generated token (the prefill's) to the last, per run."""
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.inference.generate import Generation
+
+    model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
+
+    def run():
+        stamps = [time.perf_counter() for _ in Generation(model, prompts, new_tokens)]
+        return stamps[-1] - stamps[0]  # the first step yields the prefill's token
+
+    start = time.perf_counter()
+    run()
+    return {"compile_s": time.perf_counter() - start, "decode_s": [run() for _ in range(repeats)]}
 
 
-def _short_and_long(run, new_tokens: int, repeats: int = 3) -> dict:
-    """Fastest of `repeats` generates of 1 and of `new_tokens` tokens, alternating: decode speed is
-    their difference, so each side must be a low-noise figure (a 4K prefill is seconds long)."""
-    times = {"short_s": [], "long_s": []}
-    for _ in range(repeats):
-        times["short_s"].append(run(1))
-        times["long_s"].append(run(new_tokens))
-    return {name: min(values) for name, values in times.items()}
-
-
-def hf_decode(prompt, batch, new_tokens):
+def hf_decode(prompt, batch, new_tokens, repeats: int = 3):
+    """transformers' `generate`, timed the same way: a stopping criterion stamps every new token."""
     import torch
+    import transformers
+
+    class Stamps(transformers.StoppingCriteria):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     model = hf_model(model_config("issue")).eval()
     ids = torch.randint(0, 4096, (batch, prompt), generator=torch.Generator().manual_seed(1))
 
-    def run(n):
-        start = time.perf_counter()
+    def run(n=new_tokens):
+        stamps = Stamps()
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+                           do_sample=False, pad_token_id=0, stopping_criteria=[stamps])
+        return stamps.times[-1] - stamps.times[0]
 
-    return {"compile_s": run(2), **_short_and_long(run, new_tokens)}
+    start = time.perf_counter()
+    run(2)
+    return {"compile_s": time.perf_counter() - start, "decode_s": [run() for _ in range(repeats)]}
 
 
 def jax_trainer(steps):
