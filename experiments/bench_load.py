@@ -1,6 +1,7 @@
 """Sharded loading benchmark: peak RSS of `load_pretrained` on a synthetic HF folder, unsharded (one
 process, one device) against two processes x 4 fake CPU devices (`jax.distributed` on 127.0.0.1)
-on an fsdp=2 x expert=4 mesh, and one process onto those 8 devices. Each load runs in its own
+on an fsdp=2 x expert=4 mesh, one process onto those 8 devices, and one process onto 8 devices on
+an fsdp=8 mesh. Each load runs in its own
 subprocess; each also checks every parameter's sharding against the rules table and compares the
 logits with the unsharded load.
 
@@ -18,10 +19,13 @@ parameter is split over fsdp only, so it is held 4 times (once per expert rank):
 `device_bytes` = 1.16 x the model's bytes for the bf16 1 GB folder (1.13 x for the FP8 one),
 inherent to the mesh. The rest, peak - before - device_bytes, is the staging: one device block
 being read, plus the MTP copy comparison's 8 MB row blocks; it is printed too (0.02 x here).
+The fourth load, one process onto 8 devices on an fsdp=8 mesh (nothing replicated), is held to
+the plain criterion: raw peak RSS, runtime included, below 1.3 x the model's bytes (1.267 x for
+the bf16 1 GB folder).
 
     python -m experiments.bench_load worker HF_DIR OUT MODE [PORT PROCESS_ID]
 
-runs one load (MODE: unsharded, one8 or two) and writes OUT.<process>.json (+ .npy logits).
+runs one load (MODE: unsharded, one8, one8_fsdp or two) and writes OUT.<process>.json (+ .npy logits).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import subprocess
 import sys
 
 MESH = {"fsdp": 2, "expert": 4}
+FSDP8 = {"fsdp": 8}  # "one8_fsdp": one process, 8 devices, nothing replicated (every leaf split over fsdp)
 TOKENS = [[3, 17, 5, 90, 1, 64, 33, 8], [7, 7, 2, 41, 12, 0, 25, 60]]
 
 
@@ -46,7 +51,7 @@ def _rss(field: str) -> int:
 
 
 def worker(hf_dir: str, out: str, mode: str, port: int = 0, process_id: int = 0, dtype: str | None = None) -> None:
-    devices = {"unsharded": 1, "one8": 8, "two": 4}[mode]
+    devices = {"unsharded": 1, "one8": 8, "one8_fsdp": 8, "two": 4}[mode]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
                                " --xla_cpu_collective_timeout_seconds=900")
     from sharding import multihost
@@ -72,7 +77,7 @@ def worker(hf_dir: str, out: str, mode: str, port: int = 0, process_id: int = 0,
         return x
 
     hf_reader.HFReader.window = counting_window
-    mesh = None if mode == "unsharded" else sharding.make_mesh(MESH)
+    mesh = None if mode == "unsharded" else sharding.make_mesh(FSDP8 if mode == "one8_fsdp" else MESH)
     jax.devices()  # the XLA client and its devices exist before the "before" figure
     rss_before = _rss("VmRSS")
     # float32 arithmetic: sharded and unsharded logits then differ by summation order only
@@ -137,7 +142,7 @@ def main() -> None:
         p = argparse.ArgumentParser()
         p.add_argument("hf_dir")
         p.add_argument("out")
-        p.add_argument("mode", choices=["unsharded", "one8", "two"])
+        p.add_argument("mode", choices=["unsharded", "one8", "one8_fsdp", "two"])
         p.add_argument("port", type=int, nargs="?", default=0)
         p.add_argument("process_id", type=int, nargs="?", default=0)
         p.add_argument("--dtype")
@@ -164,7 +169,7 @@ def main() -> None:
     env.pop("XLA_FLAGS", None)
     out = os.path.join(args.workdir, "report")
     results = {}
-    for mode in ("unsharded", "two", "one8"):
+    for mode in ("unsharded", "two", "one8", "one8_fsdp"):
         results[mode] = run_load(hf, f"{out}_{mode}", mode, env)
         for r in results[mode]:
             print(f"{mode:9s} process {r['process']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB (before loading "
@@ -173,7 +178,7 @@ def main() -> None:
                   f"{r['shardings_checked']} shardings checked", flush=True)
     ref = np.load(f"{out}_unsharded.0.npy")
     model_bytes = results["unsharded"][0]["param_bytes"]
-    for mode in ("two", "one8"):
+    for mode in ("two", "one8", "one8_fsdp"):
         diff = max(float(np.max(np.abs(np.load(f"{out}_{mode}.{i}.npy") - ref))) for i in range(len(results[mode])))
         print(f"{mode}: max |logits - unsharded| = {diff:.3g}")
     unsharded = results["unsharded"][0]["peak_rss"]
@@ -186,6 +191,10 @@ def main() -> None:
           f"{one8['device_bytes'] / model_bytes:.3f} (non-expert parameters x4 over the expert axis) and staging "
           f"{(load_peak - one8['device_bytes']) / model_bytes:.3f}; raw peak / model bytes "
           f"{one8['peak_rss'] / model_bytes:.3f} (RSS before loading {one8['rss_before'] / 1e9:.3f} GB)")
+    fsdp8 = results["one8_fsdp"][0]
+    print(f"one process on 8 devices, fsdp=8 (no replication): raw peak / model bytes "
+          f"{fsdp8['peak_rss'] / model_bytes:.3f} (need < 1.3); its devices hold "
+          f"{fsdp8['device_bytes'] / model_bytes:.3f}")
     if not args.keep:
         import shutil
 
