@@ -18,8 +18,8 @@ backward layer at work) or, with per-layer remat, inside one layer's backward. C
   With per-layer remat only the layer input [N, D] is saved.
 - routed rows: `ragged_dot` (TPU, GPU) holds the R rows: [R, D] + 6 x [R, F]. The tiled grouped
   matmul (XLA:CPU) pads each expert's rows to a tile t, G = (ceil(R / t) + local experts) * t rows.
-  On the expert-parallel receive side it is a scan of `cond`s whose autodiff keeps [G, D] +
-  9 x [G, F]; the single-device tile loop has its own backward and keeps [G, D] + 2 x [G, F].
+  One tile loop serves both the single-device dispatch and the expert-parallel receive side; it
+  has its own backward and keeps [G, D] + 2 x [G, F] (the tiles' rows, gate and up).
   Expert parallelism adds bool [R, D] x 3 and [M, D] x 2 (the masks of padding rows).
 - gathered expert weights: on a mesh that splits tokens but not experts (`token_parallel`), each
   MoE layer's experts are gathered whole, 3 x [E, D, F] per layer, and kept for the backward.
@@ -123,7 +123,7 @@ def layer_saved_bytes(cfg: ModelConfig, tokens: int, moe: bool, experts_axis: in
     f = cfg.moe_intermediate_size
     out += 6 * n * f * cfg.num_shared_experts * b + n * cfg.num_routed_experts * 4 + s.m * d * b
     if program.grouped == "tiled":
-        out += s.g * (d + (9 if experts_axis > 1 else 2) * f) * b
+        out += s.g * (d + 2 * f) * b
     else:
         out += s.r * (d + 6 * f) * b
     if experts_axis > 1:
