@@ -76,7 +76,7 @@ def _constrain(tree, sharding):
 
 class Steps(NamedTuple):
     prefill: object  # jitted prefill.prefill_chunk, pure in (state, cache, window, start, lengths, carry, key)
-    decode: object  # jitted (state, cache, tokens, positions, key) -> (emitted, accepted, next tokens, cache)
+    decode: object  # jitted (state, cache, tokens, positions, key, step) -> (emitted, accepted, next tokens, cache)
     traces: collections.Counter  # "prefill" / "decode": times each was traced, for this bundle only
 
 
@@ -91,8 +91,9 @@ def _compiled(graphdef, use_mtp: bool, sampling: SamplingConfig, cache_sharding)
                                              width=width, sampling=sampling)
         return carry, _constrain(cache, cache_sharding)
 
-    def decode(state, cache, tokens, positions, key):
+    def decode(state, cache, tokens, positions, key, step):
         traces["decode"] += 1
+        key = jax.random.fold_in(key, step)  # in the step: no host-side dispatch per token
         model = nnx.merge(graphdef, state)
         if use_mtp:
             emitted, accepted, nxt, cache = speculative.step(model, cache, tokens, positions, key, sampling=sampling)
@@ -207,9 +208,8 @@ class Generation:
         positions = self.lengths.copy()
         while not self._done.all():
             active, start = ~self._done, time.perf_counter()
-            key = jax.random.fold_in(self.key, self.stats.forwards + 1)
-            emitted, accepted, tokens, self.cache = self.steps.decode(self.state, self.cache, tokens,
-                                                                      jnp.asarray(positions), key)
+            emitted, accepted, tokens, self.cache = self.steps.decode(self.state, self.cache, tokens, positions,
+                                                                      self.key, np.int32(self.stats.forwards + 1))
             self.stats.decode_traces = self.steps.traces["decode"] - traces_before.get("decode", 0)
             emitted, accepted = np.asarray(emitted), np.asarray(accepted)
             seconds = time.perf_counter() - start

@@ -104,15 +104,16 @@ class MLA(nnx.Module):
         return self.kv_norm(c_kv), apply_rope(k_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
     def __call__(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None,
-                 *, cache: LatentCache | None = None, positions: jax.Array | None = None):
+                 *, cache: LatentCache | None = None, positions: jax.Array | None = None, layer=None):
         """x [B, T, D], cos/sin [B, T, R/2], segment_ids [B, T] or None -> [B, T, D] (expanded form).
 
-        With `cache` (one layer, [B, S, ...]) and the tokens' `positions` [B, T] (consecutive per row):
-        the absorbed form over the cache slots before `positions` plus this call's own entries.
+        With `cache` (one layer [B, S, ...], or a stack [L, B, S, ...] read at `layer`) and the tokens'
+        `positions` [B, T] (consecutive per row): the absorbed form over the cache slots before
+        `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
         if cache is not None:
-            return self.absorbed(x_BxTxD, cos, sin, cache, positions)
+            return self.absorbed(x_BxTxD, cos, sin, cache, positions, layer)
         return self.expanded(x_BxTxD, cos, sin, segment_ids)
 
     def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -130,7 +131,7 @@ class MLA(nnx.Module):
         return self._mm("BTHV,HVD->BTD", out, self.wo)
 
     def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
-                 positions_BxT: jax.Array) -> tuple[jax.Array, LatentCache]:
+                 positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
         """Queries in the latent space over the cache slots before `positions` and the call's own entries."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
@@ -141,6 +142,7 @@ class MLA(nnx.Module):
         q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
         attend = (latent_attention.attend_pallas if cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
                   else latent_attention.attend)
-        o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
+        o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, softmax_scale=cfg.softmax_scale, compute_dtype=dt,
+                       layer=layer)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
         return self._mm("BTHV,HVD->BTD", out.astype(dt), self.wo), entries

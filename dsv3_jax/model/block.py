@@ -42,18 +42,25 @@ class Block(nnx.Module):
             self.ffn = MLP(d, cfg.intermediate_size, std=cfg.initializer_range, param_dtype=pd,
                            compute_dtype=cfg.compute_dtype, rngs=rngs, fp8=cfg.fp8_matmul)
 
-    def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None):
-        """x [B, T, D] -> (x, router stats | None); with this layer's `cache` [B, S, ...] also the
-        entries [B, T, ...] to store at `ctx.positions`: (x, stats, entries)."""
+    def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None, layer=None):
+        """x [B, T, D] -> (x, router stats | None); with this layer's `cache` [B, S, ...] (or a stack
+        [L, B, S, ...] read at `layer`) also the entries [B, T, ...] to store at `ctx.positions`:
+        (x, stats, entries)."""
         a = self.attn(self.attn_norm(x_BxTxD), ctx.cos, ctx.sin, ctx.segment_ids, cache=cache,
-                      positions=ctx.positions)
+                      positions=ctx.positions, layer=layer)
         a, entries = a if cache is not None else (a, None)
         x = x_BxTxD + a
         if isinstance(self.ffn, MoE):
-            y, stats = self.ffn(self.ffn_norm(x), ctx.token_mask)
+            stacked = layer is not None and self.ffn.w1.ndim == 4  # run_stack's cached path: experts read in place
+            y, stats = self.ffn(self.ffn_norm(x), ctx.token_mask, layer if stacked else None)
         else:
             y, stats = self.ffn(self.ffn_norm(x)), None
         return (x + y, stats) if cache is None else (x + y, stats, entries)
+
+
+def _routed_expert_weights(path, _) -> bool:
+    """The MoE's routed-expert weights (ffn.w1 / w3 / w2), not the shared expert's."""
+    return len(path) >= 2 and path[-2] == "ffn" and path[-1] in ("w1", "w3", "w2")
 
 
 def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None):
@@ -61,16 +68,19 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
 
     Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): with a
     stacked `cache` [L, B, S, ...] it rides in the carry and each layer's entries are written in
-    place at `ctx.positions`; without one the returned cache is None.
+    place at `ctx.positions`; without one the returned cache is None. With a cache (inference, where
+    a token reads only its top-k experts) the routed experts' weights are not sliced per layer but
+    read in place from the stack, so a step does not copy every expert's weights of every layer.
     """
     if cache is not None:
         def cached(carry, block, layer):
             x, stack = carry
-            x, stats, entries = block(x, ctx, stack.layer(layer))
+            x, stats, entries = block(x, ctx, stack, layer)  # read in place: no per-layer copy
             return (x, stack.write(entries, ctx.positions, layer)), stats
 
         num_layers = cache.latent.shape[0]
-        scan = nnx.scan(cached, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        blocks_axes = nnx.StateAxes({_routed_expert_weights: None, ...: 0}) if isinstance(blocks.ffn, MoE) else 0
+        scan = nnx.scan(cached, in_axes=(nnx.Carry, blocks_axes, 0), out_axes=(nnx.Carry, 0))
         (x, cache), stats = scan((x_BxTxD, cache), blocks, jnp.arange(num_layers))
         return x, stats, cache
 

@@ -53,14 +53,17 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x_BxTxD: jax.Array, token_mask_BxT: jax.Array | None = None
+    def __call__(self, x_BxTxD: jax.Array, token_mask_BxT: jax.Array | None = None, layer=None
                  ) -> tuple[jax.Array, RouterStats]:
-        """x [B, T, D] -> (routed + shared output [B, T, D], router statistics)."""
+        """x [B, T, D] -> (routed + shared output [B, T, D], router statistics).
+
+        With `layer`, the routed experts' weights are the whole stack [L, E, ...] (inference over a
+        scanned stack, `block.run_stack`) and are read in place at `layer`."""
         cfg, (b, t, d) = self.cfg, x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(b * t, d)
         route = self.gate(x_NxD)
         dt = cfg.compute_dtype
-        y, dropped = self._routed(x_NxD.astype(dt), route)
+        y, dropped = self._routed(x_NxD.astype(dt), route, layer)
         y = y.reshape(b, t, d)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BxTxD)
@@ -70,14 +73,19 @@ class MoE(nnx.Module):
                             dropped / route.experts_NxK.size)
         return y, stats
 
-    def _routed(self, x_NxD: jax.Array, route: routing.Routing) -> tuple[jax.Array, jax.Array]:
+    def _routed(self, x_NxD: jax.Array, route: routing.Routing, layer=None) -> tuple[jax.Array, jax.Array]:
         """Routed experts: all-to-all expert parallelism when the context mesh (`jax.set_mesh`)
         splits experts over `expert`, else the single-device dispatch on each device's tokens.
         Same function when dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        weights = (self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt))
         impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
         mesh = jax.sharding.get_abstract_mesh()
+        stacks = (self.w1[...], self.w3[...], self.w2[...])
+        if layer is not None and not expert_parallel.is_active(mesh) and not expert_parallel.splits_tokens(mesh):
+            return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *stacks, impl=impl,
+                                           max_tile=cfg.moe_tile_size, layer=layer), jnp.float32(0)
+        weights = (tuple(w.astype(dt) for w in stacks) if layer is None
+                   else dispatch.layer_weights(stacks, layer, dt))
         if expert_parallel.is_active(mesh):
             local = functools.partial(dispatch.local_expert_mlp, impl=impl, max_tile=cfg.moe_tile_size)
             y, dropped = expert_parallel.expert_parallel(

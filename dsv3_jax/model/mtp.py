@@ -29,14 +29,15 @@ class MTPLayer(nnx.Module):
         self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd)
 
     def __call__(self, h_prev_BxTxD: jax.Array, emb_next_BxTxD: jax.Array, ctx: Context,
-                 cache: LatentCache | None = None):
+                 cache: LatentCache | None = None, depth=None):
         """h^{k-1} [B, T, D] and Emb(t_{i+k}) [B, T, D] -> (h^k [B, T, D], router stats); with this
-        depth's latent `cache` also the entries to store at `ctx.positions` (see `Block`)."""
+        depth's latent `cache` (or the stack of depths read at `depth`) also the entries to store at
+        `ctx.positions` (see `Block`)."""
         dt = self.compute_dtype
         z = jnp.concatenate([self.enorm(emb_next_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
         z = jnp.einsum("BTE,ED->BTD", z.astype(dt), self.eh_proj[...].astype(dt),
                        preferred_element_type=jnp.float32).astype(dt)
-        z, *rest = self.block(z, ctx, cache)
+        z, *rest = self.block(z, ctx, cache, depth)
         return (self.norm(z), *rest)
 
 

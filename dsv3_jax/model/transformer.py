@@ -139,7 +139,7 @@ class DeepSeekV3(nnx.Module):
         graphdef, state = nnx.split(self.mtp)
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[depth], state))
         ctx = self._context(tokens_next_BxT, positions_BxT, None, None, cached=True)
-        h, _, entries = layer(h_prev_BxTxD, self.embed_tokens(tokens_next_BxT), ctx, cache.mtp.layer(depth))
+        h, _, entries = layer(h_prev_BxTxD, self.embed_tokens(tokens_next_BxT), ctx, cache.mtp, depth)
         return h, cache._replace(mtp=cache.mtp.write(entries, positions_BxT, depth))
 
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,

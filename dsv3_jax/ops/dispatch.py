@@ -56,8 +56,9 @@ def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
 
 
-def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
-    """Rows padded per expert to a multiple of the tile t, each tile through its expert's SwiGLU.
+def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int, layer=None):
+    """Rows padded per expert to a multiple of the tile t, each tile through its expert's SwiGLU
+    (weights [E, ...], or a layer stack [L, E, ...] read in place at `layer`).
 
     Sorted rows whose expert is E (the expert-parallel receive side's padding) belong to no expert:
     they are in no tile and their outputs are zero. Tiles past the last expert's rows are skipped
@@ -78,16 +79,22 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
 
     x_JxtxD = jnp.zeros((num_tiles * t, d), x_MxD.dtype).at[pos_M].set(x_MxD, mode="drop")
     y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), active_J,
-                               w1_ExDxF, w3_ExDxF, w2_ExFxD)
+                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
-def _at(w_ExAxB, e):
-    return jax.lax.dynamic_index_in_dim(w_ExAxB, e, axis=0, keepdims=False)
+def _at(w_ExAxB, e, layer=None):
+    """Expert e's [A, B] of w [E, A, B], or of a stack [L, E, A, B] at `layer`: one slice read."""
+    if layer is None:
+        return jax.lax.dynamic_index_in_dim(w_ExAxB, e, axis=0, keepdims=False)
+    return jax.lax.dynamic_slice(w_ExAxB, (layer, e, 0, 0), (1, 1, *w_ExAxB.shape[2:]))[0, 0]
 
 
-def _add_at(acc_ExAxB, e, value_AxB):
-    return jax.lax.dynamic_update_index_in_dim(acc_ExAxB, _at(acc_ExAxB, e) + value_AxB, e, axis=0)
+def _add_at(acc_ExAxB, e, value_AxB, layer=None):
+    value = (_at(acc_ExAxB, e, layer) + value_AxB)[None]
+    if layer is None:
+        return jax.lax.dynamic_update_slice(acc_ExAxB, value, (e, 0, 0))
+    return jax.lax.dynamic_update_slice(acc_ExAxB, value[None], (layer, e, 0, 0))
 
 
 def _mm(eq, a, b):
@@ -98,38 +105,45 @@ def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
     """One row tile through one expert's SwiGLU: (y [t, D], gate [t, F], up [t, F]), the unit of
     work of `tile_loop_swiglu` (gate and up are what its backward needs)."""
     dt = x_txD.dtype
+    w1_DxF, w3_DxF, w2_FxD = w1_DxF.astype(dt), w3_DxF.astype(dt), w2_FxD.astype(dt)
     gate, up = _mm("tD,DF->tF", x_txD, w1_DxF).astype(dt), _mm("tD,DF->tF", x_txD, w3_DxF).astype(dt)
     return _mm("tF,FD->tD", _swiglu(gate, up), w2_FxD).astype(dt), gate, up
 
 
 @jax.custom_vjp
-def tile_loop_swiglu(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+def tile_loop_swiglu(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
+
+    Weights are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
+    place (inference over a scanned stack: no per-layer copy of every expert's weights); each tile
+    casts its expert's weights to x's dtype.
 
     Tiles with active_J False are skipped (a `lax.cond`: no work, zero output), forward and
     backward. Each step reads its expert's weights in place (no [J, D, F] copy of them) and the
     backward adds each tile's weight gradient into its expert's slot of one [E, D, F] buffer, so
     memory follows the rows, not tiles x weights.
     """
-    return _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD)[0]
+    return _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)[0]
 
 
-def _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD):
-    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[2]
+def _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
+    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[-1]
 
     def tile(_, xs):
         x_txD, e, active = xs
         skipped = (jnp.zeros((t, d), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype))
-        return None, jax.lax.cond(active, lambda: _tile_swiglu(x_txD, _at(w1_ExDxF, e), _at(w3_ExDxF, e),
-                                                                _at(w2_ExFxD, e)), lambda: skipped)
+        return None, jax.lax.cond(active, lambda: _tile_swiglu(x_txD, _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer),
+                                                                _at(w2_ExFxD, e, layer)), lambda: skipped)
 
     _, (y_JxtxD, gate_JxtxF, up_JxtxF) = jax.lax.scan(tile, None, (x_JxtxD, tile_expert_J, active_J))
-    return y_JxtxD, (x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF)
+    res = (x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF)
+    return y_JxtxD, res
 
 
 def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD):
     """One tile's backward: (dx [t, D], dw1 [D, F], dw3 [D, F], dw2 [F, D]), fp32 weight grads."""
     dt = x.dtype
+    w1_DxF, w3_DxF, w2_FxD = w1_DxF.astype(dt), w3_DxF.astype(dt), w2_FxD.astype(dt)
     gate32 = gate.astype(jnp.float32)
     sig = jax.nn.sigmoid(gate32)
     act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
@@ -141,21 +155,23 @@ def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD):
 
 
 def _tile_loop_bwd(res, dy_JxtxD):
-    x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, gate_JxtxF, up_JxtxF = res
-    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[2]
+    x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF = res
+    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[-1]
 
     def tile(dw, xs):
         x, e, active, gate, up, dy = xs
         skipped = (jnp.zeros((t, d), x.dtype), jnp.zeros((d, f), jnp.float32), jnp.zeros((d, f), jnp.float32),
                    jnp.zeros((f, d), jnp.float32))
-        dx, g1, g3, g2 = jax.lax.cond(active, lambda: _tile_grads(x, gate, up, dy, _at(w1_ExDxF, e), _at(w3_ExDxF, e),
-                                                                  _at(w2_ExFxD, e)), lambda: skipped)
-        return (_add_at(dw[0], e, g1), _add_at(dw[1], e, g3), _add_at(dw[2], e, g2)), dx
+        dx, g1, g3, g2 = jax.lax.cond(active, lambda: _tile_grads(x, gate, up, dy, _at(w1_ExDxF, e, layer),
+                                                                  _at(w3_ExDxF, e, layer), _at(w2_ExFxD, e, layer)),
+                                      lambda: skipped)
+        return (_add_at(dw[0], e, g1, layer), _add_at(dw[1], e, g3, layer), _add_at(dw[2], e, g2, layer)), dx
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
     (dw1, dw3, dw2), dx_JxtxD = jax.lax.scan(tile, zeros, (x_JxtxD, tile_expert_J, active_J, gate_JxtxF, up_JxtxF,
                                                            dy_JxtxD))
-    return (dx_JxtxD, None, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype))
+    return (dx_JxtxD, None, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype),
+            None)
 
 
 tile_loop_swiglu.defvjp(_tile_loop_fwd, _tile_loop_bwd)
@@ -179,35 +195,50 @@ def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     return jnp.take_along_axis(y_MxExD, rows.expert_M[:, None, None], axis=1)[:, 0]
 
 
+def layer_weights(stacks, layer, dtype):
+    """(w1, w3, w2) of one layer in `dtype`, sliced at `layer` from stacks [L, E, ...]."""
+    return tuple(w[layer].astype(dtype) for w in stacks)
+
+
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
-                       w2_ExFxD: jax.Array, *, impl: str = "auto", max_tile: int = 128) -> jax.Array:
+                       w2_ExFxD: jax.Array, *, impl: str = "auto", max_tile: int = 128, layer=None) -> jax.Array:
     """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D].
 
-    `auto` picks ragged_dot where the platform runs it sparsely and the tiled path on CPU, for
-    the platform the program is lowered for (a TPU lowering on a CPU host gets ragged_dot)."""
+    Weights are [E, ...], or layer stacks [L, E, ...] with `layer`: the tiled path reads those in
+    place, the others slice the layer first. `auto` picks ragged_dot where the platform runs it
+    sparsely and the tiled path on CPU, for the platform the program is lowered for (a TPU lowering
+    on a CPU host gets ragged_dot)."""
+    stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+
+    def tiled():
+        return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer)
+
+    def one_layer():
+        return stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)
+
     if impl == "auto":
-        return jax.lax.platform_dependent(
-            cpu=lambda: _tiled_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile),
-            default=lambda: _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD))
-    if impl == "ragged":
-        return _ragged_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+        return jax.lax.platform_dependent(cpu=tiled, default=lambda: _ragged_mlp(x_MxD, rows.group_sizes_E,
+                                                                                 *one_layer()))
     if impl == "tiled":
-        return _tiled_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile)
+        return tiled()
+    if impl == "ragged":
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer())
     if impl == "dense":
-        return _dense_mlp(x_MxD, rows, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+        return _dense_mlp(x_MxD, rows, *one_layer())
     if impl == "fp8":
-        return _fp8_mlp(x_MxD, rows.group_sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+        return _fp8_mlp(x_MxD, rows.group_sizes_E, *one_layer())
     raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense or fp8")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,
                    w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
-                   max_tile: int = 128) -> jax.Array:
-    """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype."""
+                   max_tile: int = 128, layer=None) -> jax.Array:
+    """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype.
+    Weights as in `grouped_expert_mlp` (a layer stack with `layer`)."""
     n, k = experts_NxK.shape
-    rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[0])
+    rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
     y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD,
-                               impl=impl, max_tile=max_tile)
+                               impl=impl, max_tile=max_tile, layer=layer)
     unsorted_NxKxD = jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD).reshape(n, k, -1)
     out = jnp.einsum("NKD,NK->ND", unsorted_NxKxD, weights_NxK.astype(y_MxD.dtype),
                      preferred_element_type=jnp.float32)

@@ -64,12 +64,26 @@ def _own_mask(positions_BxW: jax.Array) -> jax.Array:
     return positions_BxW[:, None, None, :] <= positions_BxW[:, None, :, None]
 
 
+def _reader(cache, layer, block: int):
+    """read(a, start) -> slots start .. start + block of one layer: of [B, S, ...] arrays, or of a
+    stack [L, B, S, ...] at `layer` (sliced per block, so the layer is never copied whole)."""
+    def read(a, start):
+        if a is None:
+            return None
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
+        index = (layer, 0, start) + (0,) * (a.ndim - 3)
+        return jax.lax.dynamic_slice(a, index, (1, a.shape[1], block, *a.shape[3:]))[0]
+    return read
+
+
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
-           block: int = READ_BLOCK) -> jax.Array:
+           block: int = READ_BLOCK, layer=None) -> jax.Array:
     """Softmax over the cache slots before each row's first position (read `block` slots at a time)
     and over the call's own entries up to each query -> o_lat [B, W, H, C] float32.
 
-    cache = (latent [B, S, C], latent_scale [B, S, G] | None, k_pe [B, S, R]) in the cache's dtypes;
+    cache = (latent [B, S, C], latent_scale [B, S, G] | None, k_pe [B, S, R]) in the cache's dtypes,
+    or the same with a leading layer axis [L, ...] and the `layer` (maybe traced) to read;
     own = (latent [B, W, C], k_pe [B, W, R]) as computed (not rounded to the cache dtype: as in
     FlashMLA, a token's own step attends to exact entries, later steps read the stored ones).
     q_pe is already rotated; positions are consecutive per row.
@@ -77,7 +91,8 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     dt = compute_dtype
     b, w, h, c = q_lat_BxWxHxC.shape
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
-    block = math.gcd(block, latent_BxSxC.shape[1])  # blocks tile the cache exactly
+    block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
+    read = _reader(cache, layer, block)
     q_lat, q_pe = q_lat_BxWxHxC.astype(dt), q_pe_BxWxHxR.astype(dt)
     before_B = positions_BxW[:, 0]
     init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
@@ -85,10 +100,9 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
 
     def body(i, carry):
         start = i * block
-        read = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
         visible = (start + jnp.arange(block))[None, None, None, :] < before_B[:, None, None, None]
-        return _block_step(carry, q_lat, q_pe, dequantize(read(latent_BxSxC), read(scale_BxSxG), dt),
-                           read(k_pe_BxSxR), visible, softmax_scale, dt)
+        return _block_step(carry, q_lat, q_pe, dequantize(read(latent_BxSxC, start), read(scale_BxSxG, start), dt),
+                           read(k_pe_BxSxR, start), visible, softmax_scale, dt)
 
     num_blocks = (jnp.max(before_B) + block - 1) // block  # blocks past every row's start are never read
     carry = jax.lax.fori_loop(0, num_blocks, body, init)
@@ -97,12 +111,15 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
 
 
 def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
-                  compute_dtype) -> jax.Array:
-    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache, merged with
-    the token's own entry by log-sum-exp -> [B, 1, H, C] float32."""
+                  compute_dtype, layer=None) -> jax.Array:
+    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache (a stack
+    is sliced at `layer` first), merged with the token's own entry by log-sum-exp -> [B, 1, H, C]
+    float32."""
     import pallas_kernels  # kernels carry no model knowledge; imported on demand
 
     dt = compute_dtype
+    if layer is not None:
+        cache = [None if a is None else a[layer] for a in cache]
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
     q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
     latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8: dequantised per block
