@@ -51,8 +51,12 @@ def run_worker(fn: str, kwargs: dict, tree: str, timeout: int) -> dict:
     """One worker in a fresh process with `tree` first on the path; its result and peak RSS."""
     # PASSIVE: torch's OpenMP threads sleep instead of spinning at barriers; on a shared machine
     # spinning made transformers' step up to 10x slower, so this is the fair setting for it.
+    from experiments import hugepages  # the driver's tree (workers may run a --baseline tree)
+
+    # Huge pages for malloc (experiments/hugepages.py) in every worker, both frameworks alike.
     env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    env = hugepages.with_tunable(env) if hugepages.wanted(env) else env
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps([fn, kwargs])],
                                 cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)

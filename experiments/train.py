@@ -20,7 +20,12 @@ continues exactly. SIGTERM saves a checkpoint and exits.
 
 from __future__ import annotations
 
-import json
+if __name__ == "__main__":  # before jax allocates anything: huge pages for the host's buffers
+    from experiments import hugepages
+
+    hugepages.reexec()
+
+import json  # noqa: E402 (after the restart above)
 import logging as std_logging
 import os
 import time
