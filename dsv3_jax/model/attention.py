@@ -50,6 +50,12 @@ class LatentCache(NamedTuple):
         """One layer of a stacked cache (index may be traced)."""
         return LatentCache(*(None if a is None else a[index] for a in self))
 
+    def write_layers(self, entries: LatentCache, positions_BxW: jax.Array) -> LatentCache:
+        """This stack [L, B, S, ...] with every layer's `entries` [L, B, W, ...] stored at slots
+        `positions` (one scatter for the whole stack)."""
+        rows = jnp.arange(positions_BxW.shape[0])[:, None]
+        return LatentCache(*(None if a is None else a.at[:, rows, positions_BxW].set(e) for a, e in zip(self, entries)))
+
     def write(self, entries: LatentCache, positions_BxW: jax.Array, layer=None) -> LatentCache:
         """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked)."""
         rows = jnp.arange(positions_BxW.shape[0])[:, None]

@@ -66,23 +66,24 @@ def _routed_expert_weights(path, _) -> bool:
 def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None):
     """Runs layer-stacked blocks with one scan (compile time flat in depth).
 
-    Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): with a
-    stacked `cache` [L, B, S, ...] it rides in the carry and each layer's entries are written in
-    place at `ctx.positions`; without one the returned cache is None. With a cache (inference, where
+    Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): a
+    stacked `cache` [L, B, S, ...] is only read inside the scan (each layer attends to its slots
+    before `ctx.positions` and to its own new entries) and every layer's entries are written at
+    `ctx.positions` after it, in one scatter: carried through the scan instead, XLA:CPU copied the
+    whole cache twice a step; without a cache the returned cache is None. With a cache (inference, where
     a token reads only its top-k experts) the routed experts' weights are not sliced per layer but
     read in place from the stack, so a step does not copy every expert's weights of every layer.
     """
     if cache is not None:
-        def cached(carry, block, layer):
-            x, stack = carry
-            x, stats, entries = block(x, ctx, stack, layer)  # read in place: no per-layer copy
-            return (x, stack.write(entries, ctx.positions, layer)), stats
+        def cached(x, block, layer):
+            x, stats, entries = block(x, ctx, cache, layer)  # read in place: no per-layer copy
+            return x, (stats, entries)
 
         num_layers = cache.latent.shape[0]
         blocks_axes = nnx.StateAxes({_routed_expert_weights: None, ...: 0}) if isinstance(blocks.ffn, MoE) else 0
         scan = nnx.scan(cached, in_axes=(nnx.Carry, blocks_axes, 0), out_axes=(nnx.Carry, 0))
-        (x, cache), stats = scan((x_BxTxD, cache), blocks, jnp.arange(num_layers))
-        return x, stats, cache
+        x, (stats, entries_L) = scan(x_BxTxD, blocks, jnp.arange(num_layers))
+        return x, stats, cache.write_layers(entries_L, ctx.positions)
 
     def body(x, block):
         return block(x, ctx)
