@@ -46,10 +46,6 @@ class LatentCache(NamedTuple):
     def cache_dtype(self) -> str:
         return "float8" if self.latent_scale is not None else jnp.dtype(self.latent.dtype).name
 
-    def layer(self, index) -> LatentCache:
-        """One layer of a stacked cache (index may be traced)."""
-        return LatentCache(*(None if a is None else a[index] for a in self))
-
     def write_layers(self, entries: LatentCache, positions_BxW: jax.Array) -> LatentCache:
         """This stack [L, B, S, ...] with every layer's `entries` [L, B, W, ...] stored at slots
         `positions` (one scatter for the whole stack)."""
