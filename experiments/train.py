@@ -275,11 +275,11 @@ class _NoWriter:
 
 
 def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:
-    seconds = max(time.perf_counter() - t_window, 1e-9)
-    steps = step - window_start
     record = {"step": step}
     for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr", "dropped_fraction"):
-        record[key] = float(m[key])
+        record[key] = float(m[key])  # waits for this step: the window's clock stops after it, not at dispatch
+    seconds = max(time.perf_counter() - t_window, 1e-9)
+    steps = step - window_start
     record["tokens_per_sec"] = steps * tokens_per_step / seconds
     record["mfu"] = steps * flops_per_step / seconds / peak
     record["skipped_steps"] = int(state.skipped)

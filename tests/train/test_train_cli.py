@@ -117,3 +117,26 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, compile_cache, u
     assert stopped_at < STEPS and "SIGTERM" in stderr
     saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
     assert saved[-1] == stopped_at  # saved at the step it stopped, on the 2-step interval or not
+
+
+class _SlowScalar:
+    """A step's value that is ready only after `seconds` (as a dispatched jax array is)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __float__(self):
+        time.sleep(self.seconds)
+        return 1.0
+
+
+def test_the_logged_rate_counts_the_wait_for_the_steps_values():
+    # The train loop dispatches a step and logs at once; the window must close when the step's
+    # values are ready, not at dispatch (where a window of one step read ~100x too fast).
+    from experiments import train
+
+    m = {key: _SlowScalar(0.05) for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr",
+                                            "dropped_fraction")}
+    state = type("State", (), {"skipped": 0})()
+    record = train._record(4, m, state, 3, time.perf_counter(), tokens_per_step=1000, flops_per_step=1e9, peak=1e12)
+    assert record["tokens_per_sec"] <= 1000 / (7 * 0.05)
