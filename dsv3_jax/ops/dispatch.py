@@ -75,10 +75,10 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
     pos_M = jnp.where(rows.expert_M < num_experts, pos_M, num_tiles * t)  # no expert: out of every tile
     first_row_J = jnp.arange(num_tiles) * t
     tile_expert_J = jnp.minimum(jnp.searchsorted(padded_end_E, first_row_J, side="right"), num_experts - 1)
-    active_J = first_row_J < padded_end_E[-1]
+    num_active = (padded_end_E[-1] // t).astype(jnp.int32)  # the tiles holding rows: a prefix
 
     x_JxtxD = jnp.zeros((num_tiles * t, d), x_MxD.dtype).at[pos_M].set(x_MxD, mode="drop")
-    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), active_J,
+    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), num_active,
                                w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
@@ -111,32 +111,42 @@ def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
 
 
 @jax.custom_vjp
-def tile_loop_swiglu(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
+def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
 
     Weights are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
     place (inference over a scanned stack: no per-layer copy of every expert's weights); each tile
     casts its expert's weights to x's dtype.
 
-    Tiles with active_J False are skipped (a `lax.cond`: no work, zero output), forward and
-    backward. Each step reads its expert's weights in place (no [J, D, F] copy of them) and the
-    backward adds each tile's weight gradient into its expert's slot of one [E, D, F] buffer, so
-    memory follows the rows, not tiles x weights.
+    Only the first `num_active` tiles (int32, traced) run, forward and backward: the loop's trip
+    count is theirs, so the static bound's idle tiles cost nothing (their output is zero). Each step
+    reads its expert's weights in place (no [J, D, F] copy of them) and the backward adds each
+    tile's weight gradient into its expert's slot of one [E, D, F] buffer, so memory follows the
+    rows, not tiles x weights.
     """
-    return _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)[0]
+    return _tile_loop_fwd(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)[0]
 
 
-def _tile_loop_fwd(x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
-    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[-1]
+def _put(buffer_JxAxB, j, value_AxB):
+    return jax.lax.dynamic_update_index_in_dim(buffer_JxAxB, value_AxB.astype(buffer_JxAxB.dtype), j, axis=0)
 
-    def tile(_, xs):
-        x_txD, e, active = xs
-        skipped = (jnp.zeros((t, d), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype), jnp.zeros((t, f), x_txD.dtype))
-        return None, jax.lax.cond(active, lambda: _tile_swiglu(x_txD, _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer),
-                                                                _at(w2_ExFxD, e, layer)), lambda: skipped)
 
-    _, (y_JxtxD, gate_JxtxF, up_JxtxF) = jax.lax.scan(tile, None, (x_JxtxD, tile_expert_J, active_J))
-    res = (x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF)
+def _get(buffer_JxAxB, j):
+    return jax.lax.dynamic_index_in_dim(buffer_JxAxB, j, axis=0, keepdims=False)
+
+
+def _tile_loop_fwd(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
+    (num_tiles, t, d), f = x_JxtxD.shape, w1_ExDxF.shape[-1]
+
+    def tile(j, out):
+        e = tile_expert_J[j]
+        y, gate, up = _tile_swiglu(_get(x_JxtxD, j), _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer),
+                                   _at(w2_ExFxD, e, layer))
+        return tuple(_put(buf, j, v) for buf, v in zip(out, (y, gate, up)))
+
+    zeros = (jnp.zeros((num_tiles, t, d), x_JxtxD.dtype), *[jnp.zeros((num_tiles, t, f), x_JxtxD.dtype)] * 2)
+    y_JxtxD, gate_JxtxF, up_JxtxF = jax.lax.fori_loop(0, num_active, tile, zeros)
+    res = (x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF)
     return y_JxtxD, res
 
 
@@ -155,21 +165,17 @@ def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD):
 
 
 def _tile_loop_bwd(res, dy_JxtxD):
-    x_JxtxD, tile_expert_J, active_J, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF = res
-    t, d, f = x_JxtxD.shape[1], x_JxtxD.shape[2], w1_ExDxF.shape[-1]
+    x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF = res
 
-    def tile(dw, xs):
-        x, e, active, gate, up, dy = xs
-        skipped = (jnp.zeros((t, d), x.dtype), jnp.zeros((d, f), jnp.float32), jnp.zeros((d, f), jnp.float32),
-                   jnp.zeros((f, d), jnp.float32))
-        dx, g1, g3, g2 = jax.lax.cond(active, lambda: _tile_grads(x, gate, up, dy, _at(w1_ExDxF, e, layer),
-                                                                  _at(w3_ExDxF, e, layer), _at(w2_ExFxD, e, layer)),
-                                      lambda: skipped)
-        return (_add_at(dw[0], e, g1, layer), _add_at(dw[1], e, g3, layer), _add_at(dw[2], e, g2, layer)), dx
+    def tile(j, carry):
+        dx_JxtxD, dw = carry
+        e = tile_expert_J[j]
+        dx, g1, g3, g2 = _tile_grads(*(_get(a, j) for a in (x_JxtxD, gate_JxtxF, up_JxtxF, dy_JxtxD)),
+                                     _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer), _at(w2_ExFxD, e, layer))
+        return _put(dx_JxtxD, j, dx), tuple(_add_at(acc, e, g, layer) for acc, g in zip(dw, (g1, g3, g2)))
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
-    (dw1, dw3, dw2), dx_JxtxD = jax.lax.scan(tile, zeros, (x_JxtxD, tile_expert_J, active_J, gate_JxtxF, up_JxtxF,
-                                                           dy_JxtxD))
+    dx_JxtxD, (dw1, dw3, dw2) = jax.lax.fori_loop(0, num_active, tile, (jnp.zeros_like(x_JxtxD), zeros))
     return (dx_JxtxD, None, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype),
             None)
 
