@@ -9,8 +9,7 @@ LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2
 expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - train: fwd + bwd + clipped AdamW tokens/s and MFU against the fp32 matmul peak measured in this
   run (the best of jax's and torch's 2048^3 matmul); `small` at batch 1 x 1024 with --small.
-- experts: step time at 8, 32 and 128 routed experts (same top-2, same tokens), each in its own
-  process; and 8 against 128 in one process, their steps alternating (drift falls on both alike).
+- experts: step time at 8, 32 and 128 routed experts (same top-2, same tokens).
 - decode: greedy decode tokens/s (after prefill) at batch 1 and 8 for 1K and 4K prompts.
 - trainer: `experiments.train` end to end (data, loop, metrics) against the bare step.
 Every worker is a fresh process; frameworks alternate within a repeat and the order flips between
@@ -31,7 +30,6 @@ import tempfile
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-PAIRED = "experts 8 vs 128"  # the measure whose worker alternates both in one process
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:  # run as a script (the --baseline worker) as well as with -m
     sys.path.append(_ROOT)
@@ -94,7 +92,6 @@ def plan(args) -> list[tuple[str, str, str, dict]]:
     if "experts" in args.only:
         for e in (8, 32, 128):
             jobs.append((f"experts {e}", "train", dict(name="issue", experts=e, batch=8, seq=256, steps=args.steps)))
-        jobs.append((PAIRED, "paired", dict(low=8, high=128, batch=8, seq=256, steps=2 * args.steps)))
     if "decode" in args.only:
         for point in args.decode:
             prompt, batch = (int(x) for x in point.split("x"))
@@ -131,10 +128,7 @@ def summarize(results: dict, args) -> dict:
             table[f"{measure} | {fw}"] = {"error": runs[-1].get("error", "")[-200:]}
             continue
         row = {"peak_rss_gb": max(r["peak_rss_gb"] for r in ok)}
-        if "step_s_low" in ok[0]:  # one process alternating two expert counts: their ratio
-            ratios = [statistics.median(r["step_s_high"]) / statistics.median(r["step_s_low"]) for r in ok]
-            row.update(ratio=statistics.median(ratios), ratios=ratios)
-        elif "decode_s" in ok[0]:
+        if "decode_s" in ok[0]:
             batch, n = (int(x) for x in (measure.split(" b")[1], args.new_tokens))
             rates = [batch * (n - 1) / statistics.median(r["decode_s"]) for r in ok]
             row.update(tokens_per_s=statistics.median(rates), compile_s=ok[0]["compile_s"])
@@ -163,7 +157,7 @@ def markdown(summary: dict, args, meta: dict) -> str:
     for measure in measures:
         for fw in fws:
             row = rows.get(f"{measure} | {fw}")
-            if row is None or "ratio" in row:  # a ratio, in the lines below the table
+            if row is None:
                 continue
             if "error" in row:
                 lines.append(f"| {measure} | {fw} | failed: {row['error'][-80:]!r} | | | | | | |")
@@ -186,10 +180,6 @@ def derived(rows: dict) -> list[str]:
         e8, e128 = rows.get(f"experts 8 | {fw}"), rows.get(f"experts 128 | {fw}")
         if e8 and e128 and "error" not in e8 and "error" not in e128:
             out.append(f"- {fw}: step time at 128 experts / 8 experts = {e128['step_s'] / e8['step_s']:.2f}")
-        paired = rows.get(f"{PAIRED} | {fw}")
-        if paired and "error" not in paired:
-            out.append(f"- {fw}: the same, both in one process with their steps alternating = {paired['ratio']:.2f} "
-                       f"(median; each repeat: {', '.join(f'{r:.2f}' for r in paired['ratios'])})")
     for fw in ("jax", "before"):
         trainer, bare = rows.get(f"trainer | {fw}"), rows.get(f"train issue | {fw}")
         if trainer and bare and "error" not in trainer and "error" not in bare:
@@ -280,9 +270,6 @@ def _alternate(jobs, repeat: int):
 def _short(r: dict) -> str:
     if "error" in r:
         return "failed"
-    if "step_s_low" in r:
-        low, high = (statistics.median(r[k]) for k in ("step_s_low", "step_s_high"))
-        return f"median steps {low:.3f} / {high:.3f} s, ratio {high / low:.2f}"
     if "step_s" in r:
         return f"median step {statistics.median(r['step_s']):.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
     return "decode (first to last token) s: " + ", ".join(f"{s:.3f}" for s in r["decode_s"])

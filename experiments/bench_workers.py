@@ -90,12 +90,6 @@ def hf_model(cfg):
 
 
 def hf_train(name, experts, batch, seq, steps):
-    first, times = _timed_steps(hf_train_workload(name, experts, batch, seq), steps)
-    return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
-
-
-def hf_train_workload(name, experts, batch, seq):
-    """A callable running one transformers train step (fwd + bwd + clip + AdamW) on a fixed batch."""
     import torch
 
     cfg = model_config(name, experts)
@@ -110,29 +104,8 @@ def hf_train_workload(name, experts, batch, seq):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return run_step
-
-
-def jax_paired(low, high, batch, seq, steps):
-    return _paired(jax_train_workload, low, high, batch, seq, steps)
-
-
-def hf_paired(low, high, batch, seq, steps):
-    return _paired(hf_train_workload, low, high, batch, seq, steps)
-
-
-def _paired(workload, low, high, batch, seq, steps):
-    """Step times at `low` and `high` routed experts from one process, the two steps alternating,
-    so that the machine's drift (shared, noisy) falls on both alike."""
-    runs = {e: workload("issue", e, batch, seq) for e in (low, high)}
-    for run in runs.values():  # compile and warm up both before timing either
-        run()
-        run()
-    times = {e: [] for e in runs}
-    for _ in range(steps):
-        for e, run in runs.items():
-            times[e].append(_once(run))
-    return {"step_s_low": times[low], "step_s_high": times[high]}
+    first, times = _timed_steps(run_step, steps)
+    return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
 
 
 def jax_decode_workload(prompt, batch, new_tokens):
@@ -242,4 +215,4 @@ def _once(fn) -> float:
 
 
 WORKERS = {"jax_train": jax_train, "hf_train": hf_train, "jax_decode": jax_decode, "hf_decode": hf_decode,
-           "jax_trainer": jax_trainer, "jax_paired": jax_paired, "hf_paired": hf_paired}
+           "jax_trainer": jax_trainer}
