@@ -28,6 +28,7 @@ _WINDOW = flags.DEFINE_integer("window", 50, "Steps at the end whose mean loss i
 _ARMS = flags.DEFINE_list("arms", "bf16,fp8", "Runs to train, one after the other (keys of RECIPES).")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per row.")
+_SEED = flags.DEFINE_integer("seed", 0, "Init and data seed of every arm.")
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Read the runs' metrics; train nothing.")
 _PNG = flags.DEFINE_string("png", "docs/fp8_loss.png", "Where the two curves go.")
 _CROSS_EVAL = flags.DEFINE_integer("cross_eval", 0, "Held-out batches on which to evaluate each run's final "
@@ -44,17 +45,21 @@ RECIPES = {
     "fp8": dict(model=dict(fp8_matmul=True), moment_dtype="bfloat16"),
     # bf16 with only the moments changed: how far a small numeric change moves the last-50 mean.
     "bf16_moments": dict(model=dict(fp8_matmul=False), moment_dtype="bfloat16"),
+    # bf16 with 64-row expert tiles: the same formula with the expert-gradient sums in another
+    # order (255 gradient entries differ by one ulp at init), so a rounding-only twin of bf16.
+    "bf16_tile64": dict(model=dict(fp8_matmul=False, moe_tile_size=64), moment_dtype="float32"),
 }
 COMPARED = ("bf16", "fp8")  # the claim; bf16_moments is reported when its run exists
 
 
-def run_config(name: str, workdir: str, steps: int, batch: int = 8, seq_len: int = 64):
+def run_config(name: str, workdir: str, steps: int, batch: int = 8, seq_len: int = 64, seed: int = 0):
     from experiments.configs import tiny
 
     c = tiny.get_config()
     c.model.update({**MODEL, **RECIPES[name]["model"]})
     c.optimizer.moment_dtype = RECIPES[name]["moment_dtype"]
     c.data.seq_len, c.data.batch_size = seq_len, batch
+    c.train.seed = c.data.seed = seed
     c.train.workdir = os.path.join(workdir, name)
     c.train.steps = steps
     c.train.log_every = 1  # a loss for every step
@@ -202,7 +207,7 @@ def main(argv):
         for name in _ARMS.value:
             if name not in RECIPES:
                 raise app.UsageError(f"--arms: unknown arm {name!r}; choose from {sorted(RECIPES)}")
-            train(run_config(name, _RUNS.value, _STEPS.value, _BATCH.value, _SEQ_LEN.value))
+            train(run_config(name, _RUNS.value, _STEPS.value, _BATCH.value, _SEQ_LEN.value, _SEED.value))
     result = compare(_RUNS.value, _WINDOW.value)
     plot(result, _WINDOW.value, _PNG.value)
     for key, what in (("loss", "training loss (lm + MTP + balance)"), ("lm_loss", "lm loss")):
