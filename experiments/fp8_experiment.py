@@ -1,14 +1,17 @@
 """BF16 against the full FP8 recipe (DeepSeek-V3 section 3.3): same data, seed and schedule.
 
+    python -m experiments.fp8_experiment --runs=runs/fp8_800 --arms=bf16,bf16_tile64,fp8 --batch=16 \
+        --seq_len=128 --train_steps=800                      # docs/fp8.md's 800-step runs and PNG
     python -m experiments.fp8_experiment --runs=runs/fp8 --arms=bf16,fp8,fp32 --batch=16 --seq_len=128 \
-        --train_steps=300 --cross_eval=8                                  # the runs of docs/fp8.md
-    python -m experiments.fp8_experiment --runs=runs/fp8 --plot_only --png=docs/fp8_loss.png
+        --train_steps=300 --cross_eval=8                     # its 300-step runs
+    python -m experiments.fp8_experiment --runs=runs/fp8_800 --plot_only --png=docs/fp8_loss.png
 
 The model is the tiny training preset with every matmul width a multiple of 128 (the FP8 tiles),
 on `--batch` x `--seq_len`-token rows a step, with the preset's schedule over `--train_steps`.
 `bf16` computes in bfloat16 with fp32 AdamW moments, `fp8` adds `fp8_matmul=True` (Fprop, Dgrad
 and Wgrad in FP8, FP8 residuals) and bf16 moments, `fp32` computes in fp32 (the full-precision
-reference), `bf16_moments` is bf16 with only the moments changed. Prints the mean training loss
+reference), `bf16_moments` is bf16 with only the moments changed, `bf16_tile64` is bf16 with the
+expert-gradient sums in another order (a rounding-only twin). Prints the mean training loss
 (and lm loss) of the last `--window` steps of each run and its signed difference relative to
 bf16 (the paper reports < 0.25%), writes the curves to a PNG, and with `--cross_eval` evaluates
 each run's final weights under each arm's forward.
