@@ -52,7 +52,7 @@ RECIPES = {
     # order (255 gradient entries differ by one ulp at init), so a rounding-only twin of bf16.
     "bf16_tile64": dict(model=dict(fp8_matmul=False, moe_tile_size=64), moment_dtype="float32"),
 }
-COMPARED = ("bf16", "fp8")  # the claim; bf16_moments is reported when its run exists
+COMPARED = ("bf16", "fp8")  # the claim; every other arm is reported when its run exists
 
 
 def run_config(name: str, workdir: str, steps: int, batch: int = 8, seq_len: int = 64, seed: int = 0):
@@ -114,7 +114,7 @@ def cross_eval(workdir: str, max_batches: int) -> dict:
     names = [n for n in RECIPES if os.path.isdir(os.path.join(workdir, n, "checkpoints"))]
     with open(os.path.join(workdir, names[0], "config.json")) as f:
         data = json.load(f)["data"]
-    c = run_config(names[0], workdir, 1, data["batch_size"], data["seq_len"])
+    c = run_config(names[0], workdir, 1, data["batch_size"], data["seq_len"], data.get("seed", 0))  # the runs' split
     batches = [b for _, b in zip(range(max_batches), make_data(c, c.model.vocab_size)[1])]
     table = {}
     for weights in names:
