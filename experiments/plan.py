@@ -40,7 +40,7 @@ import sharding
 from sharding import multihost, pipeline
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
-from experiments import plan_memory
+from experiments import ledger, plan_memory
 from experiments.plan_memory import LayerGroup
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.")
@@ -52,6 +52,14 @@ _LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step for
 _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.")
 _CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this host's devices (the mesh must "
                               "use them all) and compare memory_analysis() with the plan.")
+_LEDGER = flags.DEFINE_boolean("ledger", False, "Print the compute ledger (experiments/ledger.py) instead of "
+                               "the memory plan: FLOPs per token, step time and chip-hours.")
+_LEDGER_TOKENS = flags.DEFINE_float("ledger_tokens", 14.8e12, "Token budget of the ledger (DeepSeek-V3: 14.8T).")
+_LEDGER_MFU = flags.DEFINE_float("ledger_mfu", 0.4, "MFU (of the bf16 peak) the ledger's times assume.")
+_LEDGER_CHIPS = flags.DEFINE_string("ledger_chips", "h800:2048,v5p:1024,v7x:512", "Fleets as NAME:COUNT,...")
+_LEDGER_HOURS = flags.DEFINE_float("ledger_hours", 0.0, "Reported chip-hours for the budget (DeepSeek-V3: "
+                                   "2.664e6 H800 hours): prints the MFU they imply.")
+_LEDGER_HOURS_CHIP = flags.DEFINE_string("ledger_hours_chip", "h800", "The chip the reported hours are on.")
 
 GiB = 1024 ** 3
 
@@ -234,6 +242,13 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
+    if _LEDGER.value:
+        config = _CONFIG.value
+        ledger.print_ledger(model_config(config, Options(model=_MODEL.value)), config.data.seq_len,
+                            tokens_per_step=config.data.batch_size * config.data.seq_len, budget=_LEDGER_TOKENS.value,
+                            mfu=_LEDGER_MFU.value, fleet=ledger.parse_fleet(_LEDGER_CHIPS.value),
+                            hours=_LEDGER_HOURS.value, hours_chip=ledger.chip(_LEDGER_HOURS_CHIP.value))
+        return
     multihost.initialize()
     try:
         plan(_CONFIG.value, Options(_MODEL.value, _DEVICES.value, _PLATFORM.value, _LOWER.value, _CHECK.value))

@@ -1,9 +1,11 @@
 """Training metrics: model FLOPs and MFU, the metrics.jsonl / TensorBoard writer, the console line.
 
-FLOPs per token (training = 3x forward): 6 x the activated matmul parameters (main model and MTP:
-top-k + shared experts, routers, attention, dense MLPs, the head; the embedding is a gather and is
-left out) + causal attention, 3 x 2 x H x (qk_head_dim + v_head_dim) x T/2 per layer
-(scores and the weighted sum over T/2 keys on average).
+FLOPs per token (training = 3x forward): 6 x the matmul weights one token meets (attention
+projections, dense MLPs, top-k + shared experts and the routers of every layer, the output head;
+each MTP depth its own projection, block and the shared head again; the embedding is a gather and
+the norms are elementwise, so neither counts) + causal attention, 3 x 2 x H x (qk_head_dim +
+v_head_dim) x T/2 per layer, MTP blocks included (scores and the weighted sum over T/2 keys on
+average).
 
 Peak FLOP/s per device: a table of dense bf16 peaks by `device_kind` for accelerators; on CPU (or
 an unknown kind) a short fp32 matmul benchmark measured once; `train.peak_flops_per_device` in the
@@ -29,15 +31,28 @@ PEAK_FLOPS = {
 }
 
 
+def matmul_weights_per_token(cfg) -> dict[str, int]:
+    """Matmul weights one token meets in the forward, by part: "main" (layers and head), "mtp"."""
+    d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
+    q = d * h * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * cfg.qk_head_dim)
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    attention = q + kv + h * cfg.v_head_dim * d
+    experts = cfg.num_experts_per_token + cfg.num_shared_experts
+    moe = cfg.num_routed_experts * d + experts * 3 * d * cfg.moe_intermediate_size
+    dense = 3 * d * cfg.intermediate_size
+    main = cfg.num_dense_layers * (attention + dense) + cfg.num_moe_layers * (attention + moe) + d * v
+    return {"main": main, "mtp": cfg.num_mtp_layers * (2 * d * d + attention + moe + d * v)}
+
+
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs of causal attention scores and values per token, all layers and MTP blocks."""
+    layers = cfg.num_layers + cfg.num_mtp_layers
+    return 3 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * (seq_len / 2) * layers
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token of a `ModelConfig` at context `seq_len` (see the module docstring)."""
-    counts = cfg.param_counts()
-    idle_experts = (cfg.num_routed_experts - cfg.num_experts_per_token) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    mtp_activated = counts["mtp"] - cfg.num_mtp_layers * idle_experts
-    matmul = counts["activated"] - cfg.vocab_size * cfg.hidden_size + mtp_activated
-    layers = cfg.num_layers + cfg.num_mtp_layers
-    attention = 3 * 2 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * (seq_len / 2) * layers
-    return 6.0 * matmul + attention
+    return 6.0 * sum(matmul_weights_per_token(cfg).values()) + attention_flops_per_token(cfg, seq_len)
 
 
 def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
