@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192, 32768])
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--cache_dtype", default="bfloat16", choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--cache_dtype", default="bfloat16", choices=["float32", "bfloat16", "float8", "int8"])
     # XLA:CPU rejects some bf16 x bf16 -> f32 dots at these sizes (DotThunk UNIMPLEMENTED): fp32 there
     p.add_argument("--compute_dtype", default=None, help="default: bfloat16, float32 on CPU")
     p.add_argument("--attention_impl", default="xla", choices=["xla", "pallas"])

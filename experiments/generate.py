@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding")
-    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
     p.add_argument("--prefill_chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per prefill step")
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")

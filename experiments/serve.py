@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
     p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
     p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
-    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8"])
+    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--served_model_name", default=None, help="model id clients send (default: checkpoint folder name)")
     return p.parse_args(argv)

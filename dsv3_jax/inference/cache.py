@@ -7,6 +7,10 @@ Cache dtypes (`cache_dtype`):
   "float32" / "bfloat16": c and k_pe in that dtype, (C + R) * itemsize bytes per token per layer.
   "float8": the FlashMLA layout, c as e4m3 with one fp32 scale per 128 values (DeepSeek's 1x128
     activation recipe) and k_pe in bf16: C + 4 G + 2 R bytes (656 for the 671B preset).
+  "int8": c as symmetric int8 with one fp32 scale per token (amax / 127) and k_pe in bf16:
+    C + 4 + 2 R bytes (644 for the 671B preset). Per-token scales cost 12 bytes less than fp8's
+    per-128 ones, and int8 keeps 8 bits where e4m3 keeps 4 (with an exponent): a token's small
+    latent values lose more, its large ones less (tests/inference/test_cache.py bounds both).
 
 The cache is indexed by absolute position: slot s holds the token at position s. A call's tokens see
 the slots before their positions and their own new entries, never a slot past them: stale entries
@@ -27,7 +31,7 @@ from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.transformer import ModelCache
 from dsv3_jax.ops.latent_attention import FP8_BLOCK, dequantize as decode_latent, encode  # noqa: F401 (re-exported)
 
-CACHE_DTYPES = ("float32", "bfloat16", "float8")
+CACHE_DTYPES = ("float32", "bfloat16", "float8", "int8")
 StackCache = LatentCache  # one layer stack (dense layers, MoE layers or MTP depths): [L, B, S, ...]
 KVCache = ModelCache  # every stack of the model
 
@@ -45,12 +49,16 @@ def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[in
         return {"latent": ((c,), jnp.dtype(jnp.float8_e4m3fn)),
                 "latent_scale": ((math.ceil(c / FP8_BLOCK),), jnp.dtype(jnp.float32)),
                 "k_pe": ((r,), jnp.dtype(jnp.bfloat16))}
+    if cache_dtype == "int8":
+        return {"latent": ((c,), jnp.dtype(jnp.int8)), "latent_scale": ((1,), jnp.dtype(jnp.float32)),
+                "k_pe": ((r,), jnp.dtype(jnp.bfloat16))}
     dt = jnp.dtype(cache_dtype)
     return {"latent": ((c,), dt), "k_pe": ((r,), dt)}
 
 
 def cache_bytes_per_token(cfg: ModelConfig, cache_dtype: str = "bfloat16") -> int:
-    """Bytes the cache holds per token per layer: 1152 (bf16) and 656 (float8) for the 671B preset."""
+    """Bytes the cache holds per token per layer: 1152 (bf16), 656 (float8) and 644 (int8) for the
+    671B preset."""
     return sum(math.prod(shape) * dt.itemsize for shape, dt in token_layout(cfg, cache_dtype).values())
 
 

@@ -242,7 +242,7 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, t
     temperature 0 is greedy; otherwise samples (top_k, top_p as in `sampling`) reproducibly for a
     `seed`. `lengths` [B] gives ragged (right-padded) prompt lengths. `use_mtp` drafts with the MTP
     modules and verifies in one step (same tokens as without when greedy; same distribution when
-    sampling). `cache_dtype` is "float32", "bfloat16" or "float8" (default: the compute dtype).
+    sampling). `cache_dtype` is "float32", "bfloat16", "float8" or "int8" (default: the compute dtype).
     The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two).
     Returns int32 [B, T + max_new_tokens] (layout in the module docstring) and, with
     `return_stats`, a GenerateStats (acceptance_rate, tokens_per_forward, timings).

@@ -36,15 +36,18 @@ class LatentCache(NamedTuple):
     """MLA's cache: normalised latent and roped key per token, indexed by position (slot s holds
     position s). Arrays are [B, S, ...] for one layer, [L, B, S, ...] for a layer stack, or
     [B, W, ...] for the entries one call writes. The dtypes are the cache layout
-    (`dsv3_jax.inference.cache`); a float8 latent comes with its per-128 scales."""
+    (`dsv3_jax.inference.cache`); a float8 latent comes with its per-128 scales, an int8 latent
+    with one scale per token."""
 
-    latent: jax.Array  # [(L,) B, S, C] float32 | bfloat16 | float8_e4m3fn
-    latent_scale: jax.Array | None  # [(L,) B, S, G] float32 for float8, else None
+    latent: jax.Array  # [(L,) B, S, C] float32 | bfloat16 | float8_e4m3fn | int8
+    latent_scale: jax.Array | None  # [(L,) B, S, G] float32: G = ceil(C / 128) for float8, 1 for int8; else None
     k_pe: jax.Array  # [(L,) B, S, R] float32 | bfloat16
 
     @property
     def cache_dtype(self) -> str:
-        return "float8" if self.latent_scale is not None else jnp.dtype(self.latent.dtype).name
+        if self.latent_scale is None or self.latent.dtype == jnp.int8:
+            return jnp.dtype(self.latent.dtype).name
+        return "float8"
 
     def write_layers(self, entries: LatentCache, positions_BxW: jax.Array) -> LatentCache:
         """This stack [L, B, S, ...] with every layer's `entries` [L, B, W, ...] stored at slots

@@ -1,7 +1,7 @@
 """Attention in MLA's latent space over the latent cache: the core of the absorbed form.
 
 Letters: B batch, W queries of this call, S cache slots, H heads, C latent (kv_lora_rank),
-R rope dim, G = ceil(C / 128) fp8 scale blocks, P slots per block read.
+R rope dim, G latent scales per token (ceil(C / 128) for fp8, 1 for int8), P slots per block read.
 
 A call's W tokens sit at consecutive positions p0 .. p0 + W - 1 (slot s of the cache holds the
 token at position s). They attend to the cache slots s < p0 and to their own fresh entries up to
@@ -10,8 +10,10 @@ read block by block (P slots at a time) with an online softmax: an fp8 block is 
 is read, so neither the whole cache in the compute dtype nor [B, H, W, S] scores ever exist, and
 blocks past every row's p0 are not read at all.
 
-Cache dtypes: float32 / bfloat16 entries as they are, or "float8": e4m3 latent with one fp32 scale
-per 128 values (DeepSeek's 1x128 activation recipe) and a bf16 rope key (the FlashMLA layout).
+Cache dtypes: float32 / bfloat16 entries as they are; "float8": e4m3 latent with one fp32 scale
+per 128 values (DeepSeek's 1x128 activation recipe) and a bf16 rope key (the FlashMLA layout);
+"int8": symmetric int8 latent with one fp32 scale per token (amax / 127, round to nearest) and a
+bf16 rope key. The latent's dtype says which scale layout a cache carries.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import jax
 import jax.numpy as jnp
 
 FP8_BLOCK = 128  # latent values per fp8 scale
+INT8_MAX = 127.0  # symmetric int8: -127 .. 127, so 0 is exact and the range is even
 READ_BLOCK = 256  # cache slots per block read
 
 
 def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
     """Fresh entries -> (latent, latent_scale | None, k_pe) in the cache's dtypes."""
+    if cache_dtype == "int8":
+        return (*quantize_int8_per_token(latent_BxWxC), k_pe_BxWxR.astype(jnp.bfloat16))
     if cache_dtype != "float8":
         dt = jnp.dtype(cache_dtype)
         return latent_BxWxC.astype(dt), None, k_pe_BxWxR.astype(dt)
@@ -37,13 +42,32 @@ def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
     return q.reshape(b, w, c), scale.reshape(b, w, -1), k_pe_BxWxR.astype(jnp.bfloat16)
 
 
+def quantize_int8_per_token(latent_BxWxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (int8 [B, W, C], fp32 scale [B, W, 1]): x ~= q * scale, scale = amax(|x|) / 127 per token."""
+    x = latent_BxWxC.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)  # an all-zero token keeps zeros, not NaNs
+    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
 def dequantize(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None, dtype) -> jax.Array:
-    """Cached latent -> `dtype` values (fp8 entries times their per-128 scale)."""
+    """Cached latent -> `dtype` values (int8 entries times their token's scale, fp8 entries times
+    their per-128 scale)."""
     if scale_BxSxG is None:
         return latent_BxSxC.astype(dtype)
     c = latent_BxSxC.shape[-1]
-    scale = jnp.repeat(scale_BxSxG, FP8_BLOCK, axis=-1)[..., :c]
+    block = c if latent_BxSxC.dtype == jnp.int8 else FP8_BLOCK
+    scale = jnp.repeat(scale_BxSxG, block, axis=-1)[..., :c]
     return (latent_BxSxC.astype(jnp.float32) * scale).astype(dtype)
+
+
+def per_128_scales(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None) -> jax.Array | None:
+    """The cache's scales as one per 128 latent values (the Pallas decode kernel's layout): an int8
+    token's one scale repeated over its ceil(C / 128) blocks; fp8 scales as they are."""
+    if scale_BxSxG is None or latent_BxSxC.dtype != jnp.int8:
+        return scale_BxSxG
+    blocks = -(-latent_BxSxC.shape[-1] // FP8_BLOCK)
+    return jnp.broadcast_to(scale_BxSxG, (*scale_BxSxG.shape[:-1], blocks))
 
 
 def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, softmax_scale, dt):
@@ -122,9 +146,10 @@ def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, sof
         cache = [None if a is None else a[layer] for a in cache]
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
     q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
-    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8: dequantised per block
+    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8/int8: dequantised per block
     o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
-                                                 softmax_scale=softmax_scale, return_lse=True, kv_scale=scale_BxSxG)
+                                                 softmax_scale=softmax_scale, return_lse=True,
+                                                 kv_scale=per_128_scales(latent_BxSxC, scale_BxSxG))
     own_latent, own_k_pe = own[0][:, 0].astype(dt), own[1][:, 0].astype(dt)
     s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat, own_latent, preferred_element_type=jnp.float32)
                  + jnp.einsum("BHR,BR->BH", q_pe.astype(dt), own_k_pe, preferred_element_type=jnp.float32))

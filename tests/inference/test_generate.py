@@ -57,7 +57,7 @@ def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
     (dict(max_new_tokens=2000), "max_position_embeddings"),
     (dict(lengths=np.array([0], np.int32)), "lengths"),
     (dict(stop_tokens=(VOCAB,)), "stop_tokens"),
-    (dict(cache_dtype="int8"), "cache_dtype"),
+    (dict(cache_dtype="int4"), "cache_dtype"),
     (dict(prefill_chunk=24), "prefill_chunk"),
     (dict(prompts=np.array([1, 2], np.int32)), r"\[batch, length\]"),
 ])

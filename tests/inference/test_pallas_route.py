@@ -13,9 +13,9 @@ from dsv3_jax.ops.latent_attention import encode
 from tests.inference.conftest import tiny_config
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "float8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float8", "int8"])
 def test_pallas_decode_equals_xla_decode(cache_dtype):
-    """Both read the cache block by block (an fp8 block dequantised as read): same numbers."""
+    """Both read the cache block by block (an fp8 or int8 block dequantised as read): same numbers."""
     b, s, cfg = 2, 40, tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0)
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (b, 1, cfg.hidden_size))
