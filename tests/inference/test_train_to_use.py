@@ -10,7 +10,7 @@ import pytest
 
 from dsv3_jax import load_pretrained
 from dsv3_jax.checkpoint import run_folder
-from tests.train.conftest import REPO, STEPS, compile_cache, run_train, train_env  # noqa: F401 (fixture)
+from tests.train.conftest import REPO, STEPS, train_env
 
 
 def _run(*args, timeout=600):
@@ -19,11 +19,8 @@ def _run(*args, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, compile_cache):
-    workdir = tmp_path_factory.mktemp("run")
-    result = run_train(workdir, "--config.train.checkpoint_every=20", cache_dir=compile_cache)
-    assert "experiments.generate --checkpoint=" in result.stdout and "--to-hf" in result.stdout, result.stdout
-    return workdir
+def run_dir(trained_run):
+    return trained_run  # tests/conftest.py: trained once per session, shared with the fine-tuning tests
 
 
 def test_run_folder_and_step_folder_resolve(run_dir):
