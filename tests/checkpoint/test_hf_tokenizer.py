@@ -66,3 +66,21 @@ def test_export_loads_in_autotokenizer_with_specials_and_template(source_with_to
     assert text == "<|bos|>User: 2+2?\n\nAssistant: 4.<|eos|>\n\n"
     special_map = json.loads((out / "special_tokens_map.json").read_text())
     assert special_map == {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+
+
+@pytest.mark.parametrize("raw", [
+    {"eos_token_id": [1, 5], "do_sample": True, "temperature": 0.6, "top_p": 0.95},
+    {"eos_token_id": 2, "do_sample": False, "temperature": 0.7, "max_new_tokens": 9},
+    {"eos_token_id": 3, "do_sample": True, "top_k": 7},
+])
+def test_generation_defaults_read_as_transformers_reads_them(tmp_path, raw):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "generation_config.json").write_text(json.dumps(raw))
+    ours, theirs = read_generation_config(tmp_path), transformers.GenerationConfig.from_pretrained(tmp_path)
+    eos = theirs.eos_token_id
+    assert ours.eos_ids == tuple(eos if isinstance(eos, list) else [eos])
+    # HF samples only with do_sample (at temperature 1 unless set); greedy otherwise, whatever temperature says
+    sampled_at = 1.0 if theirs.temperature is None else theirs.temperature
+    assert ours.temperature == (sampled_at if theirs.do_sample else 0.0)
+    assert ours.top_p == theirs.top_p and ours.top_k == theirs.top_k
+    assert ours.max_new_tokens == theirs.max_new_tokens
