@@ -9,7 +9,8 @@
 (runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder. The tokenizer is --tokenizer, else
 the checkpoint folder's tokenizer.json, else a run's own, else the bundled BPE. A checkpoint folder's
 generation_config.json (an HF export, or the source a converted checkpoint came from) adds its
-eos_token_id(s) to the stop tokens and gives the defaults of the sampling flags it sets. Expected errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
+eos_token_id(s) to the stop tokens and gives the defaults of the sampling flags it sets. Expected
+errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the
 shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host.
 
