@@ -75,11 +75,31 @@ def numpy_masked_nll(logits_BxTxV, batch, shift):
     return total / count
 
 
-def test_loss_equals_numpy_on_hf_assistant_mask(model, hf_batch):
-    graphdef, state = nnx.split(model)
-    out = jax.jit(lambda state: _forward(nnx.merge(graphdef, state), hf_batch))(state)
-    parts = losses.training_losses(out, {k: jnp.asarray(v) for k, v in hf_batch.items()}, mtp_weight=0.3,
-                                   balance_weight=1e-4)
+@pytest.fixture(scope="module")
+def loss_and_grads(model, hf_batch):
+    """Jitted `(params, targets_batch) -> ((Losses, ModelOutput), parameter gradients)`: the forward
+    reads the inputs of `hf_batch`, the loss the targets of `targets_batch` (so a changed token
+    changes only what is predicted, not the context). One compile serves both tests."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, rest, targets_batch):
+        def loss(params, rest):
+            out = _forward(nnx.merge(graphdef, params, rest), hf_batch)
+            parts = losses.training_losses(out, targets_batch, mtp_weight=0.3, balance_weight=1e-4)
+            return parts.total, (parts, out)
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, rest)
+        return aux, grads[0]  # both traced alike, as nnx.merge wants
+
+    def with_tokens(tokens):
+        batch = {**{k: jnp.asarray(v) for k, v in hf_batch.items()}, "tokens": jnp.asarray(tokens)}
+        return run(params, rest, batch)
+
+    return with_tokens
+
+
+def test_loss_equals_numpy_on_hf_assistant_mask(loss_and_grads, hf_batch):
+    (parts, out), _ = loss_and_grads(hf_batch["tokens"])
     np.testing.assert_allclose(parts.lm, numpy_masked_nll(out.logits, hf_batch, 1), rtol=1e-5)
     mtp = np.mean([numpy_masked_nll(out.mtp_logits[k], hf_batch, k + 2) for k in range(2)])
     np.testing.assert_allclose(parts.mtp, mtp, rtol=1e-5)
@@ -87,31 +107,17 @@ def test_loss_equals_numpy_on_hf_assistant_mask(model, hf_batch):
     assert abs(float(parts.lm) - numpy_masked_nll(out.logits, every_token, 1)) > 1e-3  # the mask matters
 
 
-def test_non_assistant_targets_reach_no_gradient(model, hf_batch):
-    """The loss's gradient with the targets of `batch` and the inputs of `hf_batch` (so a changed
-    token changes only what is predicted, not the context)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def grads(params, rest, targets_batch):
-        def loss(params, rest):
-            out = _forward(nnx.merge(graphdef, params, rest), hf_batch)
-            return losses.training_losses(out, targets_batch, mtp_weight=0.3, balance_weight=1e-4).total
-        return jax.grad(loss, argnums=(0, 1))(params, rest)[0]  # both traced alike, as nnx.merge wants
-
-    def with_tokens(tokens):
-        return {**{k: jnp.asarray(v) for k, v in hf_batch.items()}, "tokens": jnp.asarray(tokens)}
-
-    base = grads(params, rest, with_tokens(hf_batch["tokens"]))
+def test_non_assistant_targets_reach_no_gradient(loss_and_grads, hf_batch):
+    _, base = loss_and_grads(hf_batch["tokens"])
     rng = np.random.default_rng(0)
     other = hf_batch["tokens"].copy()
     outside = hf_batch["loss_mask"] == 0  # every non-assistant token, padding included
     other[outside] = rng.integers(0, 2048, outside.sum())
     assert (other != hf_batch["tokens"]).sum() > 100
-    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(grads(params, rest, with_tokens(other)))):
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(loss_and_grads(other)[1])):
         np.testing.assert_array_equal(a, b)
     one = hf_batch["tokens"].copy()  # control: one assistant token changed moves the gradient
     i, j = np.argwhere(hf_batch["loss_mask"] == 1)[3]
     one[i, j] = (one[i, j] + 1) % 2048
-    moved = grads(params, rest, with_tokens(one))
+    moved = loss_and_grads(one)[1]
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(moved)))
