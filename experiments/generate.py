@@ -6,8 +6,11 @@
         [--mesh=fsdp=2,expert=4 [--rules=default]]
 
 --checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps
-(runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder; a run's own tokenizer is the
-default. Expected errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
+(runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder. The tokenizer is --tokenizer, else
+the checkpoint folder's tokenizer.json, else a run's own, else the bundled BPE. A checkpoint folder's
+generation_config.json (an HF export, or the source a converted checkpoint came from) adds its
+eos_token_id(s) to the stop tokens and gives the defaults of the sampling flags it sets. Expected
+errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the
 shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host.
 
@@ -20,6 +23,7 @@ activation frequencies over the prompt tokens (from the prefill's router statist
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -28,6 +32,7 @@ import sharding
 from sharding import multihost
 from dsv3_jax import CheckpointError, ConfigError, load_pretrained
 from dsv3_jax.checkpoint import run_folder
+from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
 from dsv3_jax.inference.prefill import DEFAULT_CHUNK
@@ -40,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or a folder holding one (default: the run's, else the bundled BPE)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="default: generation_config.json's, else 64")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: generation_config.json's, else 0)")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -92,6 +98,11 @@ def print_expert_frequencies(counts_LxE: np.ndarray, first_moe_layer: int, top_k
               file=out)
 
 
+def _pick(flag, from_file, default):
+    """The flag when given, else generation_config.json's value, else our default."""
+    return flag if flag is not None else from_file if from_file is not None else default
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     multihost.initialize()
@@ -99,10 +110,15 @@ def main(argv=None) -> None:
         run = run_folder.find(args.checkpoint)
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules)
-        tokenizer = load_tokenizer(args.tokenizer or (run.tokenizer if run else None))
+        own = os.path.join(args.checkpoint, "tokenizer.json")
+        tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
+        defaults = read_generation_config(args.checkpoint)
         prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
-        gen = Generation(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, lengths=lengths, stop_tokens=(tokenizer.eos_id,),
+        stop = tuple(dict.fromkeys((tokenizer.eos_id, *defaults.eos_ids)))
+        gen = Generation(model, prompts, _pick(args.max_new_tokens, defaults.max_new_tokens, 64),
+                         temperature=_pick(args.temperature, defaults.temperature, 0.0),
+                         top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
+                         seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
                          prefill_chunk=args.prefill_chunk)
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:

@@ -33,13 +33,16 @@ def load_records(workdir: str) -> list[dict]:
 
 
 def plot_losses(records: list[dict], path: str):
+    evals = records
+    records = [r for r in records if "loss" in r]  # a fine-tuning run's step 0 holds its evals only
     steps = [r["step"] for r in records]
     fig, (ax, ax_vio) = plt.subplots(1, 2, figsize=(12, 4.5))
     for key in ("loss", "lm_loss", "mtp_loss"):
         ax.plot(steps, [r[key] for r in records], label=key)
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval_loss")
+    for key in ("eval_loss", "pretrain_eval_loss"):  # the second: the pretraining corpus (forgetting)
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        if points:
+            ax.plot(*zip(*points), "o-", label=key)
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="losses")
     ax.legend()
     if "maxvio" in records[0]:

@@ -5,12 +5,19 @@ MTP and sequence-wise balance losses, auxiliary-loss-free bias balancing, Orbax 
     python -m experiments.train --config=experiments/configs/small.py --workdir=runs/small \
         --steps=2000 --config.optimizer.peak_lr=1e-3 --config.data.path='corpus/*.jsonl'
     python -m experiments.train --init_from=CKPT ...             # start from converted weights
+    python -m experiments.train --config=experiments/configs/sft.py --init_from=RUN_OR_HF \
+        --config.data.path=chat.jsonl                            # chat fine-tuning (docs/finetuning.md)
 
 Multi-host (a TPU pod, a SLURM job, several processes on one machine): every process runs the same
 command; they join through `jax.distributed` first, from --coordinator_address / --num_processes /
 --process_id, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else the
 cluster's own environment (experiments/launch/ starts them; docs/pods.md). config.data.batch_size
 is then the rows per process; process 0 writes the metrics.
+
+Chat data (config.data.format="chat") trains on the assistant tokens only; with
+config.data.pretrain_eval the eval also reports the pretraining corpus's held-out loss
+(`pretrain_eval_loss`, beside `eval_loss`), from step 0 on, so forgetting shows. Bad data or a chat
+template that cannot mark assistant turns: one line naming it, exit code 2.
 
 Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ and Orbax
 checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
@@ -28,6 +35,7 @@ if __name__ == "__main__":  # before jax allocates anything: huge pages for the 
 import json  # noqa: E402 (after the restart above)
 import logging as std_logging
 import os
+import sys
 import time
 
 import jax
@@ -39,7 +47,8 @@ from ml_collections import config_flags
 import sharding
 from sharding import multihost
 from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
-from dsv3_jax.data import DataConfig, load_tokenizer, make_train_and_eval
+from dsv3_jax.data import DataConfig, DataError, load_tokenizer, make_dataset, make_train_and_eval
+from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
 from dsv3_jax.train import sharded, state as state_lib, step as step_lib
 
@@ -73,7 +82,11 @@ def main(argv):
         if _INIT_FROM.value is not None:
             config.train.init_from = _INIT_FROM.value
     _quiet_library_logs()
-    train(config)
+    try:
+        train(config)
+    except (DataError, ChatTemplateError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(next_steps(os.path.relpath(config.train.workdir)), flush=True)
 
 
@@ -134,9 +147,21 @@ def make_data(config, vocab_size: int):
                              data=config.data.path, tokenizer=config.data.tokenizer,
                              text_field=config.data.text_field, add_bos=config.data.add_bos,
                              eval_fraction=config.data.eval_fraction, seed=config.data.seed,
-                             num_workers=config.data.num_workers)
+                             num_workers=config.data.num_workers, format=config.data.format,
+                             chat_template=config.data.chat_template)
     train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
     return iter(train_ds), eval_ds
+
+
+def make_pretrain_eval(config):
+    """The held-out split of the pretraining corpus (data.pretrain_path, as text), or None when
+    data.pretrain_eval is off: the same hash split a pretraining run on it holds out."""
+    if not config.data.pretrain_eval:
+        return None
+    return make_dataset(DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
+                                   data=config.data.pretrain_path, tokenizer=config.data.tokenizer,
+                                   add_bos=config.data.add_bos, eval_fraction=config.data.pretrain_eval_fraction),
+                        "eval")
 
 
 def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
@@ -148,6 +173,15 @@ def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
         nll, n = eval_step(state, batch)
         total, count = total + float(nll), count + float(n)
     return total / max(count, 1.0)
+
+
+def _evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, max_batches: int) -> dict:
+    """Step 0's record: both held-out losses of the model a fine-tuning run starts from."""
+    record = {"step": 0, "eval_loss": evaluate(eval_step, state, eval_ds, max_batches),
+              "pretrain_eval_loss": evaluate(eval_step, state, pretrain_eval_ds, max_batches)}
+    logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", record["eval_loss"],
+                 record["pretrain_eval_loss"])
+    return record
 
 
 def load_record(counts_LxE) -> dict:
@@ -182,6 +216,7 @@ def train(config) -> list[dict]:
             with open(model_json, "w") as f:
                 json.dump(cfg.to_dict(), f, indent=2)
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
+    pretrain_eval_ds = make_pretrain_eval(config)
     graphdef, params, _ = state_lib.split_model(model)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
@@ -225,8 +260,12 @@ def train(config) -> list[dict]:
 
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start) if lead else _NoWriter()
     progress = metrics_lib.Progress(start, tc.steps)
-    records, window_start, t_window = [], start, time.perf_counter()
+    records, window_start = [], start
     try:
+        if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
+            records.append(_evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches))
+            writer.write(records[-1])
+        t_window = time.perf_counter()
         with checkpointing.SigtermFlag() as sigterm:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
@@ -238,6 +277,9 @@ def train(config) -> list[dict]:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
                         record["eval_loss"] = evaluate(eval_step, state, eval_ds, tc.eval_batches)
+                        if pretrain_eval_ds is not None:
+                            record["pretrain_eval_loss"] = evaluate(eval_step, state, pretrain_eval_ds,
+                                                                    tc.eval_batches)
                     steps_per_sec, eta = progress.tick(step)
                     _console(record, tc.steps, steps_per_sec, eta)
                     writer.write(record)
@@ -295,6 +337,8 @@ def _console(record, total_steps, steps_per_sec, eta):
              f"mtp {record['mtp_loss']:.4f}"]
     if "eval_loss" in record:
         parts.append(f"eval {record['eval_loss']:.4f}")
+    if "pretrain_eval_loss" in record:
+        parts.append(f"pretrain-eval {record['pretrain_eval_loss']:.4f}")
     if "maxvio" in record:
         parts.append(f"maxvio {np.mean(record['maxvio']):.3f}")
     parts += [f"gnorm {record['grad_norm']:.3f}", f"lr {record['lr']:.3g}",

@@ -4,6 +4,7 @@ import os
 import tempfile
 
 import jax
+import pytest
 
 # XLA:CPU compiles dominate the suite's time; every process of one session reuses them.
 _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dsv3_jax_xla_cache"))
@@ -21,3 +22,15 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse"):
         items.reverse()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A training run folder (the test-sized tiny model, tests/train/conftest.py STEPS steps,
+    checkpoints every 20), trained once per session for the tests that start from a run."""
+    from tests.train.conftest import run_train
+
+    workdir = tmp_path_factory.mktemp("run")
+    result = run_train(workdir, "--config.train.checkpoint_every=20", cache_dir=_CACHE)
+    assert "experiments.generate --checkpoint=" in result.stdout and "--to-hf" in result.stdout, result.stdout
+    return workdir

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
 from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf, slice_to_ours  # noqa: F401  (re-exported)
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
@@ -242,7 +242,9 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         os.sync()  # the chunk files were written without fsync
         source = {"hf_dir": os.path.abspath(hf_dir), "dtypes": {p.key: p.source_dtype for p in plans},
                   "dtype_exceptions": exceptions, "weight_map": reader.ckpt.weight_map,
-                  "mtp_shared_copies": mtp_copies, "hf_config": _read_json(reader.config_path)}
+                  "mtp_shared_copies": mtp_copies, "hf_config": _read_json(reader.config_path),
+                  "generation_config": hf_tokenizer.source_generation_config(hf_dir)}
+        hf_tokenizer.copy_tokenizer_files(hf_dir, tmp)  # the checkpoint carries its tokenizer to --to-hf and serve
         orbax_layout.write_config(tmp, {"model": cfg.to_dict(), "fp8_leaves": [p.key for p in plans if p.fp8],
                                         "source": source}, items)
         commit(tmp, out, overwrite)

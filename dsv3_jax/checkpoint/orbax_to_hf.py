@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
 from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf
 from dsv3_jax.checkpoint.hf_reader import scale_name
 from dsv3_jax.checkpoint.hf_to_orbax import _tmp_path, commit
@@ -161,15 +161,20 @@ def convert_orbax_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, **kw) -
         raise CheckpointError(f"{root} is not an Orbax checkpoint written by `python -m dsv3_jax.convert`")
     meta = orbax_layout.read_meta(root)
     params = orbax_layout.ItemReader(root, orbax_layout.PARAMS)
+    if os.path.isfile(os.path.join(root, "tokenizer.json")):  # kept by the HF -> Orbax conversion
+        kw.setdefault("tokenizer", os.path.join(root, "tokenizer.json"))
     return write_hf(meta, params, out, fp8_reader=orbax_layout.ItemReader(root, orbax_layout.FP8), **kw)
 
 
 def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_layout.ItemReader | None = None,
              fp8_out: bool = False, dtype=None, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
-             overwrite: bool = False) -> dict:
+             overwrite: bool = False, tokenizer=None, chat_template_file=None) -> dict:
     """Writes HF folder `out` from parameters read slice by slice: `meta` as in our checkpoint's
     config/metadata (model config, fp8_leaves, source), `params.read(path, index)` one [layer] or
-    [layer, expert] slice of a parameter, `fp8_reader` the kept-FP8 item if any."""
+    [layer, expert] slice of a parameter, `fp8_reader` the kept-FP8 item if any. With `tokenizer`
+    (a tokenizer.json) the folder gets the tokenizer files, generation_config.json and the special
+    token ids in config.json (`hf_tokenizer.write_tokenizer_files`; `chat_template_file` overrides
+    the tokenizer's chat template)."""
     out = os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
@@ -205,8 +210,13 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
         if len(by_shard) > 1 or "model.safetensors" not in by_shard:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        config = hf_config(cfg, main_dtype, fp8_out)
+        if tokenizer is not None:
+            config.update(hf_tokenizer.write_tokenizer_files(
+                tokenizer, tmp, model_max_length=cfg.max_position_embeddings, chat_template_file=chat_template_file,
+                generation=source.get("generation_config")))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(cfg, main_dtype, fp8_out), f, indent=2)
+            json.dump(config, f, indent=2)
         commit(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import NamedTuple
 
 import jax
@@ -47,12 +46,17 @@ def _complete_steps(checkpoints: str) -> list[int]:
                   and os.path.exists(os.path.join(checkpoints, d, "_CHECKPOINT_METADATA")))
 
 
-def _tokenizer(run_dir: str) -> str | None:
+def _data_field(run_dir: str, field: str) -> str | None:
+    """`data.<field>` of the run's config.json (None when absent or unreadable)."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            return json.load(f).get("data", {}).get("tokenizer")
+            return json.load(f).get("data", {}).get(field)
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def _tokenizer(run_dir: str) -> str | None:
+    return _data_field(run_dir, "tokenizer")
 
 
 def find(path: str | os.PathLike) -> RunStep | None:
@@ -131,7 +135,8 @@ class StateParams:
 
 
 def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
-    """HF folder `out` (config.json, safetensors, the run's tokenizer.json) from a run's step.
+    """HF folder `out` (config.json, safetensors, the run's tokenizer with its chat template and
+    generation_config.json: `hf_tokenizer.write_tokenizer_files`) from a run's step.
 
     The converter's own writer (`orbax_to_hf.write_hf`: HF names, shards, FP8 option) reads the
     step's train state one [layer] or [layer, expert] slice at a time (`StateParams`), so the export
@@ -141,9 +146,7 @@ def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
     from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
     meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
-    summary = write_hf(meta, StateParams(run), out, **convert_kw)
-    tokenizer = run.tokenizer or BUNDLED_PATH
-    if os.path.isdir(tokenizer):
-        tokenizer = os.path.join(tokenizer, "tokenizer.json")
-    shutil.copy(tokenizer, os.path.join(out, "tokenizer.json"))
+    template = _data_field(run.run_dir, "chat_template")  # an SFT run's own template, when it set one
+    summary = write_hf(meta, StateParams(run), out, tokenizer=run.tokenizer or BUNDLED_PATH,
+                       chat_template_file=template, **convert_kw)
     return {**summary, "step": run.step}

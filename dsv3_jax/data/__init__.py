@@ -1,7 +1,8 @@
 """Data for dsv3-jax: the bundled corpus and tokenizer, document sources, grain pipelines.
 
-Batches are dicts of int32 [batch_size, seq_len] arrays `tokens`, `segment_ids`, `positions`
-(see `pipeline`). Bundled tokenizer ids: pad 0, bos 1, eos 2; vocab 2048.
+Batches are dicts of int32 [batch_size, seq_len] arrays `tokens`, `segment_ids`, `positions`, and
+for chat data (`chat`, `chat_template`) `loss_mask` (see `pipeline`). Bundled tokenizer ids: pad 0,
+bos 1, eos 2; vocab 2048. Bundled chat set: `assets/chat.jsonl` (`make_chat`).
 """
 
 from dsv3_jax.data.corpus import fortune_documents

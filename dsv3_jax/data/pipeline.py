@@ -16,11 +16,16 @@
          TokenSource data makes it negligible).
       -> optional worker processes (`num_workers` > 0; 0 runs in the calling process)
 
+Chat data (`format="chat"`, `chat.py`): conversations instead of documents, each rendered by the
+chat template into tokens and a loss mask, never split (one longer than a row is left out), packed
+whole by the same first-fit packing, one segment each.
+
 Every batch is a dict of int32 numpy arrays, each [batch_size, seq_len]:
 
     tokens       token ids; padding holds pad_id
-    segment_ids  1, 2, 3, ... per document (chunk) within a row; 0 for padding
+    segment_ids  1, 2, 3, ... per document (chunk, conversation) within a row; 0 for padding
     positions    0, 1, 2, ... restarting at each segment start; 0 for padding
+    loss_mask    chat only: 1 where the token is assistant text (a target the loss counts), else 0
 
 The trainer asks for seq_len = T + 1 and derives inputs `tokens[:, :-1]`, targets
 `tokens[:, 1:]`, and masks from the segment ids itself.
@@ -37,9 +42,11 @@ import dataclasses
 import grain
 import numpy as np
 
+from dsv3_jax.data import chat as chat_lib
 from dsv3_jax.data import sources as sources_lib
 from dsv3_jax.data import tokenizer as tokenizer_lib
 
+FORMATS = ("text", "chat")
 _SPLIT_SALT = np.uint64(0x5EED_0F_E7A1)
 _SPLIT_CHUNK = 1 << 22
 
@@ -59,9 +66,12 @@ class DataConfig:
     num_epochs: int | None = None  # Train epochs; None repeats forever.
     num_packing_bins: int | None = None  # First-fit window in rows; None: 4 x the global batch.
     num_workers: int = 0  # grain worker processes; 0 runs in the calling process.
+    format: str = "text"  # "text": documents, every token a target; "chat": conversations (chat.py).
+    chat_template: str | None = None  # chat: a template file; None: the tokenizer's own template.
 
     def __post_init__(self):
         checks = {
+            "format": self.format in FORMATS,
             "seq_len": self.seq_len >= 2,
             "batch_size": self.batch_size >= 1,
             "eval_fraction": 0.0 < self.eval_fraction < 1.0,
@@ -92,19 +102,29 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
     if split not in ("train", "eval"):
         raise ValueError(f"{split=} must be 'train' or 'eval'.")
     tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
-    source = sources_lib.open_source(config.data, text_field=config.text_field,
-                                     vocab_size=tok.vocab_size)
+    chat = config.format == "chat"
+    if chat:
+        chat_tok = chat_lib.chat_tokenizer(config.tokenizer, config.chat_template)
+        source = chat_lib.open_chat_source(config.data)
+    else:
+        source = sources_lib.open_source(config.data, text_field=config.text_field, vocab_size=tok.vocab_size)
     process_index, process_count = _process(process_index, process_count)
     indices = split_indices(len(source), config.eval_fraction)[split]
     ds = grain.MapDataset.source(_Subset(source, indices))
     if split == "train":
         ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
-    ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
-    ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
+    if chat:  # rendered with its loss mask; never split
+        ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(),
+                                                   chat_lib.EncodeConversations(chat_tok, config.seq_len))
+    else:
+        ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
+        ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
     rows = config.batch_size * process_count
+    features = ("tokens", "loss_mask") if chat else ("tokens",)
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"tokens": config.seq_len}, num_packing_bins=config.num_packing_bins or 4 * rows,
-        seed=config.seed, shuffle_bins=split == "train", padding_struct={"tokens": tok.pad_id})
+        ds, length_struct={k: config.seq_len for k in features}, num_packing_bins=config.num_packing_bins or 4 * rows,
+        seed=config.seed, shuffle_bins=split == "train",
+        padding_struct={k: tok.pad_id if k == "tokens" else 0 for k in features})
     ds = ds.map(_rename_packed)
     if split == "train":
         ds = ds.batch(rows, drop_remainder=True)
@@ -254,9 +274,12 @@ class _SplitLong(grain.experimental.FlatMapTransform):
 
 
 def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {"tokens": row["tokens"].astype(np.int32),
-            "segment_ids": row["tokens_segment_ids"].astype(np.int32),
-            "positions": row["tokens_positions"].astype(np.int32)}
+    out = {"tokens": row["tokens"].astype(np.int32),
+           "segment_ids": row["tokens_segment_ids"].astype(np.int32),
+           "positions": row["tokens_positions"].astype(np.int32)}
+    if "loss_mask" in row:  # packed beside the tokens, so its segments are theirs
+        out["loss_mask"] = row["loss_mask"].astype(np.int32)
+    return out
 
 
 class _PadBatch:
@@ -269,7 +292,7 @@ class _PadBatch:
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         missing = self.batch_size - len(rows)
         if missing:
-            fill = {"tokens": self.pad_id, "segment_ids": 0, "positions": 0}
+            fill = {"tokens": self.pad_id, "segment_ids": 0, "positions": 0, "loss_mask": 0}
             batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)])
                      for k, v in batch.items()}
         return batch

@@ -1,7 +1,9 @@
 """Training losses (DeepSeek-V3 sections 2.2 and 2.1.2): next-token CE, MTP CE, balance loss.
 
 Batches come from `dsv3_jax.data` as packed rows of T + 1 tokens; targets and masks are derived
-here from the segment ids, so a token never predicts one from another document.
+here from the segment ids, so a token never predicts one from another document. Chat batches also
+carry `loss_mask` (1 on assistant tokens): then only assistant tokens are targets, in the main loss,
+the MTP losses and the eval loss alike, each a mean over the targets it counts.
 
 Letters: B batch, T positions (inputs), V vocab, M MTP depths, L MoE layers.
 """
@@ -27,11 +29,11 @@ def inputs_and_targets(batch: dict, depth: int = 0) -> tuple[jax.Array, jax.Arra
     """Inputs and the targets `depth + 1` tokens ahead from packed rows of T + 1 tokens.
 
     Args:
-      batch: int32 `tokens`, `segment_ids` [B, T + 1].
+      batch: int32 `tokens`, `segment_ids` [B, T + 1]; optional `loss_mask` [B, T + 1] (chat data).
       depth: 0 for the main head; k for MTP depth k (target t_{i+k+1}).
     Returns:
-      inputs [B, T], targets [B, T], mask [B, T] bool: the target exists, is not padding and lies
-      in the input token's document.
+      inputs [B, T], targets [B, T], mask [B, T] bool: the target exists, is not padding, lies in
+      the input token's document and, with `loss_mask`, is an assistant token.
     """
     tokens, seg = batch["tokens"], batch["segment_ids"]
     t = tokens.shape[1] - 1
@@ -40,6 +42,8 @@ def inputs_and_targets(batch: dict, depth: int = 0) -> tuple[jax.Array, jax.Arra
     targets = jnp.pad(tokens[:, shift:], pad)
     seg_target = jnp.pad(seg[:, shift:], pad)  # 0 past the end: never valid
     mask = (seg_target == seg[:, :t]) & (seg_target > 0)
+    if "loss_mask" in batch:
+        mask &= jnp.pad(batch["loss_mask"][:, shift:], pad) > 0
     return tokens[:, :t], targets, mask
 
 

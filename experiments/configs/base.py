@@ -21,6 +21,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.01  # documents held out for the eval loss
     c.data.seed = 0  # shuffle and packing seed
     c.data.num_workers = 0  # grain worker processes; 0 reads in the training process
+    c.data.format = "text"  # "text": documents, every token a target; "chat": .jsonl of {"messages": [...]}, loss
+    #                         on assistant tokens only, data.path None = the bundled chat set (docs/finetuning.md)
+    c.data.chat_template = config_dict.placeholder(str)  # chat: a jinja template file; None: the tokenizer's own
+    c.data.pretrain_eval = False  # also report the held-out loss of the pretraining corpus (pretrain_eval_loss)
+    c.data.pretrain_path = config_dict.placeholder(str)  # that corpus, globs as data.path; None: bundled fortunes
+    c.data.pretrain_eval_fraction = 0.01  # the pretraining run's data.eval_fraction: its held-out documents
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.schedule = "deepseek"  # "deepseek" (warmup, constant, cosine, step-down) or "wsd"

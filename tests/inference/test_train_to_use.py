@@ -10,7 +10,7 @@ import pytest
 
 from dsv3_jax import load_pretrained
 from dsv3_jax.checkpoint import run_folder
-from tests.train.conftest import REPO, STEPS, compile_cache, run_train, train_env  # noqa: F401 (fixture)
+from tests.train.conftest import REPO, STEPS, train_env
 
 
 def _run(*args, timeout=600):
@@ -19,11 +19,8 @@ def _run(*args, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, compile_cache):
-    workdir = tmp_path_factory.mktemp("run")
-    result = run_train(workdir, "--config.train.checkpoint_every=20", cache_dir=compile_cache)
-    assert "experiments.generate --checkpoint=" in result.stdout and "--to-hf" in result.stdout, result.stdout
-    return workdir
+def run_dir(trained_run):
+    return trained_run  # tests/conftest.py: trained once per session, shared with the fine-tuning tests
 
 
 def test_run_folder_and_step_folder_resolve(run_dir):
@@ -113,3 +110,27 @@ def test_export_reads_slices_and_equals_a_whole_model_export(run_dir, tmp_path, 
     experts = {leaf.path for leaf in hf_names.leaves(model.config) if hf_names.stacked_dims(leaf) == 2}
     assert experts and experts <= split, (experts, split)
     assert all(n < variables[p][...].nbytes for p, n in reads if p in split)
+
+
+def test_export_tokenizer_and_transformers_generate_stops_at_eos(run_dir, tmp_path):
+    """The export's tokenizer files and generation_config.json, as transformers reads them: the
+    tokenizer knows bos/eos/pad and the chat template, and `generate` ends at the EOS."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    out = tmp_path / "hf"
+    run_folder.export_hf(run_folder.find(run_dir), str(out), progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    assert prompt[0, 0] == 1 and tok.decode(prompt[0]).endswith("Assistant:")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert hf.generation_config.eos_token_id == 2 and hf.generation_config.pad_token_id == 0
+    with torch.no_grad():
+        free = hf.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+        assert 2 not in free  # the trained model does not end by itself here; make the 3rd token EOS
+        third = free[2]
+        hf.lm_head.weight[2] = hf.lm_head.weight[third] * 2.0  # EOS now outscores `third` wherever it wins
+        stopped = hf.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert stopped[:-1] == free[:len(stopped) - 1] and stopped[-1] == 2 and len(stopped) <= 3, (free, stopped)

@@ -16,13 +16,15 @@ TEST_OVERRIDES = [
 ]
 
 
-def train_command(workdir, *flags, cache_dir, module="experiments.train"):
-    return [sys.executable, "-m", module, f"--workdir={workdir}", f"--config.train.compilation_cache={cache_dir}",
-            *TEST_OVERRIDES, *flags]
+def train_command(workdir, *flags, cache_dir, module="experiments.train", config=None):
+    """`config`: a config file, passed first (absl reads --config before any --config.* override)."""
+    first = [f"--config={config}"] if config else []
+    return [sys.executable, "-m", module, *first, f"--workdir={workdir}",
+            f"--config.train.compilation_cache={cache_dir}", *TEST_OVERRIDES, *flags]
 
 
-def run_train(workdir, *flags, cache_dir, check=True, timeout=600, module="experiments.train"):
-    cmd = train_command(workdir, *flags, cache_dir=cache_dir, module=module)
+def run_train(workdir, *flags, cache_dir, check=True, timeout=600, module="experiments.train", config=None):
+    cmd = train_command(workdir, *flags, cache_dir=cache_dir, module=module, config=config)
     result = run(cmd, train_env(), timeout=timeout)
     if check and result.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
