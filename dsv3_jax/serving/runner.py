@@ -30,7 +30,7 @@ from flax import nnx
 from dsv3_jax.inference import init_cache, model_step, mtp_draft
 from dsv3_jax.inference import prefill as chunking
 from dsv3_jax.inference.cache import CACHE_DTYPES
-from dsv3_jax.serving.sampling import RowSampling, sample_rows
+from dsv3_jax.serving.sampling import RowSampling, TokenLogprobs, sample_rows, token_logprobs
 from dsv3_jax.serving.speculation import accept_rows
 
 
@@ -39,6 +39,13 @@ class StepResult(NamedTuple):
     accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
     next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
     expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
+    logprobs: TokenLogprobs | None = None  # numpy [B, K] / [B, K, N]: of emitted[b, i] (see `sampling.token_logprobs`)
+
+
+class PrefillResult(NamedTuple):
+    next_tokens: np.ndarray  # int32 [K]: the sampled next token, then the MTP drafts that follow it
+    logprobs: TokenLogprobs  # numpy [W] / [W, N]: entry i of the token after chunk position i (the prompt's
+    # next token, or at the prompt's last position the sampled one); entries past the valid ones are padding
 
 
 def chunk_buckets(chunk: int) -> tuple[int, ...]:
@@ -86,25 +93,26 @@ class Runner:
         return [(start, min(width, length - start), width) for start, width in chunking.plan(length, self.chunk)]
 
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling,
-                      following: int = -1) -> np.ndarray:
+                      following: int = -1) -> PrefillResult:
         """Writes `tokens` (positions start ..) into the slot's rows. `following`: the prompt token
-        after this chunk, -1 for the last chunk. Returns int32 [K]: the sampled next token (kept by
-        the caller only after the last chunk) and the MTP drafts that follow it."""
+        after this chunk, -1 for the last chunk. Returns the sampled next token (kept by the caller
+        only after the last chunk) with its MTP drafts, and the chunk's next-token log-probabilities."""
         padded = np.zeros((2, width + 1), np.int32)  # row 0 the chunk, row 1 the chunk shifted left
         padded[0, :len(tokens)] = tokens
         padded[1, :len(tokens) - 1] = tokens[1:]
         row = RowSampling(*(a[slot:slot + 1] for a in sampling))
         out, self.cache = self._prefill(self.state, self.cache, jnp.asarray(padded[:, :width]), np.int32(slot),
                                         np.int32(start), np.int32(len(tokens)), np.int32(following), row)
-        return np.asarray(out)
+        nxt, logprobs = jax.device_get(out)
+        return PrefillResult(nxt, TokenLogprobs(*logprobs))
 
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
         """One step: slot b feeds tokens[b] (its last token, then its drafts) from positions[b]."""
         out, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_BxK, jnp.int32),
                                        jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B), sampling)
-        emitted, accepted, nxt, counts = jax.device_get(out)
-        return StepResult(emitted, accepted, nxt, counts)
+        emitted, accepted, nxt, counts, logprobs = jax.device_get(out)
+        return StepResult(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
 
     def warm_up(self) -> None:
         """Compiles every prefill bucket and the decode step (on slot 0, whose rows hold nothing yet)."""
@@ -127,13 +135,15 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
         last = jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True)  # [1, V]
         token = sample_rows(last, sampling, (start + valid)[None])
         rows, nxt = out.cache, token[:, None]
+        after = jnp.where(following >= 0, following, token[0])  # the token after the chunk's last one
+        next_1xW = shifted.at[0, valid - 1].set(after)
+        logprobs = token_logprobs(out.logits[0], next_1xW[0], jnp.broadcast_to(sampling.temperature, next_1xW[0].shape))
         if use_mtp:  # the MTP depths read t_{i+1} at i: the next prompt token, or the sampled one
-            after = jnp.where(following >= 0, following, token[0])
             depths = rows.mtp.latent.shape[0]
-            next_1xN = jnp.pad(shifted.at[0, valid - 1].set(after), ((0, 0), (0, depths)))
+            next_1xN = jnp.pad(next_1xW, ((0, 0), (0, depths)))
             drafts, rows = mtp_draft(model, rows, out.hidden, next_1xN, positions, (valid - 1)[None])
             nxt = jnp.concatenate([nxt, drafts], axis=1)
-        return nxt[0], _put_rows(cache, rows, slot)
+        return (nxt[0], logprobs), _put_rows(cache, rows, slot)
 
     def decode(state, cache, tokens_BxK, positions_B, active_B, sampling):
         model = nnx.merge(graphdef, state)
@@ -143,12 +153,14 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
         counts = None if out.router_stats is None else out.router_stats.expert_counts
         if not use_mtp:
             token = sample_rows(out.logits[:, 0], sampling, positions_B + 1)[:, None]
-            return (token, jnp.zeros_like(positions_B), token, counts), out.cache
+            logprobs = token_logprobs(out.logits, token, sampling.temperature[:, None])
+            return (token, jnp.zeros_like(positions_B), token, counts, logprobs), out.cache
         emitted, accepted = accept_rows(out.logits, tokens_BxK[:, 1:], sampling, positions_B)
         # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
         next_BxN = jnp.pad(emitted, ((0, 0), (0, k - 1)))
         drafts, cache = mtp_draft(model, out.cache, out.hidden, next_BxN, positions_BxK, accepted)
         last = emitted[jnp.arange(b), accepted]
-        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts), cache
+        logprobs = token_logprobs(out.logits, emitted, jnp.broadcast_to(sampling.temperature[:, None], (b, k)))
+        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts, logprobs), cache
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)

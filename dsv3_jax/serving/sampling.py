@@ -61,3 +61,24 @@ def sample_rows(logits_BxV: jax.Array, s: RowSampling, positions_B: jax.Array) -
     drawn = jax.vmap(lambda key, x: jax.random.categorical(key, x))(keys, filtered_logits(logits_BxV, s))
     greedy = jnp.argmax(logits_BxV, axis=-1)
     return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+MAX_LOGPROBS = 20  # OpenAI's ceiling for `logprobs` / `top_logprobs`: every step returns this many
+
+
+class TokenLogprobs(NamedTuple):
+    """float32 log-probabilities of chosen tokens and the most likely alternatives, shapes [..] / [.., N]."""
+
+    chosen: jax.Array  # log p(token) of the token at each position
+    top_ids: jax.Array  # int32: the N most likely tokens, most likely first
+    top: jax.Array  # their log-probabilities
+
+
+def token_logprobs(logits_xV: jax.Array, tokens_x: jax.Array, temperature_x: jax.Array) -> TokenLogprobs:
+    """Log-probabilities (fp32) of `tokens` under the distribution a row samples from: logits / its
+    temperature (1 for greedy rows), before the top-k / top-p cut, as vLLM reports them."""
+    t = jnp.where(temperature_x > 0, temperature_x, 1.0)[..., None]
+    lp = jax.nn.log_softmax(logits_xV.astype(jnp.float32) / t, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens_x[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
+    return TokenLogprobs(chosen, ids.astype(jnp.int32), top)
