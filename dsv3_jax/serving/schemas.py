@@ -78,6 +78,17 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
+    @pydantic.field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+        texts = isinstance(v, list) and all(isinstance(p, str) for p in v)
+        if isinstance(v, str) or ids(v) or texts or (isinstance(v, list) and all(ids(p) for p in v)):
+            return v
+        raise ValueError("must be a text, a list of texts, a list of token ids (ints) or a list of such lists")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a list of token ids."""
         p = self.prompt
