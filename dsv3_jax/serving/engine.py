@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from dsv3_jax.serving.metrics import Metrics
+from dsv3_jax.serving.penalties import Penalties, PenaltyTables
 from dsv3_jax.serving.runner import Runner
 from dsv3_jax.serving.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.textstream import TextStream
@@ -44,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (<= 20)
     echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
+    penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
 
 
 # One token's log-probability and the most likely alternatives: (logprob, [(token id, logprob), ...]).
@@ -84,7 +86,8 @@ class Engine:
         self.slots: list[Request | None] = [None] * b
         self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
         self.next_tokens = np.zeros((b, 1 + runner.drafts), np.int32)  # last token, then MTP drafts
-        self.sampling = RowSampling.greedy(b)
+        self.sampling = RowSampling.greedy(b, runner.penalty_width)
+        self.penalties = PenaltyTables(self.sampling)  # writes into self.sampling's tables
         self.waiting: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
         self.metrics = Metrics(num_slots=b)
@@ -192,6 +195,7 @@ class Engine:
                 request.chunks = self.runner.chunks(len(request.prompt))
                 p = request.params
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+                self.penalties.start(slot, request.prompt, p.penalties)
                 self.positions[slot] = 0
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
@@ -235,6 +239,7 @@ class Engine:
             if reason is not None:
                 break
         self.metrics.generated_tokens += len(kept)
+        self.penalties.observe(slot, kept)
         if reason is not None:
             text += request.stream.finish()
             self._free(slot)
@@ -247,6 +252,7 @@ class Engine:
         self.slots[slot] = None
         self.positions[slot] = 0
         self.sampling.set_row(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        self.penalties.clear(slot)
 
     def _finish(self, request: Request, reason: str, emit: bool = True) -> None:
         request.done = True

@@ -1,5 +1,13 @@
-"""Per-row sampling: every slot of the batch has its own temperature, top-k, top-p and seed, and all
-rows are sampled inside the one compiled decode step.
+"""Per-row sampling: every slot of the batch has its own temperature, top-k, top-p, seed and penalties,
+and all rows are sampled inside the one compiled decode step.
+
+Penalties (vLLM's and OpenAI's, in vLLM's order, on fp32 logits before temperature): the repetition
+penalty r divides a positive logit by r and multiplies a negative one by r, for every token seen in
+the prompt or the output; then each token's logit moves by its logit_bias, minus frequency_penalty
+times its count in the output, minus presence_penalty if it occurs there; tokens banned by
+min_tokens get -inf. A row carries these as a sparse table of P columns (token id, additive term,
+repetition factor; unused columns id 0, 0, 1), kept on the host by `penalties.PenaltyTables`, so a
+step ships [B, P] values (P ~ context length), not [B, V].
 
 The rule is `dsv3_jax.inference.sampling`'s (HF order: logits / temperature, keep the top-k, then
 the smallest most-likely set whose mass reaches top_p; ties at a threshold kept), with the scalars
@@ -24,14 +32,38 @@ class RowSampling(NamedTuple):
     top_k: np.ndarray  # int32, 0 = off
     top_p: np.ndarray  # float32 in (0, 1], 1 = off
     seed: np.ndarray  # uint32
+    penalty_ids: np.ndarray | None = None  # int32 [B, P]: token of each penalty column (None: no penalties)
+    penalty_add: np.ndarray | None = None  # float32 [B, P]: bias - frequency * count - presence (-inf: banned)
+    penalty_scale: np.ndarray | None = None  # float32 [B, P]: repetition penalty r of a seen token, else 1
 
     @classmethod
-    def greedy(cls, batch: int) -> "RowSampling":
+    def greedy(cls, batch: int, width: int = 0) -> "RowSampling":
+        """Greedy rows without penalties; `width` > 0 gives them empty penalty tables of that many columns."""
+        tables = (np.zeros((batch, width), np.int32), np.zeros((batch, width), np.float32),
+                  np.ones((batch, width), np.float32)) if width else (None, None, None)
         return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
-                   np.zeros(batch, np.uint32))
+                   np.zeros(batch, np.uint32), *tables)
+
+    def scalars(self) -> "RowSampling":
+        """The [B] parameters only (the penalties already applied to the logits)."""
+        return RowSampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     def set_row(self, row: int, *, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         self.temperature[row], self.top_k[row], self.top_p[row], self.seed[row] = temperature, top_k, top_p, seed
+
+
+def penalized_logits(logits_BxxV: jax.Array, s: RowSampling) -> jax.Array:
+    """float32 logits [B, V] or [B, K, V] with each row's penalties applied (the module docstring)."""
+    x = logits_BxxV.astype(jnp.float32)
+    if s.penalty_ids is None:
+        return x
+    b, v = x.shape[0], x.shape[-1]
+    rows = jnp.arange(b)[:, None]
+    scale = jnp.ones((b, v), jnp.float32).at[rows, s.penalty_ids].multiply(s.penalty_scale)
+    add = jnp.zeros((b, v), jnp.float32).at[rows, s.penalty_ids].add(s.penalty_add)
+    if x.ndim == 3:
+        scale, add = scale[:, None], add[:, None]
+    return jnp.where(x > 0, x / scale, x * scale) + add
 
 
 def filtered_logits(logits_BxV: jax.Array, s: RowSampling) -> jax.Array:

@@ -14,6 +14,7 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, Field
 
+from dsv3_jax.serving.penalties import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from dsv3_jax.serving.sampling import MAX_LOGPROBS
 
 MAX_N = 16  # choices (n, best_of) one request may ask for: each takes a decode slot
@@ -32,7 +33,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=0, lt=2**31)  # 0 (or -1, as vLLM spells it) = off
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -40,7 +41,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's: > 1 discourages tokens already seen
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids banned until this many tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by text
     user: str | None = None
@@ -62,10 +63,8 @@ class _Sampling(BaseModel):
         known_off = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                      "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
                      "metadata": None, "store": None, "service_tier": None}
-        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
-        out = [k for k, v in off.items() if getattr(self, k) != v] + (["logit_bias"] if self.logit_bias else [])
         extra = self.model_extra or {}
-        return out + [k for k, v in extra.items() if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
+        return [k for k, v in extra.items() if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

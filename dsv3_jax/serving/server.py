@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from dsv3_jax.serving import responses, schemas
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
 from dsv3_jax.serving.engine import Engine, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.penalties import Penalties
 from dsv3_jax.serving.responses import Choice
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -110,10 +111,19 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
             raise BadRequest(400, f"unsupported option(s): {', '.join(bad)}", bad[0])
         stop_ids = tuple(req.stop_token_ids or ())
         check_ids(stop_ids, "stop_token_ids")
+        check_ids(list(req.logit_bias or {}), "logit_bias")
+        if engine.runner.drafts:  # a verify window would need the drafts' own penalties: not implemented
+            used = [k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                                     ("min_tokens", 0)) if getattr(req, k) != off]
+            if used:
+                raise BadRequest(400, f"{used[0]} is not supported with MTP speculation (--use_mtp)", used[0])
+        penalties = Penalties(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                              tuple((req.logit_bias or {}).items()), req.min_tokens,
+                              stop_ids + (() if req.ignore_eos else (tok.eos_id,)))
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
                               stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                              logprobs=logprobs, echo=echo)
+                              logprobs=logprobs, echo=echo, penalties=penalties)
 
     def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
         loop, requests = asyncio.get_running_loop(), []

@@ -23,7 +23,7 @@ def accept_rows(logits_BxKxV: jax.Array, drafts_BxM: jax.Array, s: RowSampling, 
     b, k, v = logits_BxKxV.shape
     drafts_BxK = jnp.concatenate([drafts_BxM, jnp.zeros((b, 1), jnp.int32)], axis=1)
     target = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)
-    per_token = RowSampling(*(jnp.repeat(a, k) for a in s))
+    per_token = RowSampling(*(jnp.repeat(a, k) for a in s.scalars()[:4]))  # penalties: already in the logits
     p = jax.nn.softmax(filtered_logits(logits_BxKxV.reshape(b * k, v), per_token), axis=-1).reshape(b, k, v)
     keys = jax.vmap(jax.random.split)(row_keys(s.seed, positions_B + 1))  # [B, 2]
     p_draft = jnp.take_along_axis(p[:, :-1], drafts_BxM[..., None], axis=-1)[..., 0]

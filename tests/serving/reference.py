@@ -20,8 +20,8 @@ class FullForward:
         self.length = length
         self._logits = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
 
-    def logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """float64 [len(seq), V] per sequence: row i is the distribution of the token after seq[:i + 1]."""
+    def logits(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """float64 [len(seq), V] raw logits per sequence: row i scores the token after seq[:i + 1]."""
         out = []
         for start in range(0, len(sequences), 8):  # batches of 8 rows: one compiled shape
             batch = sequences[start:start + 8]
@@ -29,16 +29,22 @@ class FullForward:
             for row, seq in enumerate(batch):
                 tokens[row, :len(seq)] = seq
             logits = np.asarray(self._logits(self.state, tokens), np.float64)
-            for row, seq in enumerate(batch):
-                x = logits[row, :len(seq)]
-                x = x - x.max(-1, keepdims=True)
-                out.append(x - np.log(np.exp(x).sum(-1, keepdims=True)))
+            out += [logits[row, :len(seq)] for row, seq in enumerate(batch)]
         return out
+
+    def logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """float64 [len(seq), V] per sequence: row i is the distribution of the token after seq[:i + 1]."""
+        return [log_softmax(x) for x in self.logits(sequences)]
 
     def scored(self, sequence: list[int]) -> np.ndarray:
         """float64 [len - 1]: log p(sequence[i] | sequence[:i]) for i >= 1."""
         lp = self.logprobs([sequence])[0]
         return lp[np.arange(len(sequence) - 1), sequence[1:]]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 @functools.lru_cache(maxsize=2)
