@@ -20,10 +20,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.metrics import Metrics
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
 from dsv3_jax.serving.runner import Runner
-from dsv3_jax.serving.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.textstream import TextStream
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""Host-side penalty tables of the engine's slots: the sparse [B, P] columns `sampling.penalized_logits`
-applies (see its module docstring for the rule), updated in O(1) per generated token.
+"""Host-side penalty tables of the engine's slots: the sparse [B, P] columns that
+`dsv3_jax.inference.sampling.penalized_logits` applies (its module docstring states the rule),
+updated in O(1) per generated token.
 
 A slot's columns: the prompt's distinct tokens (when it has a repetition penalty), its logit_bias
 tokens, the tokens min_tokens bans (EOS and stop_token_ids), and each distinct output token (when
@@ -13,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from dsv3_jax.serving.sampling import RowSampling
+from dsv3_jax.inference.sampling import RowSampling
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids one request may give

@@ -1,6 +1,6 @@
 """The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
 prompt into one slot's rows, and one decode step over every slot at its own position, optionally
-with MTP speculation (each slot feeds its last token and M drafts; `speculation.accept_rows`).
+with MTP speculation (each slot feeds its last token and M drafts; `inference.speculative.accept_slots`).
 
 Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
 M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
@@ -30,9 +30,9 @@ from flax import nnx
 from dsv3_jax.inference import init_cache, model_step, mtp_draft
 from dsv3_jax.inference import prefill as chunking
 from dsv3_jax.inference.cache import CACHE_DTYPES
+from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
+from dsv3_jax.inference.speculative import accept_slots
 from dsv3_jax.serving.penalties import table_width
-from dsv3_jax.serving.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
-from dsv3_jax.serving.speculation import accept_rows
 
 
 class StepResult(NamedTuple):
@@ -162,7 +162,7 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
             token = sample_rows(logits[:, 0], sampling, positions_B + 1)[:, None]
             logprobs = token_logprobs(logits, token, sampling.temperature[:, None])
             return (token, jnp.zeros_like(positions_B), token, counts, logprobs), out.cache
-        emitted, accepted = accept_rows(logits, tokens_BxK[:, 1:], sampling, positions_B)
+        emitted, accepted = accept_slots(logits, tokens_BxK[:, 1:], sampling, positions_B)
         # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
         next_BxN = jnp.pad(emitted, ((0, 0), (0, k - 1)))
         drafts, cache = mtp_draft(model, out.cache, out.hidden, next_BxN, positions_BxK, accepted)

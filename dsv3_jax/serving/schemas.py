@@ -14,8 +14,8 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, Field
 
+from dsv3_jax.inference.sampling import MAX_LOGPROBS
 from dsv3_jax.serving.penalties import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
-from dsv3_jax.serving.sampling import MAX_LOGPROBS
 
 MAX_N = 16  # choices (n, best_of) one request may ask for: each takes a decode slot
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
-from dsv3_jax.serving.sampling import RowSampling, penalized_logits
+from dsv3_jax.inference.sampling import RowSampling, penalized_logits
 from tests.serving.conftest import MAX_SEQ_LEN
 from tests.serving.reference import full_forward, log_softmax
 
@@ -135,6 +135,20 @@ def test_chat_logprobs_and_n(client, model, ref, server):
     for c, w in zip(content, want):
         np.testing.assert_allclose([t.logprob for t in c.top_logprobs], np.sort(w)[::-1][:4], atol=TOL, rtol=0)
     assert out.choices[1].logprobs.content == content
+
+
+def test_chat_n_and_logprobs_stream_what_they_answer(client, model):
+    args = dict(model=model, messages=[{"role": "user", "content": "Foxes?"}], max_tokens=6, temperature=0.8, seed=9,
+                n=2, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    for c in whole.choices:
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == c.index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == c.finish_reason
+        assert "".join(m.delta.content or "" for m in mine) == c.message.content
+        streamed = [t for m in mine if m.logprobs for t in m.logprobs.content]
+        assert [t.token for t in streamed] == [t.token for t in c.logprobs.content]
+        np.testing.assert_allclose([t.logprob for t in streamed], [t.logprob for t in c.logprobs.content], atol=1e-6)
 
 
 @pytest.mark.parametrize("extra", [
