@@ -139,8 +139,9 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
         rows, nxt = out.cache, token[:, None]
         after = jnp.where(following >= 0, following, token[0])  # the token after the chunk's last one
         next_1xW = shifted.at[0, valid - 1].set(after)
-        # the prompt's tokens scored without penalties (none was sampled); the sampled one as it was drawn
-        logprobs = token_logprobs(out.logits[0], next_1xW[0], jnp.broadcast_to(sampling.temperature, next_1xW[0].shape))
+        # the prompt's tokens by the model itself (none was sampled: no temperature, no penalties); the
+        # sampled one as it was drawn
+        logprobs = token_logprobs(out.logits[0], next_1xW[0], jnp.zeros(next_1xW[0].shape, jnp.float32))
         drawn = token_logprobs(last, token, sampling.temperature)
         logprobs = TokenLogprobs(*(a.at[valid - 1].set(jnp.where(following >= 0, a[valid - 1], d[0]))
                                    for a, d in zip(logprobs, drawn)))

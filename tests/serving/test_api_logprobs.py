@@ -68,7 +68,8 @@ def test_text_prompt_gets_bos_and_id_prompt_is_verbatim(client, model, tok):
 
 def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, model, ref):
     ids = PROMPT_IDS[0]
-    out = client.completions.create(model=model, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    out = client.completions.create(model=model, prompt=ids, echo=True, logprobs=1, max_tokens=0, temperature=0.7,
+                                    presence_penalty=1.0)  # the prompt is scored by the model itself, unscaled
     c = out.choices[0]
     assert c.finish_reason == "length" and out.usage.completion_tokens == 0 and len(c.logprobs.tokens) == len(ids)
     np.testing.assert_allclose(c.logprobs.token_logprobs[1:], ref.scored(ids), atol=TOL, rtol=0)
