@@ -4,8 +4,8 @@ GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/complet
 server-sent events, `data: {chunk}` ... `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and
 GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
 
-Prompts: a text prompt is encoded with the tokenizer's BOS in front (as HF's `add_special_tokens`
-does); a token-id prompt is scored and continued verbatim, nothing added (as vLLM does, and as
+Prompts: a text prompt is encoded with the tokenizer's BOS in front (the training layout; what
+DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and continued verbatim, nothing added (as vLLM does, and as
 lm-evaluation-harness's token mode relies on). A completions request may carry several prompts
 (texts or id lists) and ask `n` choices of each: choice `index` = prompt number * n + choice number,
 each its own engine request. With `best_of`, that many are generated per prompt and the `n` with the
