@@ -64,7 +64,6 @@ class Event(NamedTuple):
     prompt_logprobs: list[Logprob | None] | None = None  # echo: one per prompt token (the first None), first event
 
 
-
 @dataclasses.dataclass(eq=False)
 class Request:
     prompt: list[int]

@@ -40,7 +40,7 @@ class StepResult(NamedTuple):
     accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
     next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
     expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
-    logprobs: TokenLogprobs | None = None  # numpy [B, K] / [B, K, N]: of emitted[b, i] (see `sampling.token_logprobs`)
+    logprobs: TokenLogprobs | None = None  # numpy [B, K] / [B, K, N]: of emitted[b, i] (`token_logprobs`)
 
 
 class PrefillResult(NamedTuple):

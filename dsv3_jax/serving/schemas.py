@@ -64,7 +64,8 @@ class _Sampling(BaseModel):
                      "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
                      "metadata": None, "store": None, "service_tier": None}
         extra = self.model_extra or {}
-        return [k for k, v in extra.items() if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
+        return [k for k, v in extra.items()
+                if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

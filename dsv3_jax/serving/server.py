@@ -5,12 +5,13 @@ server-sent events, `data: {chunk}` ... `data: [DONE]`), vLLM's POST /tokenize, 
 GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
 
 Prompts: a text prompt is encoded with the tokenizer's BOS in front (the training layout; what
-DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and continued verbatim, nothing added (as vLLM does, and as
-lm-evaluation-harness's token mode relies on). A completions request may carry several prompts
-(texts or id lists) and ask `n` choices of each: choice `index` = prompt number * n + choice number,
-each its own engine request. With `best_of`, that many are generated per prompt and the `n` with the
-highest cumulative log-probability returned. Choice j > 0 of a seeded request draws with a seed
-derived from (seed, j), so n choices differ and the whole response is reproducible.
+DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and
+continued verbatim, nothing added (as vLLM does, and as lm-evaluation-harness's token mode relies
+on). A completions request may carry several prompts (texts or id lists) and ask `n` choices of
+each: choice `index` = prompt number * n + choice number, each its own engine request. With
+`best_of`, that many are generated per prompt and the `n` with the highest cumulative
+log-probability returned. Choice j > 0 of a seeded request draws with a seed derived from
+(seed, j), so n choices differ and the whole response is reproducible.
 
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
 bad values (the field named), a prompt that does not fit the context, unsupported options; 404 for an
@@ -54,7 +55,8 @@ def choice_seed(seed: int, j: int) -> int:
 def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
     tok, max_seq_len, vocab = chat.tokenizer, engine.runner.context, engine.runner.config.vocab_size
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3-jax", "max_model_len": max_seq_len}
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3-jax",
+                  "max_model_len": max_seq_len}
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         engine.metrics.response(status)
@@ -303,8 +305,9 @@ async def _sse(engine: Engine, name, requests: list[Request], queue: asyncio.Que
                 out = responses.chat_choice(name, c, top, chunk=True, first=first, text=ev.text, ids=ev.token_ids,
                                             entries=entries)
             else:
-                out = responses.completion_choice(name, c, top, echo_prompt=echo and first, offset=offsets.get(c.index, 0),
-                                                  text=ev.text, ids=ev.token_ids, entries=entries)
+                out = responses.completion_choice(name, c, top, echo_prompt=echo and first,
+                                                  offset=offsets.get(c.index, 0), text=ev.text, ids=ev.token_ids,
+                                                  entries=entries)
                 if out["logprobs"] is not None:
                     offsets[c.index] = sum(map(len, out["logprobs"]["tokens"])) + offsets.get(c.index, 0)
             started.add(c.index)

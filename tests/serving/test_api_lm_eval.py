@@ -75,7 +75,8 @@ def evaluation(server, tmp_path_factory):
 
         url, name = server
         return lm_eval.simple_evaluate(
-            model="local-completions", model_args=f"base_url={url}/v1/completions,model={name},max_length={MAX_SEQ_LEN}",
+            model="local-completions",
+            model_args=f"base_url={url}/v1/completions,model={name},max_length={MAX_SEQ_LEN}",
             tasks=["served_mc", "served_rolling"], task_manager=TaskManager(include_path=str(folder),
                                                                             include_defaults=False),
             batch_size=4, log_samples=True)
