@@ -33,10 +33,12 @@ setup(
         # The tests check parity against HF transformers (torch). 2.13.0 is the CPU wheel on the
         # dev/CI machines; elsewhere pip may pick a CUDA build of the same version. jupytext, nbclient,
         # nbformat and ipykernel turn notebooks/*.py into notebooks and execute them (tests/test_notebooks.py);
-        # the serving tests drive the server with the official OpenAI client.
+        # the serving tests drive the server with the official OpenAI client and lm-evaluation-harness
+        # (local-completions; its [api] extra holds the HTTP client packages).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
-                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
+                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
+                 "lm_eval[api]==0.4.13"],
         # python -m experiments.serve: HTTP server, chat templates (rendered as HF does), process RSS metric
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],

@@ -1,20 +1,39 @@
-"""Next-token choice: greedy, or sampling with temperature, top-k and top-p (nucleus).
+"""Next-token choice for `generate()` and the serving engine alike: one rule, one sampler.
 
-Order as in HF transformers: logits / temperature, then keep the top-k, then keep the smallest
-set of the most likely remaining tokens whose probability reaches top_p. Ties at a threshold are
-kept (thresholds are on values). Letters: B batch, V vocab.
+Per row (every row its own parameters, [B] arrays in `RowSampling`; `generate()`'s one
+`SamplingConfig` is broadcast to all rows):
+
+1. Penalties (serving; vLLM's and OpenAI's, in vLLM's order, on fp32 logits): the repetition
+   penalty r divides a positive logit by r and multiplies a negative one by r, for every token seen
+   in the prompt or the output; then each token's logit moves by its logit_bias, minus
+   frequency_penalty times its count in the output, minus presence_penalty if it occurs there;
+   tokens banned by min_tokens get -inf. A row carries these as a sparse table of P columns (token
+   id, additive term, repetition factor; unused columns id 0, 0, 1), kept on the host by
+   `dsv3_jax.serving.penalties`, so a step ships [B, P] values (P ~ context length), not [B, V].
+2. HF's order: logits / temperature, keep the top-k, then the smallest most-likely set whose mass
+   reaches top_p (ties at a threshold kept). Temperature 0 is greedy (argmax of the penalized
+   logits); top_k 0 and top_p 1 switch those filters off.
+3. A draw with the row's key: in the engine fold_in(key(seed), position), so a request's draws do
+   not depend on which other requests share the batch; in `generate()` a split of the step's key.
+
+Log-probabilities (`token_logprobs`) are of step 1's logits / temperature, fp32, as vLLM reports
+them. Letters: B batch (rows, slots), V vocab.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
+    """generate()'s settings, one for every row."""
+
     temperature: float = 0.0  # 0: greedy (argmax), top_k / top_p ignored
     top_k: int | None = None
     top_p: float | None = None
@@ -31,32 +50,121 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> dict:
+        """Which filters are on, for `filtered_logits` (known when tracing)."""
+        return {"top_k": self.top_k is not None, "top_p": self.top_p is not None and self.top_p < 1}
 
-def filtered_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """float32 logits / temperature with tokens outside top-k / top-p set to -inf."""
-    x = logits_BxV.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+    def rows(self, batch: int) -> "RowSampling":
+        """These settings for every one of `batch` rows."""
+        return RowSampling(jnp.full(batch, self.temperature, jnp.float32), jnp.full(batch, self.top_k or 0, jnp.int32),
+                           jnp.full(batch, self.top_p or 1.0, jnp.float32), jnp.zeros(batch, jnp.uint32))
+
+
+class RowSampling(NamedTuple):
+    """Sampling parameters of every slot, [B] arrays (numpy on the host, jax inside the step)."""
+
+    temperature: np.ndarray  # float32, 0 = greedy
+    top_k: np.ndarray  # int32, 0 = off
+    top_p: np.ndarray  # float32 in (0, 1], 1 = off
+    seed: np.ndarray  # uint32
+    penalty_ids: np.ndarray | None = None  # int32 [B, P]: token of each penalty column (None: no penalties)
+    penalty_add: np.ndarray | None = None  # float32 [B, P]: bias - frequency * count - presence (-inf: banned)
+    penalty_scale: np.ndarray | None = None  # float32 [B, P]: repetition penalty r of a seen token, else 1
+
+    @classmethod
+    def greedy(cls, batch: int, width: int = 0) -> "RowSampling":
+        """Greedy rows without penalties; `width` > 0 gives them empty penalty tables of that many columns."""
+        tables = (np.zeros((batch, width), np.int32), np.zeros((batch, width), np.float32),
+                  np.ones((batch, width), np.float32)) if width else (None, None, None)
+        return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
+                   np.zeros(batch, np.uint32), *tables)
+
+    def scalars(self) -> tuple:
+        """The [B] parameters (temperature, top_k, top_p, seed), without the penalty tables."""
+        return self.temperature, self.top_k, self.top_p, self.seed
+
+    def set_row(self, row: int, *, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        self.temperature[row], self.top_k[row], self.top_p[row], self.seed[row] = temperature, top_k, top_p, seed
+
+
+def penalized_logits(logits_BxxV: jax.Array, s: RowSampling) -> jax.Array:
+    """float32 logits [B, V] or [B, K, V] with each row's penalties applied (the module docstring)."""
+    x = logits_BxxV.astype(jnp.float32)
+    if s.penalty_ids is None:
+        return x
+    b, v = x.shape[0], x.shape[-1]
+    rows = jnp.arange(b)[:, None]
+    scale = jnp.ones((b, v), jnp.float32).at[rows, s.penalty_ids].multiply(s.penalty_scale)
+    add = jnp.zeros((b, v), jnp.float32).at[rows, s.penalty_ids].add(s.penalty_add)
+    if x.ndim == 3:
+        scale, add = scale[:, None], add[:, None]
+    return jnp.where(x > 0, x / scale, x * scale) + add
+
+
+def filtered_logits(logits_BxV: jax.Array, s: RowSampling, *, top_k: bool = True, top_p: bool = True
+                    ) -> jax.Array:
+    """float32 logits / temperature with each row's tokens outside its top-k / top-p set to -inf.
+    `top_k` / `top_p` False: no row uses that filter (skips its sort; known when tracing)."""
+    v = logits_BxV.shape[-1]
+    t = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    x = logits_BxV.astype(jnp.float32) / t
+    if top_k:
+        k = jnp.where((s.top_k > 0) & (s.top_k < v), s.top_k, v)
+        kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), (k - 1)[:, None], axis=-1)
         x = jnp.where(x >= kth, x, -jnp.inf)
-    if cfg.top_p is not None and cfg.top_p < 1:
-        sorted_desc = -jnp.sort(-x, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        kept = mass_before < cfg.top_p  # the first token always stays
-        threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x >= threshold, x, -jnp.inf)
-    return x
+    if not top_p:
+        return x
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1)  # the first token always stays
+    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x >= threshold, x, -jnp.inf)
 
 
-def probabilities(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """The distribution `sample` draws from, float32 [..., V] (one-hot argmax when greedy)."""
-    if cfg.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), logits_BxV.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(filtered_logits(logits_BxV, cfg), axis=-1)
+def row_keys(seed_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+    """One key per row from its request's seed and the position of the token being drawn."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, positions_B)
+
+
+def draw(logits_BxV: jax.Array, s: RowSampling, keys_B: jax.Array, **filters) -> jax.Array:
+    """int32 [B] next tokens: argmax for greedy rows, else a draw with row b's key keys_B[b] from
+    its filtered distribution. The one sampler: `sample_rows` (serving) and `sample` (generate())."""
+    drawn = jax.vmap(lambda key, x: jax.random.categorical(key, x))(keys_B, filtered_logits(logits_BxV, s, **filters))
+    greedy = jnp.argmax(logits_BxV, axis=-1)
+    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def sample_rows(logits_BxV: jax.Array, s: RowSampling, positions_B: jax.Array) -> jax.Array:
+    """The engine's draw: row b keyed by (its request's seed, the position of the token drawn)."""
+    return draw(logits_BxV, s, row_keys(s.seed, positions_B))
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """int32 [...] next tokens; deterministic for a given key."""
-    if cfg.greedy:
+    """generate()'s draw: int32 [B] next tokens, the rows keyed by splitting `key`."""
+    b = logits_BxV.shape[0]
+    if cfg.greedy:  # known when tracing: no filters to compute
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_logits(logits_BxV, cfg), axis=-1).astype(jnp.int32)
+    return draw(logits_BxV, cfg.rows(b), jax.random.split(key, b), **cfg.filters)
+
+
+MAX_LOGPROBS = 20  # OpenAI's ceiling for `logprobs` / `top_logprobs`: every step returns this many
+
+
+class TokenLogprobs(NamedTuple):
+    """float32 log-probabilities of chosen tokens and the most likely alternatives, shapes [..] / [.., N]."""
+
+    chosen: jax.Array  # log p(token) of the token at each position
+    top_ids: jax.Array  # int32: the N most likely tokens, most likely first
+    top: jax.Array  # their log-probabilities
+
+
+def token_logprobs(logits_xV: jax.Array, tokens_x: jax.Array, temperature_x: jax.Array) -> TokenLogprobs:
+    """Log-probabilities (fp32) of `tokens` under the distribution a row samples from: logits / its
+    temperature (1 for greedy rows), before the top-k / top-p cut, as vLLM reports them."""
+    t = jnp.where(temperature_x > 0, temperature_x, 1.0)[..., None]
+    lp = jax.nn.log_softmax(logits_xV.astype(jnp.float32) / t, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens_x[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
+    return TokenLogprobs(chosen, ids.astype(jnp.int32), top)

@@ -20,9 +20,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.metrics import Metrics
+from dsv3_jax.serving.penalties import Penalties, PenaltyTables
 from dsv3_jax.serving.runner import Runner
-from dsv3_jax.serving.sampling import RowSampling
 from dsv3_jax.serving.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (<= 20)
+    echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
+    penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
+
+
+# One token's log-probability and the most likely alternatives: (logprob, [(token id, logprob), ...]).
+Logprob = tuple[float, list[tuple[int, float]]]
 
 
 class Event(NamedTuple):
@@ -52,6 +60,8 @@ class Event(NamedTuple):
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[Logprob] | None = None  # one per token_ids entry, when the request asked for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # echo: one per prompt token (the first None), first event
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,6 +74,7 @@ class Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     stream: TextStream | None = None
     chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # echo: gathered chunk by chunk
     done: bool = False
 
 
@@ -74,7 +85,8 @@ class Engine:
         self.slots: list[Request | None] = [None] * b
         self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
         self.next_tokens = np.zeros((b, 1 + runner.drafts), np.int32)  # last token, then MTP drafts
-        self.sampling = RowSampling.greedy(b)
+        self.sampling = RowSampling.greedy(b, runner.penalty_width)
+        self.penalties = PenaltyTables(self.sampling)  # writes into self.sampling's tables
         self.waiting: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
         self.metrics = Metrics(num_slots=b)
@@ -170,7 +182,9 @@ class Engine:
                         n = int(result.accepted[slot]) + 1
                         self.positions[slot] += n
                         self.next_tokens[slot] = result.next_tokens[slot]
-                        self._accept(slot, result.emitted[slot, :n].tolist())
+                        logprobs = TokenLogprobs(*(a[slot] for a in result.logprobs))
+                        self._accept(slot, result.emitted[slot, :n].tolist(),
+                                     _logprobs(logprobs, self.slots[slot].params.logprobs, n))
 
     def _admit(self) -> None:
         for slot, r in enumerate(self.slots):
@@ -180,28 +194,36 @@ class Engine:
                 request.chunks = self.runner.chunks(len(request.prompt))
                 p = request.params
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+                self.penalties.start(slot, request.prompt, p.penalties)
                 self.positions[slot] = 0
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, width = request.chunks[0]
         following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
-        nxt = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
+        out = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
                                         width, sampling, following)
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return
             request.chunks.pop(0)
             self.positions[slot] = start + valid
-            if not request.chunks:
+            last = not request.chunks
+            if request.params.echo:  # entry i scores prompt token start + i + 1 (the last one: the sampled token)
+                request.prompt_logprobs += _logprobs(out.logprobs, request.params.logprobs, valid - last)
+            if last:
                 self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
-                self.next_tokens[slot] = nxt
-                self._accept(slot, [int(nxt[0])])
+                self.next_tokens[slot] = out.next_tokens
+                self._accept(slot, [int(out.next_tokens[0])], _logprobs(out.logprobs, request.params.logprobs,
+                                                                        valid, first=valid - 1))
 
-    def _accept(self, slot: int, tokens: list[int]) -> None:
-        """Gives the slot's request its new tokens, in order, up to the first that ends it; then
-        ends it (and frees the slot) when it is done."""
+    def _accept(self, slot: int, tokens: list[int], logprobs: list[Logprob] | None = None) -> None:
+        """Gives the slot's request its new tokens (and their log-probabilities), in order, up to the
+        first that ends it; then ends it (and frees the slot) when it is done."""
         request, p = self.slots[slot], self.slots[slot].params
         reason, text, kept = None, "", []
+        prompt_logprobs = [None] + request.prompt_logprobs if p.echo and not request.generated else None
+        if p.max_tokens == 0:  # echo only: the prompt's log-probabilities, no token
+            tokens, reason = [], "length"
         for token in tokens:
             kept.append(token)
             request.generated.append(token)
@@ -216,10 +238,12 @@ class Engine:
             if reason is not None:
                 break
         self.metrics.generated_tokens += len(kept)
+        self.penalties.observe(slot, kept)
         if reason is not None:
             text += request.stream.finish()
             self._free(slot)
-        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated)))
+        logprobs = None if logprobs is None else logprobs[:len(kept)]
+        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated), logprobs, prompt_logprobs))
         if reason is not None:
             self._finish(request, reason, emit=False)
 
@@ -227,9 +251,18 @@ class Engine:
         self.slots[slot] = None
         self.positions[slot] = 0
         self.sampling.set_row(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        self.penalties.clear(slot)
 
     def _finish(self, request: Request, reason: str, emit: bool = True) -> None:
         request.done = True
         self.metrics.finished(reason)
         if emit:
             request.sink(Event("", [], reason, len(request.prompt), len(request.generated)))
+
+
+def _logprobs(lp: TokenLogprobs, top: int | None, stop: int, first: int = 0) -> list[Logprob] | None:
+    """Entries first .. stop - 1 of a step's log-probabilities (numpy), each with its `top` alternatives."""
+    if top is None:
+        return None
+    return [(float(lp.chosen[i]), list(zip(lp.top_ids[i, :top].tolist(), lp.top[i, :top].tolist())))
+            for i in range(first, stop)]

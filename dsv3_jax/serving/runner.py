@@ -1,6 +1,6 @@
 """The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
 prompt into one slot's rows, and one decode step over every slot at its own position, optionally
-with MTP speculation (each slot feeds its last token and M drafts; `speculation.accept_rows`).
+with MTP speculation (each slot feeds its last token and M drafts; `inference.speculative.accept_slots`).
 
 Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
 M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
@@ -30,8 +30,9 @@ from flax import nnx
 from dsv3_jax.inference import init_cache, model_step, mtp_draft
 from dsv3_jax.inference import prefill as chunking
 from dsv3_jax.inference.cache import CACHE_DTYPES
-from dsv3_jax.serving.sampling import RowSampling, sample_rows
-from dsv3_jax.serving.speculation import accept_rows
+from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
+from dsv3_jax.inference.speculative import accept_slots
+from dsv3_jax.serving.penalties import table_width
 
 
 class StepResult(NamedTuple):
@@ -39,6 +40,13 @@ class StepResult(NamedTuple):
     accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
     next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
     expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
+    logprobs: TokenLogprobs | None = None  # numpy [B, K] / [B, K, N]: of emitted[b, i] (`token_logprobs`)
+
+
+class PrefillResult(NamedTuple):
+    next_tokens: np.ndarray  # int32 [K]: the sampled next token, then the MTP drafts that follow it
+    logprobs: TokenLogprobs  # numpy [W] / [W, N]: entry i of the token after chunk position i (the prompt's
+    # next token, or at the prompt's last position the sampled one); entries past the valid ones are padding
 
 
 def chunk_buckets(chunk: int) -> tuple[int, ...]:
@@ -75,6 +83,7 @@ class Runner:
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
         self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
+        self.penalty_width = table_width(self.context)  # columns of RowSampling's penalty tables
         graphdef, self.state = nnx.split(model)
         # committed to a device, as every step's output is: one compiled step for both
         cache = init_cache(cfg, max_batch, max_seq_len, cache_dtype, with_mtp=use_mtp)
@@ -86,29 +95,30 @@ class Runner:
         return [(start, min(width, length - start), width) for start, width in chunking.plan(length, self.chunk)]
 
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling,
-                      following: int = -1) -> np.ndarray:
+                      following: int = -1) -> PrefillResult:
         """Writes `tokens` (positions start ..) into the slot's rows. `following`: the prompt token
-        after this chunk, -1 for the last chunk. Returns int32 [K]: the sampled next token (kept by
-        the caller only after the last chunk) and the MTP drafts that follow it."""
+        after this chunk, -1 for the last chunk. Returns the sampled next token (kept by the caller
+        only after the last chunk) with its MTP drafts, and the chunk's next-token log-probabilities."""
         padded = np.zeros((2, width + 1), np.int32)  # row 0 the chunk, row 1 the chunk shifted left
         padded[0, :len(tokens)] = tokens
         padded[1, :len(tokens) - 1] = tokens[1:]
-        row = RowSampling(*(a[slot:slot + 1] for a in sampling))
+        row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
         out, self.cache = self._prefill(self.state, self.cache, jnp.asarray(padded[:, :width]), np.int32(slot),
                                         np.int32(start), np.int32(len(tokens)), np.int32(following), row)
-        return np.asarray(out)
+        nxt, logprobs = jax.device_get(out)
+        return PrefillResult(nxt, TokenLogprobs(*logprobs))
 
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
         """One step: slot b feeds tokens[b] (its last token, then its drafts) from positions[b]."""
         out, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_BxK, jnp.int32),
                                        jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B), sampling)
-        emitted, accepted, nxt, counts = jax.device_get(out)
-        return StepResult(emitted, accepted, nxt, counts)
+        emitted, accepted, nxt, counts, logprobs = jax.device_get(out)
+        return StepResult(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
 
     def warm_up(self) -> None:
         """Compiles every prefill bucket and the decode step (on slot 0, whose rows hold nothing yet)."""
-        greedy = RowSampling.greedy(self.max_batch)
+        greedy = RowSampling.greedy(self.max_batch, self.penalty_width)
         for w in self.buckets:
             self.prefill_chunk(0, np.zeros(w, np.int32), 0, w, greedy)
         zeros = np.zeros(self.max_batch, np.int32)
@@ -124,16 +134,23 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
         index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
         positions = jnp.minimum(start + index, max_seq_len - 1)  # padding writes stay inside the cache
         out = model_step(model, _rows(cache, slot), tokens, positions, index < valid)
-        last = jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True)  # [1, V]
+        last = penalized_logits(jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True), sampling)
         token = sample_rows(last, sampling, (start + valid)[None])
         rows, nxt = out.cache, token[:, None]
+        after = jnp.where(following >= 0, following, token[0])  # the token after the chunk's last one
+        next_1xW = shifted.at[0, valid - 1].set(after)
+        # the prompt's tokens by the model itself (none was sampled: no temperature, no penalties); the
+        # sampled one as it was drawn
+        logprobs = token_logprobs(out.logits[0], next_1xW[0], jnp.zeros(next_1xW[0].shape, jnp.float32))
+        drawn = token_logprobs(last, token, sampling.temperature)
+        logprobs = TokenLogprobs(*(a.at[valid - 1].set(jnp.where(following >= 0, a[valid - 1], d[0]))
+                                   for a, d in zip(logprobs, drawn)))
         if use_mtp:  # the MTP depths read t_{i+1} at i: the next prompt token, or the sampled one
-            after = jnp.where(following >= 0, following, token[0])
             depths = rows.mtp.latent.shape[0]
-            next_1xN = jnp.pad(shifted.at[0, valid - 1].set(after), ((0, 0), (0, depths)))
+            next_1xN = jnp.pad(next_1xW, ((0, 0), (0, depths)))
             drafts, rows = mtp_draft(model, rows, out.hidden, next_1xN, positions, (valid - 1)[None])
             nxt = jnp.concatenate([nxt, drafts], axis=1)
-        return nxt[0], _put_rows(cache, rows, slot)
+        return (nxt[0], logprobs), _put_rows(cache, rows, slot)
 
     def decode(state, cache, tokens_BxK, positions_B, active_B, sampling):
         model = nnx.merge(graphdef, state)
@@ -141,14 +158,17 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
         positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
         out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))
         counts = None if out.router_stats is None else out.router_stats.expert_counts
+        logits = penalized_logits(out.logits, sampling)
         if not use_mtp:
-            token = sample_rows(out.logits[:, 0], sampling, positions_B + 1)[:, None]
-            return (token, jnp.zeros_like(positions_B), token, counts), out.cache
-        emitted, accepted = accept_rows(out.logits, tokens_BxK[:, 1:], sampling, positions_B)
+            token = sample_rows(logits[:, 0], sampling, positions_B + 1)[:, None]
+            logprobs = token_logprobs(logits, token, sampling.temperature[:, None])
+            return (token, jnp.zeros_like(positions_B), token, counts, logprobs), out.cache
+        emitted, accepted = accept_slots(logits, tokens_BxK[:, 1:], sampling, positions_B)
         # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
         next_BxN = jnp.pad(emitted, ((0, 0), (0, k - 1)))
         drafts, cache = mtp_draft(model, out.cache, out.hidden, next_BxN, positions_BxK, accepted)
         last = emitted[jnp.arange(b), accepted]
-        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts), cache
+        logprobs = token_logprobs(logits, emitted, jnp.broadcast_to(sampling.temperature[:, None], (b, k)))
+        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts, logprobs), cache
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)

@@ -1,18 +1,23 @@
-"""OpenAI-compatible request bodies (validated) and response bodies.
+"""OpenAI-compatible request bodies, validated field by field (a bad value is a 400 naming the field).
 
 Requests follow the OpenAI API (`/v1/completions`, `/v1/chat/completions`) with vLLM's extensions
-`top_k`, `stop_token_ids`, `ignore_eos`. Fields the engine does not implement are refused with a 400
-naming them rather than silently ignored: n > 1, best_of > 1, echo, logprobs, penalties, logit_bias,
-tools. Values out of range are refused by pydantic (the server turns that into a 400 naming the field).
+`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`,
+and vLLM's `/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values this
+server does not implement (tools, `suffix`, a JSON `response_format`), are refused with a 400 naming
+them rather than silently ignored. Response bodies are built in `responses`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 import pydantic
 from pydantic import BaseModel, Field
+
+from dsv3_jax.inference.sampling import MAX_LOGPROBS
+from dsv3_jax.serving.penalties import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+
+MAX_N = 16  # choices (n, best_of) one request may ask for: each takes a decode slot
 
 
 class StreamOptions(BaseModel):
@@ -23,20 +28,22 @@ class _Sampling(BaseModel):
     model_config = pydantic.ConfigDict(extra="allow")  # unknown fields are checked by `unsupported`
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, lt=2**31)  # 0 (or -1, as vLLM spells it) = off
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's: > 1 discourages tokens already seen
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids banned until this many tokens
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by text
     user: str | None = None
 
     @pydantic.field_validator("top_k", mode="before")
@@ -44,20 +51,21 @@ class _Sampling(BaseModel):
     def _top_k_off(cls, v):
         return 0 if v == -1 else v
 
+    @pydantic.field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v):
+        if v and any(not -100 <= b <= 100 for b in v.values()):
+            raise ValueError("every bias must lie in [-100, 100]")
+        return v
+
     def unsupported(self) -> list[str]:
         """Names of fields set to values this server does not implement."""
-        out = [] if self.n == 1 else ["n (only 1)"]
-        out += [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        out += ["logit_bias"] if self.logit_bias else []
-        return out + self._unsupported_extra()
-
-    def _unsupported_extra(self) -> list[str]:
-        known_off = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1),
-                     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+        known_off = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                      "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
-                     "max_completion_tokens": None, "metadata": None, "store": None, "service_tier": None}
+                     "metadata": None, "store": None, "service_tier": None}
         extra = self.model_extra or {}
-        return [k for k, v in extra.items() if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
+        return [k for k, v in extra.items()
+                if k not in known_off or (known_off[k] is not None and v not in known_off[k])]
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -65,12 +73,34 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (the prompt scored, nothing generated)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's log-prob + this many alternatives
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @pydantic.field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+        texts = isinstance(v, list) and all(isinstance(p, str) for p in v)
+        if isinstance(v, str) or ids(v) or texts or (isinstance(v, list) and all(ids(p) for p in v)):
+            return v
+        raise ValueError("must be a text, a list of texts, a list of token ids (ints) or a list of such lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class ChatMessage(BaseModel):
     model_config = pydantic.ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
 
     def text(self) -> str:
@@ -84,47 +114,48 @@ class ChatMessage(BaseModel):
             parts.append(part.get("text", ""))
         return "".join(parts)
 
+    def for_template(self) -> dict:
+        """The message as the chat template sees it; `developer` is OpenAI's newer name for `system`."""
+        role = "system" if self.role == "developer" else self.role
+        return self.model_dump(exclude_none=True) | {"role": role, "content": self.text()}
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
-        extra = (self.model_extra or {}).get("max_completion_tokens")
-        return self.max_tokens if self.max_tokens is not None else extra
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt (BOS added when add_special_tokens), or chat messages (templated)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None, *, chunk: bool) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-    if use is not None:
-        body["usage"] = use
-    return body
+class DetokenizeRequest(BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
 
-
-def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict | None, *, chunk: bool,
-              first: bool = False) -> dict:
-    if chunk:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
-    body = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
-    if use is not None:
-        body["usage"] = use
-    return body
-
-
-def usage_chunk(rid: str, model: str, use: dict, *, chat: bool) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [], "usage": use}
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict:

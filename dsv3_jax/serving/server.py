@@ -1,27 +1,42 @@
 """The OpenAI-compatible HTTP layer (FastAPI) over an `Engine`.
 
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream=true`: server-sent events,
-`data: {chunk}` ... `data: [DONE]`), GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (`stream=true`:
+server-sent events, `data: {chunk}` ... `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and
+GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
 
-Errors are OpenAI-shaped `{"error": {"message", "type", "param"}}`: 400 for malformed JSON, bad
-values (the field named), a prompt that does not fit the context, unsupported options; 404 for an
-unknown model; 429 when the queue is full. A client that disconnects (streaming or not) cancels
-its request, which frees its slot at once.
+Prompts: a text prompt is encoded with the tokenizer's BOS in front (the training layout; what
+DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and
+continued verbatim, nothing added (as vLLM does, and as lm-evaluation-harness's token mode relies
+on). A completions request may carry several prompts (texts or id lists) and ask `n` choices of
+each: choice `index` = prompt number * n + choice number, each its own engine request. With
+`best_of`, that many are generated per prompt and the `n` with the highest cumulative
+log-probability returned. Choice j > 0 of a seeded request draws with a seed derived from
+(seed, j), so n choices differ and the whole response is reproducible.
+
+Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
+bad values (the field named), a prompt that does not fit the context, unsupported options; 404 for an
+unknown model or route; 429 when the queue is full; 500 if the engine fails. A client that
+disconnects (streaming or not) cancels its requests, which frees their slots at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 
 import fastapi
+import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from dsv3_jax.serving import schemas
+from dsv3_jax.serving import responses, schemas
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
-from dsv3_jax.serving.engine import Engine, Event, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.engine import Engine, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.penalties import Penalties
+from dsv3_jax.serving.responses import Choice
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -32,13 +47,20 @@ class BadRequest(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+def choice_seed(seed: int, j: int) -> int:
+    """Choice j's seed: the request's own for j = 0, else one mixed from (seed, j)."""
+    return seed if j == 0 else int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
+
+
 def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
     tok, max_seq_len, vocab = chat.tokenizer, engine.runner.context, engine.runner.config.vocab_size
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3-jax",
+                  "max_model_len": max_seq_len}
 
-    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         engine.metrics.response(status)
-        return JSONResponse(schemas.error_body(message, param=param), status_code=status)
+        return JSONResponse(schemas.error_body(message, param=param, kind=kind), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -50,15 +72,32 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
 
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
-        return error(exc.status, exc.message, exc.param)
+        return error(exc.status, exc.message, exc.param, "not_found_error" if exc.status == 404 else
+                     "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise BadRequest(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
+
+    def check_ids(ids: list[int], field: str) -> None:
+        if any(not 0 <= i < vocab for i in ids):
+            raise BadRequest(400, f"{field}: token ids must lie in [0, vocab_size={vocab})", field)
 
     def check_prompt(ids: list[int], max_tokens: int | None, default: int | None) -> int:
         if not ids:
             raise BadRequest(400, "the prompt is empty (it must encode to at least one token)", "prompt")
-        if any(not 0 <= i < vocab for i in ids):
-            raise BadRequest(400, f"prompt token ids must lie in [0, vocab_size={vocab})", "prompt")
+        check_ids(ids, "prompt")
         room = max_seq_len - len(ids)
-        if room < 1:
+        if room < (1 if max_tokens != 0 else 0):
             raise BadRequest(400, f"the prompt has {len(ids)} tokens; the context holds {max_seq_len} "
                                   "(prompt + max_tokens) and leaves no room to generate", "prompt")
         max_tokens = max_tokens if max_tokens is not None else min(default or room, room)
@@ -67,75 +106,163 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
                                   f"length {max_seq_len}; lower max_tokens or shorten the prompt", "max_tokens")
         return max_tokens
 
-    def params(req: schemas._Sampling, max_tokens: int) -> SamplingParams:
-        if req.model != model_name:
-            raise BadRequest(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}", "model")
+    def params(req: schemas._Sampling, max_tokens: int, logprobs: int | None, echo: bool = False) -> SamplingParams:
+        check_model(req.model)
         bad = req.unsupported()
         if bad:
-            raise BadRequest(400, f"unsupported option(s): {', '.join(bad)}", bad[0].split()[0])
+            raise BadRequest(400, f"unsupported option(s): {', '.join(bad)}", bad[0])
         stop_ids = tuple(req.stop_token_ids or ())
-        if any(not 0 <= i < vocab for i in stop_ids):
-            raise BadRequest(400, f"stop_token_ids must lie in [0, vocab_size={vocab})", "stop_token_ids")
+        check_ids(stop_ids, "stop_token_ids")
+        check_ids(list(req.logit_bias or {}), "logit_bias")
+        if engine.runner.drafts:  # a verify window would need the drafts' own penalties: not implemented
+            used = [k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                                     ("min_tokens", 0)) if getattr(req, k) != off]
+            if used:
+                raise BadRequest(400, f"{used[0]} is not supported with MTP speculation (--use_mtp)", used[0])
+        penalties = Penalties(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                              tuple((req.logit_bias or {}).items()), req.min_tokens,
+                              stop_ids + (() if req.ignore_eos else (tok.eos_id,)))
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
-                              stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
+                              stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                              logprobs=logprobs, echo=echo, penalties=penalties)
 
-    async def run(http: fastapi.Request, prompt: list[int], sp: SamplingParams, req, *, chat_api: bool):
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        request = Request(prompt, sp, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+    def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
+        loop, requests = asyncio.get_running_loop(), []
         try:
-            engine.submit(request)
+            for c, sp in zip(choices, per_choice):
+                sink = lambda ev, c=c: loop.call_soon_threadsafe(queue.put_nowait, (c, ev))  # noqa: E731
+                requests.append(engine.submit(Request(list(c.prompt), sp, sink)))
+        except QueueFull:
+            for r in requests:
+                engine.cancel(r)
+            raise
+        return requests
+
+    async def gather(http: fastapi.Request, queue: asyncio.Queue, requests: list[Request], n_choices: int) -> bool:
+        """Feeds every event to its choice until all finish; False if the client went away."""
+        finished = 0
+        try:
+            while finished < n_choices:
+                try:
+                    c, ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return False
+                    continue
+                c.add(ev)
+                finished += ev.finish_reason is not None
+        finally:
+            for r in requests:
+                engine.cancel(r)  # no-op once finished; frees the slot if the client went away
+        return True
+
+    async def run(http, choices: list[Choice], per_choice: list[SamplingParams], req, *, chat_api: bool,
+                  top: int | None, echo: bool = False, keep: int | None = None):
+        """Generates every choice; answers with the first `keep` per prompt by cumulative logprob (best_of)."""
+        queue = asyncio.Queue()
+        try:
+            requests = submit(choices, per_choice, queue)
         except QueueFull as e:
-            return error(429, str(e))
+            return error(429, str(e), kind="rate_limit_error")
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex[:24]
+        prompt_tokens = sum(len(p) for p in {id(c.prompt): c.prompt for c in choices}.values())
         if req.stream:
             engine.metrics.response(200)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(engine, request, queue, rid, model_name, chat_api, include_usage),
-                                     media_type="text/event-stream")
-        text, last = [], None
-        try:
-            while last is None or last.finish_reason is None:
-                try:
-                    last = await asyncio.wait_for(queue.get(), timeout=0.5)
-                    text.append(last.text)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return None
-        finally:
-            engine.cancel(request)  # no-op once finished; frees the slot if the client went away
-        if last.finish_reason == "error":
-            return error(500, "the engine failed on this request (see the server log)", None)
-        use = schemas.usage(last.prompt_tokens, last.completion_tokens)
-        build = schemas.chat_body if chat_api else schemas.completion_body
+            name = responses.namer(tok, req.return_tokens_as_token_ids)
+            stream = _sse(engine, name, requests, queue, choices, rid, model_name, chat_api, top, echo,
+                          prompt_tokens if include_usage else None)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        if not await gather(http, queue, requests, len(choices)):
+            return None
+        if any(c.finish_reason == "error" for c in choices):
+            return error(500, "the engine failed on this request (see the server log)", kind="internal_error")
+        use = responses.usage(prompt_tokens, sum(c.completion_tokens for c in choices))
+        if keep is not None:
+            choices = _best(choices, keep)
+        name = responses.namer(tok, req.return_tokens_as_token_ids)
+        if chat_api:
+            out = [responses.chat_choice(name, c, top, chunk=False) for c in choices]
+        else:
+            out = [responses.completion_choice(name, c, top, echo_prompt=echo) for c in choices]
         engine.metrics.response(200)
-        return JSONResponse(build(rid, model_name, "".join(text), last.finish_reason, use, chunk=False))
+        return JSONResponse(responses.body(rid, model_name, out, use, chat=chat_api, chunk=False))
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise BadRequest(400, f"one prompt per request (got {len(prompt)})", "prompt")
-            prompt = prompt[0]
-        ids = [tok.bos_id] + tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        sp = params(body, check_prompt(ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS))
-        return await run(http, ids, sp, body, chat_api=False)
+        prompts = body.prompts()
+        if not prompts:
+            raise BadRequest(400, "prompt: give at least one prompt", "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise BadRequest(400, "max_tokens=0 generates nothing: it is only allowed with echo", "max_tokens")
+        best_of = body.best_of or body.n
+        if best_of < body.n:
+            raise BadRequest(400, f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
+        if best_of > body.n and body.stream:
+            raise BadRequest(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+        top = body.logprobs if best_of == body.n else (body.logprobs or 0)  # best_of ranks by logprob
+        choices, per_choice = [], []
+        for i, prompt in enumerate(prompts):
+            ids = [tok.bos_id] + tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            sp = params(body, check_prompt(ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS), top,
+                        echo=body.echo and body.logprobs is not None)
+            echo_text = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
+            for j in range(best_of):
+                choices.append(Choice(i * best_of + j, ids, echo_text))
+                per_choice.append(dataclasses.replace(sp, seed=choice_seed(sp.seed, j)))
+        keep = body.n if best_of > body.n else None
+        return await run(http, choices, per_choice, body, chat_api=False, top=body.logprobs, echo=body.echo,
+                         keep=keep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):
         try:
-            messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             ids = chat.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
         except (ChatTemplateError, ValueError) as e:
             raise BadRequest(400, str(e), "messages") from e
-        sp = params(body, check_prompt(ids, body.requested_max_tokens(), None))
-        return await run(http, ids, sp, body, chat_api=True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        sp = params(body, check_prompt(ids, body.requested_max_tokens(), None), top)
+        choices = [Choice(j, ids) for j in range(body.n)]
+        per_choice = [dataclasses.replace(sp, seed=choice_seed(sp.seed, j)) for j in range(body.n)]
+        return await run(http, choices, per_choice, body, chat_api=True, top=top)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3-jax",
-                                            "max_model_len": max_seq_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card
+
+    @app.post("/tokenize")
+    async def tokenize(body: schemas.TokenizeRequest):
+        check_model(body.model)
+        if body.messages is not None:
+            try:
+                ids = chat.encode_chat([m.for_template() for m in body.messages],
+                                       add_generation_prompt=body.add_generation_prompt)
+            except (ChatTemplateError, ValueError) as e:
+                raise BadRequest(400, str(e), "messages") from e
+        else:
+            ids = ([tok.bos_id] if body.add_special_tokens else []) + tok.encode(body.prompt)
+        strs = [tok.hf.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: schemas.DetokenizeRequest):
+        check_model(body.model)
+        check_ids(body.tokens, "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **chat.specials, "chat_template": chat.template,
+                "add_bos_token": True, "model_max_length": max_seq_len, "vocab_size": tok.vocab_size}
 
     @app.get("/health")
     async def health():
@@ -150,23 +277,45 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
     return app
 
 
-async def _sse(engine: Engine, request: Request, queue: asyncio.Queue, rid: str, model: str, chat_api: bool,
-               include_usage: bool):
-    """Server-sent events of one request; cancels it when the client goes away (the generator is closed)."""
-    build = schemas.chat_body if chat_api else schemas.completion_body
-    first = True
+def _best(choices: list[Choice], keep: int) -> list[Choice]:
+    """Per prompt (runs of equal prompt), the `keep` choices of highest cumulative logprob, renumbered."""
+    out, groups = [], {}
+    for c in choices:
+        groups.setdefault(id(c.prompt), []).append(c)
+    for i, group in enumerate(groups.values()):
+        best = sorted(group, key=lambda c: -c.cumulative_logprob())[:keep]
+        out += [dataclasses.replace(c, index=i * keep + j) for j, c in enumerate(best)]
+    return out
+
+
+async def _sse(engine: Engine, name, requests: list[Request], queue: asyncio.Queue, choices: list[Choice], rid: str,
+               model: str, chat_api: bool, top: int | None, echo: bool, prompt_tokens: int | None):
+    """Server-sent events of one response; cancels its requests when the client goes away (generator closed)."""
+    started, offsets, finished = set(), {}, 0
     try:
-        while True:
-            ev: Event = await queue.get()
-            if ev.text or ev.finish_reason is not None or first:
-                extra = {"first": first} if chat_api else {}
-                yield f"data: {json.dumps(build(rid, model, ev.text, ev.finish_reason, None, chunk=True, **extra))}\n\n"
-                first = False
-            if ev.finish_reason is not None:
-                break
-        if include_usage:
-            use = schemas.usage(ev.prompt_tokens, ev.completion_tokens)
-            yield f"data: {json.dumps(schemas.usage_chunk(rid, model, use, chat=chat_api))}\n\n"
+        while finished < len(choices):
+            c, ev = await queue.get()
+            c.add(ev)
+            finished += ev.finish_reason is not None
+            first = c.index not in started
+            entries = ev.logprobs or []
+            if not (ev.text or ev.token_ids or ev.finish_reason is not None or first):
+                continue
+            if chat_api:
+                out = responses.chat_choice(name, c, top, chunk=True, first=first, text=ev.text, ids=ev.token_ids,
+                                            entries=entries)
+            else:
+                out = responses.completion_choice(name, c, top, echo_prompt=echo and first,
+                                                  offset=offsets.get(c.index, 0), text=ev.text, ids=ev.token_ids,
+                                                  entries=entries)
+                if out["logprobs"] is not None:
+                    offsets[c.index] = sum(map(len, out["logprobs"]["tokens"])) + offsets.get(c.index, 0)
+            started.add(c.index)
+            yield f"data: {json.dumps(responses.body(rid, model, [out], None, chat=chat_api, chunk=True))}\n\n"
+        if prompt_tokens is not None:
+            use = responses.usage(prompt_tokens, sum(c.completion_tokens for c in choices))
+            yield f"data: {json.dumps(responses.body(rid, model, [], use, chat=chat_api, chunk=True))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        engine.cancel(request)
+        for r in requests:
+            engine.cancel(r)

@@ -1,14 +1,13 @@
-"""Per-row sampling: each row equals the scalar sampler of dsv3_jax.inference.sampling with that
-row's parameters; greedy rows are argmax; draws depend only on (seed, position)."""
+"""The engine's per-row sampling: each row keeps numpy's top-k / top-p set for its own parameters;
+greedy rows are argmax; draws depend only on (seed, position)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax.inference.sampling import SamplingConfig
-from dsv3_jax.inference.sampling import filtered_logits as scalar_filtered
-from dsv3_jax.serving.sampling import RowSampling, filtered_logits, sample_rows
+from dsv3_jax.inference.sampling import RowSampling, SamplingConfig, filtered_logits, sample_rows
+from tests.inference.test_sampling import numpy_support
 
 ROWS = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.6), (0.9, 8, 0.8), (2.0, 1, 1.0)]
 
@@ -20,14 +19,16 @@ def _rows(seed=0):
     return s
 
 
-def test_each_row_filters_as_the_scalar_sampler():
-    logits = jax.random.normal(jax.random.key(0), (len(ROWS), 50)) * 3
+def test_each_row_filters_to_its_numpy_support():
+    """Row i keeps exactly numpy's top-k / top-p set for its own parameters, at logits / its temperature."""
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (len(ROWS), 50))) * 3
     ours = np.asarray(jax.jit(filtered_logits)(logits, _rows()))
     for i, (t, k, p) in enumerate(ROWS):
         if t == 0:
             continue
-        ref = scalar_filtered(logits[i:i + 1], SamplingConfig(t, k or None, p if p < 1 else None))
-        np.testing.assert_allclose(ours[i], np.asarray(ref)[0], rtol=1e-6, err_msg=f"row {i}")
+        support = numpy_support(logits[i:i + 1], SamplingConfig(t, k or None, p if p < 1 else None))[0]
+        np.testing.assert_array_equal(np.isfinite(ours[i]), support, err_msg=f"row {i}")
+        np.testing.assert_allclose(ours[i][support], logits[i][support] / t, rtol=1e-6, err_msg=f"row {i}")
 
 
 def test_greedy_rows_argmax_and_draws_depend_only_on_seed_and_position():
@@ -38,7 +39,7 @@ def test_greedy_rows_argmax_and_draws_depend_only_on_seed_and_position():
     assert a[5] == int(jnp.argmax(logits[5])), "top_k=1 keeps only the argmax"
     perm = np.array([3, 1, 0, 5, 2, 4])  # the same requests in other slots draw the same tokens
     s = _rows()
-    b = np.asarray(sample_rows(logits[perm], RowSampling(*(x[perm] for x in s)), positions[perm]))
+    b = np.asarray(sample_rows(logits[perm], RowSampling(*(x[perm] for x in s.scalars())), positions[perm]))
     np.testing.assert_array_equal(b, a[perm])
 
 

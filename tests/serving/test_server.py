@@ -89,7 +89,7 @@ def test_sampling_is_reproducible_per_seed(client, model):
     (dict(top_p=0.0), openai.BadRequestError, "top_p"),
     (dict(max_tokens=MAX_SEQ_LEN), openai.BadRequestError, "context length"),
     (dict(prompt="fox " * MAX_SEQ_LEN), openai.BadRequestError, "prompt has"),
-    (dict(n=2), openai.BadRequestError, "n \\(only 1\\)"),
+    (dict(suffix="x"), openai.BadRequestError, "unsupported option\\(s\\): suffix"),
     (dict(extra_body={"top_k": 2**40}), openai.BadRequestError, "top_k"),
     (dict(extra_body={"stop_token_ids": [10**6]}), openai.BadRequestError, "stop_token_ids"),
 ])

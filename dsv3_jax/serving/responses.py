@@ -1,0 +1,123 @@
+"""OpenAI-shaped response bodies: completions and chat, whole or as stream chunks, with log-probabilities.
+
+A `Choice` gathers one generated sequence's engine events (text, tokens, their log-probabilities,
+with echo the prompt's). Log-probabilities come out in OpenAI's two shapes:
+
+- completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry per token;
+  an echoed prompt's first token has no context, so its `token_logprobs` and `top_logprobs` entries
+  are null. `top_logprobs` maps token text to log-probability: the `logprobs` most likely tokens,
+  plus the chosen token when it is not among them (as vLLM does, so `logprobs=0` still names it).
+  `text_offset` is each token's character offset in the choice's text (the echoed prompt first).
+- chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+
+A token is named by its text, or `token_id:N` when the request sets vLLM's `return_tokens_as_token_ids`
+(texts of byte pieces and equal texts of different ids are ambiguous; ids are not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from dsv3_jax.data.tokenizer import Tokenizer
+from dsv3_jax.serving.engine import Event, Logprob
+
+
+@dataclasses.dataclass
+class Choice:
+    """One sequence of a response: prompt `index`-th choice, as the engine's events arrive."""
+
+    index: int
+    prompt: list[int]
+    echo_text: str = ""  # the prompt text echoed before the completion ("" without echo)
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Logprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+    def add(self, ev: Event) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs or []
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        self.finish_reason, self.completion_tokens = ev.finish_reason, ev.completion_tokens
+
+    def cumulative_logprob(self) -> float:
+        return sum(lp for lp, _ in self.logprobs)
+
+
+def namer(tok: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How a response names a token: its text, or `token_id:N`."""
+    return (lambda i: f"token_id:{i}") if as_ids else (lambda i: tok.decode([i]))
+
+
+def completion_logprobs(name: Callable[[int], str], ids: list[int], entries: list[Logprob | None], top: int,
+                        offset: int = 0) -> dict:
+    """OpenAI completions shape for tokens `ids` (entries aligned with them); offsets start at `offset`."""
+    tokens = [name(i) for i in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    tops = []
+    for i, e in zip(ids, entries):
+        if e is None:
+            tops.append(None)
+            continue
+        top_dict = {}
+        for t, lp in e[1][:top] + [(i, e[0])]:  # most likely first: of tokens with equal text the likelier stays
+            top_dict.setdefault(name(t), lp)
+        tops.append(top_dict)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(name: Callable[[int], str], ids: list[int], entries: list[Logprob], top: int) -> dict:
+    def item(token_id: int, lp: float) -> dict:
+        text = name(token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [item(i, e[0]) | {"top_logprobs": [item(t, lp) for t, lp in e[1][:top]]}
+                        for i, e in zip(ids, entries)]}
+
+
+def completion_choice(name: Callable[[int], str], c: Choice, top: int | None, *, echo_prompt: bool, offset: int = 0,
+                      text: str | None = None, ids: list[int] | None = None, entries: list | None = None) -> dict:
+    """A completions choice; `text`/`ids`/`entries` override the whole choice's (a stream chunk's share)."""
+    text = c.text if text is None else text
+    ids, entries = (c.token_ids, c.logprobs) if ids is None else (ids, entries)
+    if echo_prompt:
+        text = c.echo_text + text
+        if top is not None:
+            ids, entries = c.prompt + ids, (c.prompt_logprobs or [None] * len(c.prompt)) + entries
+    logprobs = None if top is None else completion_logprobs(name, ids, entries, top, offset)
+    return {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+
+def chat_choice(name: Callable[[int], str], c: Choice, top: int | None, *, chunk: bool, first: bool = False,
+                text: str | None = None, ids: list[int] | None = None, entries: list | None = None) -> dict:
+    text = c.text if text is None else text
+    ids, entries = (c.token_ids, c.logprobs) if ids is None else (ids, entries)
+    logprobs = None if top is None else chat_logprobs(name, ids, entries, top)
+    if chunk:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": logprobs}
+    return {"index": c.index, "message": {"role": "assistant", "content": text}, "finish_reason": c.finish_reason,
+            "logprobs": logprobs}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def body(rid: str, model: str, choices: list[dict], use: dict | None, *, chat: bool, chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    out = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
