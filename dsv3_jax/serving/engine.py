@@ -1,11 +1,18 @@
 """Continuous batching: a fixed set of decode slots over the latent cache, filled from a bounded queue.
 
 One engine thread loops: admit waiting requests into free slots, run one prefill chunk (the oldest
-slot still reading its prompt), then one decode step over every slot, then hand each request its
+slot still reading its prompt), then one decode step over the decoding slots (a bucket of them, see
+`runner`), then hand each request its
 new token, text delta and, when it ends, its finish reason. A request ends at an EOS or one of its
 stop token ids or stop strings ("stop"), or at max_tokens ("length"); `cancel` ends it at once and
 frees its slot for the next admission. Requests never see each other: a slot's cache rows, position
 and sampling parameters are its own (see `runner` and `sampling`).
+
+A step that raises may have consumed the donated cache, so the engine resets: the requests in
+slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
+`health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
+requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
+incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     pass
+
+
+class EngineFailed(RuntimeError):
+    """The engine could not recover from a failed step; it serves nothing more."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +92,14 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.state, self.last_error, self.resets = "ok", None, 0  # see health()
 
     # --- called from any thread ---------------------------------------------------------------
 
     def submit(self, request: Request) -> Request:
         with self.cond:
+            if self.state == "failed":
+                raise EngineFailed(f"the engine failed and could not recover: {self.last_error}")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
             request.id = request.id or f"req-{next(self._ids)}"
@@ -115,6 +129,12 @@ class Engine:
         with self.cond:
             return len(self.waiting)
 
+    def health(self) -> dict:
+        """{"status": "ok" | "recovering" | "failed", "last_error": the last failed step's error or None,
+        "resets": resets so far}."""
+        with self.cond:
+            return {"status": self.state, "last_error": self.last_error, "resets": self.resets}
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
         self._thread.start()
@@ -137,13 +157,29 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:  # a bug must not take the server down: fail the requests it touched
+            except Exception as e:  # a bug must not take the server down: fail the requests it touched
                 log.exception("engine step failed")
-                with self.cond:
-                    for slot, r in enumerate(self.slots):
-                        if r is not None:
-                            self._free(slot)
-                            self._finish(r, "error")
+                self._reset(f"{type(e).__name__}: {e}")
+
+    def _reset(self, reason: str) -> None:
+        """Ends the requests in slots with an error and rebuilds the cache (the step may have consumed it)."""
+        with self.cond:
+            self.state, self.last_error, self.resets = "recovering", reason, self.resets + 1
+            for slot, r in enumerate(self.slots):
+                if r is not None:
+                    self._free(slot)
+                    self._finish(r, "error")
+        try:
+            self.runner.reset()
+        except Exception as e:
+            log.exception("engine reset failed")
+            with self.cond:
+                self.state, self.last_error = "failed", f"{reason}; then the reset failed: {type(e).__name__}: {e}"
+                while self.waiting:
+                    self._finish(self.waiting.popleft(), "error")
+            return
+        with self.cond:
+            self.state = "ok"
 
     def step(self) -> None:
         """Admission, one prefill chunk, one decode step."""
@@ -165,12 +201,14 @@ class Engine:
             self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
                                      drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
             with self.cond:
-                for slot in np.flatnonzero(active):
-                    if self.slots[slot] is not None:  # not cancelled during the step
-                        n = int(result.accepted[slot]) + 1
-                        self.positions[slot] += n
+                requests = {slot: self.slots[slot] for slot in np.flatnonzero(active)}
+                for slot, r in requests.items():
+                    if r is not None:  # not cancelled during the step
+                        self.positions[slot] += int(result.accepted[slot]) + 1
                         self.next_tokens[slot] = result.next_tokens[slot]
-                        self._accept(slot, result.emitted[slot, :n].tolist())
+            for slot, r in requests.items():
+                if r is not None:
+                    self._accept(slot, r, result.emitted[slot, :int(result.accepted[slot]) + 1].tolist())
 
     def _admit(self) -> None:
         for slot, r in enumerate(self.slots):
@@ -192,15 +230,30 @@ class Engine:
                 return
             request.chunks.pop(0)
             self.positions[slot] = start + valid
-            if not request.chunks:
-                self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
-                self.next_tokens[slot] = nxt
-                self._accept(slot, [int(nxt[0])])
+            if request.chunks:
+                return
+            self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
+            self.next_tokens[slot] = nxt
+        self._accept(slot, request, [int(nxt[0])])
 
-    def _accept(self, slot: int, tokens: list[int]) -> None:
+    def _accept(self, slot: int, request: Request, tokens: list[int]) -> None:
         """Gives the slot's request its new tokens, in order, up to the first that ends it; then
-        ends it (and frees the slot) when it is done."""
-        request, p = self.slots[slot], self.slots[slot].params
+        ends it (and frees the slot) when it is done. Detokenizes outside the lock: only this
+        thread touches a request's `generated` and `stream`."""
+        text, kept, reason = self._detokenize(request, tokens)
+        with self.cond:
+            if self.slots[slot] is not request:  # cancelled while detokenizing: it already ended
+                return
+            self.metrics.generated_tokens += len(kept)
+            if reason is not None:
+                self._free(slot)
+            request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated)))
+            if reason is not None:
+                self._finish(request, reason, emit=False)
+
+    def _detokenize(self, request: Request, tokens: list[int]) -> tuple[str, list[int], str | None]:
+        """-> (text delta, tokens kept, finish reason or None)."""
+        p = request.params
         reason, text, kept = None, "", []
         for token in tokens:
             kept.append(token)
@@ -215,13 +268,9 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 break
-        self.metrics.generated_tokens += len(kept)
         if reason is not None:
             text += request.stream.finish()
-            self._free(slot)
-        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated)))
-        if reason is not None:
-            self._finish(request, reason, emit=False)
+        return text, kept, reason
 
     def _free(self, slot: int) -> None:
         self.slots[slot] = None

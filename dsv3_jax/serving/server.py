@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dsv3_jax.serving import schemas
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
-from dsv3_jax.serving.engine import Engine, Event, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.engine import Engine, EngineFailed, Event, QueueFull, Request, SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -87,6 +87,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
             engine.submit(request)
         except QueueFull as e:
             return error(429, str(e))
+        except EngineFailed as e:
+            return error(503, str(e))
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             engine.metrics.response(200)
@@ -139,7 +141,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "slots_in_use": engine.slots_in_use(), "queue_length": engine.queue_length()}
+        state = engine.health()  # status ok | recovering | failed (503), last_error, resets
+        body = state | {"slots_in_use": engine.slots_in_use(), "queue_length": engine.queue_length()}
+        return JSONResponse(body, status_code=503 if state["status"] == "failed" else 200)
 
     @app.get("/metrics")
     async def metrics():
