@@ -10,7 +10,8 @@ and sampling parameters are its own (see `runner` and `sampling`).
 
 A step that raises may have consumed the donated cache, so the engine resets: the requests in
 slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
-`health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
+With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
+(whole prefill chunks, `prefix_cache`) and stores the full chunks it prefills. `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
 requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
 incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
 """
@@ -28,6 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from dsv3_jax.serving.metrics import Metrics
+from dsv3_jax.serving.prefix_cache import PrefixCache
 from dsv3_jax.serving.runner import Runner
 from dsv3_jax.serving.sampling import RowSampling
 from dsv3_jax.serving.textstream import TextStream
@@ -53,6 +55,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    prefix_cache: bool = True  # False: the prompt neither reuses nor stores cached prefix rows
 
 
 class Event(NamedTuple):
@@ -75,12 +78,18 @@ class Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     stream: TextStream | None = None
     chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
+    restore: list = dataclasses.field(default_factory=list)  # cached prefix blocks to write into its slot
     done: bool = False
 
 
 class Engine:
-    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64):
+    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off."""
+
+    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0):
+        if prefix_cache and runner.drafts:
+            raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache else None
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
         self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
@@ -163,6 +172,8 @@ class Engine:
 
     def _reset(self, reason: str) -> None:
         """Ends the requests in slots with an error and rebuilds the cache (the step may have consumed it)."""
+        if self.prefix is not None:  # blocks are copies, but drop them too: nothing from before is trusted
+            self.prefix.blocks.clear()
         with self.cond:
             self.state, self.last_error, self.resets = "recovering", reason, self.resets + 1
             for slot, r in enumerate(self.slots):
@@ -184,11 +195,14 @@ class Engine:
     def step(self) -> None:
         """Admission, one prefill chunk, one decode step."""
         with self.cond:
-            self._admit()
+            restores = self._admit()
             prefilling = [r for r in self.slots if r is not None and r.chunks]
             request = min(prefilling, key=lambda r: r.arrival) if prefilling else None
             slot = self.slots.index(request) if request is not None else -1
             sampling = RowSampling(*(a.copy() for a in self.sampling))
+        for s, blocks in restores:
+            for k, block in enumerate(blocks):
+                self.runner.write_block(s, k * self.runner.chunk, block)
         if request is not None:
             self._prefill(slot, request, sampling)
         with self.cond:
@@ -210,21 +224,33 @@ class Engine:
                 if r is not None:
                     self._accept(slot, r, result.emitted[slot, :int(result.accepted[slot]) + 1].tolist())
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[tuple[int, list]]:
+        """Fills free slots, lowest first; -> (slot, cached prefix blocks) to write before they prefill."""
+        restores = []
         for slot, r in enumerate(self.slots):
             if r is None and self.waiting:
                 request = self.waiting.popleft()
                 self.slots[slot] = request
-                request.chunks = self.runner.chunks(len(request.prompt))
                 p = request.params
+                blocks = self.prefix.match(request.prompt) if self.prefix and p.prefix_cache else []
+                cached = len(blocks) * self.runner.chunk
+                request.chunks = [c for c in self.runner.chunks(len(request.prompt)) if c[0] >= cached]
+                self.metrics.prefix_hit(cached)
+                if blocks:
+                    restores.append((slot, blocks))
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
-                self.positions[slot] = 0
+                self.positions[slot] = cached
+        return restores
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, width = request.chunks[0]
         following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
         nxt = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
                                         width, sampling, following)
+        if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
+            key = self.prefix.wants(request.prompt, start // self.runner.chunk)
+            if key is not None:
+                self.prefix.put(key, self.runner.read_block(slot, start))
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return

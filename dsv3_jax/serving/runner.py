@@ -75,6 +75,23 @@ def _put_rows(cache, rows, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, rows)
 
 
+@functools.partial(jax.jit, static_argnames="width")
+def _read_block(cache, slot, start, *, width):
+    """The slot's cache rows at positions start .. start + width - 1: [L, 1, W, ...] per array."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(_rows_of(a, slot), start, width, axis=2), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_block(cache, block, slot, start):
+    def put(a, b):
+        return jax.lax.dynamic_update_slice(a, b, (0, slot, start) + (0,) * (a.ndim - 3))
+    return jax.tree.map(put, cache, block)
+
+
+def _rows_of(a, slot):
+    return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+
+
 class Runner:
     """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
 
@@ -125,21 +142,31 @@ class Runner:
                                         np.int32(start), np.int32(len(tokens)), np.int32(following), row)
         return np.asarray(out)
 
+    def read_block(self, slot: int, start: int):
+        """A copy of the slot's cache rows at positions start .. start + chunk - 1 (a prefix block)."""
+        return _read_block(self.cache, np.int32(slot), np.int32(start), width=self.chunk)
+
+    def write_block(self, slot: int, start: int, block) -> None:
+        """Puts a `read_block` copy back at positions start .. start + chunk - 1 of the slot."""
+        self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start))
+
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
         """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b].
         Rows of inactive slots in the result are zeros."""
         rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets)
-        picked = RowSampling(*(np.asarray(a)[rows_N] for a in sampling))
-        out, self.cache = self._decode(self.state, self.cache, jnp.asarray(rows_N),
-                                       jnp.asarray(tokens_BxK[rows_N], jnp.int32),
-                                       jnp.asarray(positions_B[rows_N], jnp.int32), jnp.asarray(active_B[rows_N]),
-                                       picked)
+        out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
+                         np.asarray(active_B, bool)[rows_N], RowSampling(*(np.asarray(a)[rows_N] for a in sampling)))
         emitted_N, accepted_N, nxt_N, counts = jax.device_get(out)
         b = self.max_batch
         emitted, accepted, nxt = (np.zeros((b, *a.shape[1:]), a.dtype) for a in (emitted_N, accepted_N, nxt_N))
         emitted[rows_N], accepted[rows_N], nxt[rows_N] = emitted_N, accepted_N, nxt_N
         return StepResult(emitted, accepted, nxt, counts)
+
+    def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
+        """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
+        out, self.cache = self._decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N, sampling)
+        return out
 
     def warm_up(self) -> None:
         """Compiles every prefill width and decode bucket (on idle slots: their rows hold nothing yet)."""
@@ -148,9 +175,10 @@ class Runner:
         for w in self.buckets:
             self.prefill_chunk(0, np.zeros(w, np.int32), 0, w, greedy)
         for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
-            rows_N = jnp.asarray(step_rows(np.arange(b) < n, self.decode_buckets))
-            _, self.cache = self._decode(self.state, self.cache, rows_N, jnp.zeros((n, 1 + self.drafts), jnp.int32),
-                                         jnp.zeros(n, jnp.int32), jnp.zeros(n, bool), RowSampling.greedy(n))
+            self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
+                       np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n))
+        if self.chunk <= self.max_seq_len:  # prefix-cache blocks: the cache rows of a full chunk
+            self.write_block(0, 0, self.read_block(0, 0))
 
 
 @functools.lru_cache(maxsize=8)

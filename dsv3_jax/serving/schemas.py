@@ -31,6 +31,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    prefix_cache: bool = True  # False: this request neither reuses nor stores cached prompt-prefix rows
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)

@@ -78,7 +78,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
             raise BadRequest(400, f"stop_token_ids must lie in [0, vocab_size={vocab})", "stop_token_ids")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
-                              stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
+                              stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                              prefix_cache=req.prefix_cache)
 
     async def run(http: fastapi.Request, prompt: list[int], sp: SamplingParams, req, *, chat_api: bool):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()

@@ -48,6 +48,23 @@ def queue_limit(engine, max_queue: int):
         engine.max_queue = before
 
 
+@contextlib.contextmanager
+def jax_compiles():
+    """Every jit trace and backend compile (jax's own compile events, any thread) during the block."""
+    events = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    seen = []
+
+    def listener(event, seconds, **kwargs):
+        if event in events:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 class Collector:
     def __init__(self):
         self.tokens, self.done = [], threading.Event()
@@ -68,12 +85,13 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     max_tokens = [4 + (5 * i) % 13 for i in range(16)]
     prompts = [rng.randint(0, VOCAB, n).tolist() for n in lengths]
     sinks = [Collector() for _ in prompts]
-    with queue_limit(engine, 16):
+    with queue_limit(engine, 16), jax_compiles() as compiles:
         for prompt, n, sink in zip(prompts, max_tokens, sinks):
             engine.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
             time.sleep(rng.uniform(0, 0.05))
-    for sink in sinks:
-        assert sink.done.wait(300), "a request never finished"
+        for sink in sinks:
+            assert sink.done.wait(300), "a request never finished"
+    assert compiles == [], "warm-up must compile every shape a request meets"
     assert engine.slots_in_use() == 0 and engine.queue_length() == 0
     runner = engine.runner  # compiled once per prefill width and decode bucket (at warm-up), whatever the lengths
     assert runner._prefill._cache_size() == len(runner.buckets)
@@ -227,3 +245,44 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
                 eng.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
     finally:
         eng.shutdown()
+
+
+def _run_one(eng, prompt, max_tokens, **params) -> list[int]:
+    sink = Collector()
+    eng.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), sink))
+    assert sink.done.wait(300) and sink.reason == "length"
+    return sink.tokens
+
+
+def test_prefix_cache_reuses_whole_chunks_and_keeps_outputs(model, engine):
+    """Prompts sharing a 40-token prefix (2 whole chunks of 16 and 8 more): the later ones take
+    the 2 blocks from the cache; every output equals the shared engine's, which has no cache."""
+    runner = Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK)
+    cached = Engine(runner, load_tokenizer(), max_queue=4, prefix_cache=8)
+    cached.start()
+    rng = np.random.RandomState(2)
+    prefix = rng.randint(0, VOCAB, 40).tolist()
+    prompts = [prefix + rng.randint(0, VOCAB, n).tolist() for n in (3, 9, 1, 14)]
+    try:
+        got = [_run_one(cached, p, 6) for p in prompts]
+        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK
+        opted_out = _run_one(cached, prompts[1], 6, prefix_cache=False)
+        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK, "an opted-out request must not reuse blocks"
+    finally:
+        cached.shutdown()
+    want = [_run_one(engine, p, 6) for p in prompts]
+    assert got == want and opted_out == want[1]
+
+
+def test_prefix_cache_evicts_the_least_recently_used_block():
+    from dsv3_jax.serving.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity=2, width=4)
+    a, b, c = ([i] * 9 for i in (1, 2, 3))  # 9 tokens: 2 blocks may be reused
+    for prompt in (a, b):
+        cache.put(cache.wants(prompt, 0), f"block0 of {prompt[0]}")
+    assert cache.wants(a, 0) is None and cache.wants(a, 2) is None  # cached; block 2 is not whole
+    assert cache.match(a) == ["block0 of 1"]  # refreshes a: b is now the least recent
+    cache.put(cache.wants(c, 0), "block0 of 3")
+    assert cache.match(b) == [] and cache.match(a) == ["block0 of 1"] and cache.match(c) == ["block0 of 3"]
+    assert cache.match([1] * 4) == []  # 4 tokens: its one block holds the last token, which is prefilled
