@@ -1,14 +1,22 @@
 """Serving throughput and time-to-first-token at concurrency 1, 4 and 16, against sequential generate().
 
-    python -m experiments.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16]
+    python -m experiments.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
+        [--concurrency=1,4,16]
+    python -m experiments.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
 
 Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
 the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
 side: sequential `generate()` calls on the same prompts (each shape compiled before timing), then
 `experiments.serve` in a subprocess driven over HTTP with streaming, `c` clients each sending
 requests back to back. Output tokens/s = completion tokens / wall time; TTFT = request sent to
-first streamed token; decode step = the engine's mean step time over all --max_batch slots (from
-/metrics). Every figure is a ratio to concurrency 1 of the same run.
+first streamed token; decode step = the engine's mean step time (from /metrics). Every figure is a
+ratio to concurrency 1 of the same run; a lone request's speed (server at concurrency 1) is also
+compared with sequential generate() (target: within 1.3x).
+
+--mode=prefix: --requests prompts share a --prefix-token prefix, each with its own 16-token
+suffix, sent one after another (greedy, 8 tokens each) with the server's prefix cache off (the
+request field `prefix_cache: false`) and then on; prints TTFT p50 of each, their ratio (target
+>= 3x) and whether the outputs are identical.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ def make_model(folder: str) -> str:
 
     cfg = bench_config(3, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                        num_routed_experts=16, num_expert_groups=4, num_mtp_layers=0, param_dtype="float32",
-                       compute_dtype="float32", max_position_embeddings=1024)
+                       compute_dtype="float32", max_position_embeddings=2048)
     make_checkpoint(cfg, os.path.join(folder, "hf"), dtype="float32", seed=0)
     out = os.path.join(folder, "bench-model")
     if convert(["--no-progress", "--hf-dir", os.path.join(folder, "hf"), "--out", out]) != 0:
@@ -70,9 +78,9 @@ def bench_generate(checkpoint: str, prompts, max_tokens: int) -> dict:
 
 
 class Server:
-    def __init__(self, checkpoint: str, port: int, max_batch: int, max_seq_len: int):
+    def __init__(self, checkpoint: str, port: int, max_batch: int, max_seq_len: int, *flags: str):
         cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={checkpoint}", f"--port={port}",
-               f"--max_batch={max_batch}", f"--max_seq_len={max_seq_len}", "--chunk=32", "--max_queue=1024"]
+               f"--max_batch={max_batch}", f"--max_seq_len={max_seq_len}", "--chunk=32", "--max_queue=1024", *flags]
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.port, self.model = port, os.path.basename(os.path.normpath(checkpoint))
@@ -88,12 +96,12 @@ class Server:
                     raise SystemExit("server failed:\n" + self.log.read()[-3000:])
                 time.sleep(0.5)
 
-    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-        """-> (time to first token, completion tokens) of one streamed completion."""
+    def stream(self, prompt: list[int], max_tokens: int, **extra) -> tuple[float, int]:
+        """-> (time to first token, completion tokens) of one streamed completion; its text in self.texts."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        start, first, tokens = time.perf_counter(), None, 0
+        start, first, tokens, text = time.perf_counter(), None, 0, ""
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         for line in resp:
@@ -103,7 +111,9 @@ class Server:
             first = first or time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            text += "".join(c["text"] for c in chunk.get("choices", []))
         conn.close()
+        self.last_text = text
         return first, tokens
 
     def step_stats(self) -> tuple[float, float]:
@@ -146,6 +156,33 @@ def bench_server(server: Server, prompts, max_tokens: int, concurrency: int) -> 
             "step_ms": 1e3 * (seconds_after - seconds) / max(steps_after - steps, 1)}
 
 
+def bench_prefix(checkpoint: str, args) -> None:
+    rng = np.random.default_rng(1)
+    prefix = [1] + rng.integers(3, 2048, args.prefix - 1).tolist()
+    prompts = [prefix + rng.integers(3, 2048, 16).tolist() for _ in range(args.requests)]
+    blocks = (args.prefix + 16) // 32 + 1  # --chunk=32: every block of one prompt fits
+    server = Server(checkpoint, args.port, args.max_batch, args.prefix + 64, f"--prefix_cache_blocks={blocks}")
+    results = {}
+    try:
+        server.stream(prompts[0][:40], 2, prefix_cache=False)  # first request through the HTTP stack
+        for name, on in (("off", False), ("on", True)):
+            print(f"prefix cache {name} ...", flush=True)
+            ttft, texts = [], []
+            for prompt in prompts:
+                ttft.append(server.stream(prompt, 8, prefix_cache=on)[0])
+                texts.append(server.last_text)
+            results[name] = (ttft, texts)
+    finally:
+        server.close()
+    for name, (ttft, _) in results.items():
+        print(f"prefix cache {name:3s}: {len(ttft)} requests, {args.prefix}-token shared prefix + 16: "
+              f"TTFT p50 {np.median(ttft):.3f}s, mean {np.mean(ttft):.3f}s")
+    ratio = np.median(results["off"][0]) / np.median(results["on"][0])
+    same = results["off"][1] == results["on"][1]
+    print(f"TTFT p50 off / on: {ratio:.2f}x (target >= 3x): {'PASS' if ratio >= 3 else 'FAIL'}; outputs identical: "
+          f"{same}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=None)
@@ -153,9 +190,14 @@ def main(argv=None) -> None:
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--max_batch", type=int, default=16)
     p.add_argument("--port", type=int, default=18765)
+    p.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated (1 must be one)")
+    p.add_argument("--mode", default="concurrency", choices=["concurrency", "prefix"])
+    p.add_argument("--prefix", type=int, default=1024, help="--mode=prefix: shared prefix tokens")
     args = p.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_model(tmp.name)
+    if args.mode == "prefix":
+        return bench_prefix(checkpoint, args)
     prompts = prompts_for(2 * args.requests)
     print("sequential generate() ...", flush=True)
     rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens))]
@@ -163,7 +205,7 @@ def main(argv=None) -> None:
     server = Server(checkpoint, args.port, args.max_batch, max_seq_len=256)
     try:
         server.stream(prompts[0], 4)  # first request through the HTTP stack
-        for c in (1, 4, 16):
+        for c in sorted(int(c) for c in args.concurrency.split(",")):
             print(f"server at concurrency {c} ...", flush=True)
             rows.append(("server", c, bench_server(server, prompts[:args.requests * (2 if c == 16 else 1)],
                                                    args.max_tokens, c)))
@@ -177,9 +219,14 @@ def main(argv=None) -> None:
         step = f"{r['step_ms']:9.1f}ms" if "step_ms" in r else f"{'':>11s}"
         print(f"{name:24s} {c:4d} {len(r['ttft']):4d} {tps:10.1f} {np.mean(r['ttft']):9.3f}s "
               f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f} {step}")
-    ratio = rows[3][2]["tokens"] / rows[3][2]["wall"] / base
-    print(f"\nconcurrency 16 / concurrency 1 output tokens/s: {ratio:.2f}x (target >= 4x): "
-          f"{'PASS' if ratio >= 4 else 'FAIL'}")
+    alone = rows[0][2]["tokens"] / rows[0][2]["wall"] / base
+    print(f"\ngenerate() / server at concurrency 1, output tokens/s: {alone:.2f}x (target <= 1.3x): "
+          f"{'PASS' if alone <= 1.3 else 'FAIL'}")
+    c16 = [r for name, c, r in rows if c == 16]
+    if c16:
+        ratio = c16[0]["tokens"] / c16[0]["wall"] / base
+        print(f"concurrency 16 / concurrency 1 output tokens/s: {ratio:.2f}x (target >= 4x): "
+              f"{'PASS' if ratio >= 4 else 'FAIL'}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """An OpenAI-compatible server over the continuous-batching engine.
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
-        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--use_mtp] [--cache_dtype=bfloat16]
+        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
+        [--cache_dtype=bfloat16]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
@@ -30,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=2048, help="context per slot: prompt + max_tokens")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
     p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    p.add_argument("--prefix_cache_blocks", type=int, default=64,
+                   help="prompt-prefix blocks (--chunk positions of cache rows each) kept for reuse, LRU; 0 = off")
     p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
     p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
@@ -54,8 +57,12 @@ def build(args: argparse.Namespace):
                     chunk=args.chunk, use_mtp=args.use_mtp)
     start = time.perf_counter()
     runner.warm_up()
-    logging.info("compiled prefill chunks %s and the decode step in %.1fs", runner.buckets, time.perf_counter() - start)
-    engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue)
+    logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunk widths %s, decode "
+                 "buckets of %s rows", time.perf_counter() - start, runner.buckets, runner.decode_buckets)
+    prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
+    if args.use_mtp and args.prefix_cache_blocks:
+        logging.info("prefix caching is off with --use_mtp")
+    engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix)
     engine.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     return make_app(engine, chat, name), engine

@@ -1,11 +1,19 @@
 """Continuous batching: a fixed set of decode slots over the latent cache, filled from a bounded queue.
 
 One engine thread loops: admit waiting requests into free slots, run one prefill chunk (the oldest
-slot still reading its prompt), then one decode step over every slot, then hand each request its
+slot still reading its prompt), then one decode step over the decoding slots (a bucket of them, see
+`runner`), then hand each request its
 new token, text delta and, when it ends, its finish reason. A request ends at an EOS or one of its
 stop token ids or stop strings ("stop"), or at max_tokens ("length"); `cancel` ends it at once and
 frees its slot for the next admission. Requests never see each other: a slot's cache rows, position
 and sampling parameters are its own (see `runner` and `sampling`).
+
+A step that raises may have consumed the donated cache, so the engine resets: the requests in
+slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
+With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
+(whole prefill chunks, `prefix_cache`) and stores the full chunks it prefills. `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
+requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
+incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import numpy as np
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.metrics import Metrics
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
+from dsv3_jax.serving.prefix_cache import PrefixCache
 from dsv3_jax.serving.runner import Runner
 from dsv3_jax.serving.textstream import TextStream
 
@@ -31,6 +40,10 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     pass
+
+
+class EngineFailed(RuntimeError):
+    """The engine could not recover from a failed step; it serves nothing more."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (<= 20)
     echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
     penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
+    prefix_cache: bool = True  # False: the prompt neither reuses nor stores cached prefix rows (echo never reuses)
 
 
 # One token's log-probability and the most likely alternatives: (logprob, [(token id, logprob), ...]).
@@ -75,12 +89,18 @@ class Request:
     stream: TextStream | None = None
     chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # echo: gathered chunk by chunk
+    restore: list = dataclasses.field(default_factory=list)  # cached prefix blocks to write into its slot
     done: bool = False
 
 
 class Engine:
-    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64):
+    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off."""
+
+    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0):
+        if prefix_cache and runner.drafts:
+            raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache else None
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
         self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
@@ -93,11 +113,14 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.state, self.last_error, self.resets = "ok", None, 0  # see health()
 
     # --- called from any thread ---------------------------------------------------------------
 
     def submit(self, request: Request) -> Request:
         with self.cond:
+            if self.state == "failed":
+                raise EngineFailed(f"the engine failed and could not recover: {self.last_error}")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
             request.id = request.id or f"req-{next(self._ids)}"
@@ -127,6 +150,12 @@ class Engine:
         with self.cond:
             return len(self.waiting)
 
+    def health(self) -> dict:
+        """{"status": "ok" | "recovering" | "failed", "last_error": the last failed step's error or None,
+        "resets": resets so far}."""
+        with self.cond:
+            return {"status": self.state, "last_error": self.last_error, "resets": self.resets}
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
         self._thread.start()
@@ -149,22 +178,43 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:  # a bug must not take the server down: fail the requests it touched
+            except Exception as e:  # a bug must not take the server down: fail the requests it touched
                 log.exception("engine step failed")
-                with self.cond:
-                    for slot, r in enumerate(self.slots):
-                        if r is not None:
-                            self._free(slot)
-                            self._finish(r, "error")
+                self._reset(f"{type(e).__name__}: {e}")
+
+    def _reset(self, reason: str) -> None:
+        """Ends the requests in slots with an error and rebuilds the cache (the step may have consumed it)."""
+        if self.prefix is not None:  # blocks are copies, but drop them too: nothing from before is trusted
+            self.prefix.blocks.clear()
+        with self.cond:
+            self.state, self.last_error, self.resets = "recovering", reason, self.resets + 1
+            for slot, r in enumerate(self.slots):
+                if r is not None:
+                    self._free(slot)
+                    self._finish(r, "error")
+        try:
+            self.runner.reset()
+        except Exception as e:
+            log.exception("engine reset failed")
+            with self.cond:
+                self.state, self.last_error = "failed", f"{reason}; then the reset failed: {type(e).__name__}: {e}"
+                while self.waiting:
+                    self._finish(self.waiting.popleft(), "error")
+            return
+        with self.cond:
+            self.state = "ok"
 
     def step(self) -> None:
         """Admission, one prefill chunk, one decode step."""
         with self.cond:
-            self._admit()
+            restores = self._admit()
             prefilling = [r for r in self.slots if r is not None and r.chunks]
             request = min(prefilling, key=lambda r: r.arrival) if prefilling else None
             slot = self.slots.index(request) if request is not None else -1
             sampling = RowSampling(*(a.copy() for a in self.sampling))
+        for s, blocks in restores:
+            for k, block in enumerate(blocks):
+                self.runner.write_block(s, k * self.runner.chunk, block)
         if request is not None:
             self._prefill(slot, request, sampling)
         with self.cond:
@@ -177,31 +227,45 @@ class Engine:
             self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
                                      drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
             with self.cond:
-                for slot in np.flatnonzero(active):
-                    if self.slots[slot] is not None:  # not cancelled during the step
-                        n = int(result.accepted[slot]) + 1
-                        self.positions[slot] += n
+                requests = {slot: self.slots[slot] for slot in np.flatnonzero(active)}
+                for slot, r in requests.items():
+                    if r is not None:  # not cancelled during the step
+                        self.positions[slot] += int(result.accepted[slot]) + 1
                         self.next_tokens[slot] = result.next_tokens[slot]
-                        logprobs = TokenLogprobs(*(a[slot] for a in result.logprobs))
-                        self._accept(slot, result.emitted[slot, :n].tolist(),
-                                     _logprobs(logprobs, self.slots[slot].params.logprobs, n))
+            for slot, r in requests.items():
+                if r is not None:
+                    n = int(result.accepted[slot]) + 1
+                    logprobs = _logprobs(TokenLogprobs(*(a[slot] for a in result.logprobs)), r.params.logprobs, n)
+                    self._accept(slot, r, result.emitted[slot, :n].tolist(), logprobs)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[tuple[int, list]]:
+        """Fills free slots, lowest first; -> (slot, cached prefix blocks) to write before they prefill."""
+        restores = []
         for slot, r in enumerate(self.slots):
             if r is None and self.waiting:
                 request = self.waiting.popleft()
                 self.slots[slot] = request
-                request.chunks = self.runner.chunks(len(request.prompt))
                 p = request.params
+                blocks = self.prefix.match(request.prompt) if self.prefix and p.prefix_cache and not p.echo else []
+                cached = len(blocks) * self.runner.chunk
+                request.chunks = [c for c in self.runner.chunks(len(request.prompt)) if c[0] >= cached]
+                self.metrics.prefix_hit(cached)
+                if blocks:
+                    restores.append((slot, blocks))
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
                 self.penalties.start(slot, request.prompt, p.penalties)
-                self.positions[slot] = 0
+                self.positions[slot] = cached
+        return restores
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, width = request.chunks[0]
         following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
         out = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
                                         width, sampling, following)
+        if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
+            key = self.prefix.wants(request.prompt, start // self.runner.chunk)
+            if key is not None:
+                self.prefix.put(key, self.runner.read_block(slot, start))
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return
@@ -210,18 +274,36 @@ class Engine:
             last = not request.chunks
             if request.params.echo:  # entry i scores prompt token start + i + 1 (the last one: the sampled token)
                 request.prompt_logprobs += _logprobs(out.logprobs, request.params.logprobs, valid - last)
-            if last:
-                self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
-                self.next_tokens[slot] = out.next_tokens
-                self._accept(slot, [int(out.next_tokens[0])], _logprobs(out.logprobs, request.params.logprobs,
-                                                                        valid, first=valid - 1))
+            if not last:
+                return
+            self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
+            self.next_tokens[slot] = out.next_tokens
+        self._accept(slot, request, [int(out.next_tokens[0])],
+                     _logprobs(out.logprobs, request.params.logprobs, valid, first=valid - 1))
 
-    def _accept(self, slot: int, tokens: list[int], logprobs: list[Logprob] | None = None) -> None:
+    def _accept(self, slot: int, request: Request, tokens: list[int], logprobs: list[Logprob] | None = None) -> None:
         """Gives the slot's request its new tokens (and their log-probabilities), in order, up to the
-        first that ends it; then ends it (and frees the slot) when it is done."""
-        request, p = self.slots[slot], self.slots[slot].params
+        first that ends it; then ends it (and frees the slot) when it is done. Detokenizes outside the
+        lock: only this thread touches a request's `generated` and `stream`."""
+        prompt_logprobs = [None] + request.prompt_logprobs if request.params.echo and not request.generated else None
+        text, kept, reason = self._detokenize(request, tokens)
+        with self.cond:
+            if self.slots[slot] is not request:  # cancelled while detokenizing: it already ended
+                return
+            self.metrics.generated_tokens += len(kept)
+            self.penalties.observe(slot, kept)
+            if reason is not None:
+                self._free(slot)
+            logprobs = None if logprobs is None else logprobs[:len(kept)]
+            request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated), logprobs,
+                               prompt_logprobs))
+            if reason is not None:
+                self._finish(request, reason, emit=False)
+
+    def _detokenize(self, request: Request, tokens: list[int]) -> tuple[str, list[int], str | None]:
+        """-> (text delta, tokens kept, finish reason or None)."""
+        p = request.params
         reason, text, kept = None, "", []
-        prompt_logprobs = [None] + request.prompt_logprobs if p.echo and not request.generated else None
         if p.max_tokens == 0:  # echo only: the prompt's log-probabilities, no token
             tokens, reason = [], "length"
         for token in tokens:
@@ -237,15 +319,9 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 break
-        self.metrics.generated_tokens += len(kept)
-        self.penalties.observe(slot, kept)
         if reason is not None:
             text += request.stream.finish()
-            self._free(slot)
-        logprobs = None if logprobs is None else logprobs[:len(kept)]
-        request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated), logprobs, prompt_logprobs))
-        if reason is not None:
-            self._finish(request, reason, emit=False)
+        return text, kept, reason
 
     def _free(self, slot: int) -> None:
         self.slots[slot] = None

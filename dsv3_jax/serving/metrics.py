@@ -23,6 +23,7 @@ class Metrics:
         self.requests_received = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
         self.finished_by_reason: collections.Counter = collections.Counter()
         self.responses_by_code: collections.Counter = collections.Counter()
         self.ttft_sum = 0.0
@@ -51,6 +52,10 @@ class Metrics:
             if expert_counts is not None:
                 counts = expert_counts.astype(np.float64)
                 self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
+
+    def prefix_hit(self, tokens: int) -> None:
+        with self._lock:
+            self.prefix_hit_tokens += tokens
 
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         with self._lock:
@@ -90,6 +95,8 @@ class Metrics:
             metric("slots_in_use", "gauge", "Decode slots holding a request.", [("", slots_in_use)])
             metric("slots_total", "gauge", "Decode slots (max_batch).", [("", self.num_slots)])
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache.",
+                   [("", self.prefix_hit_tokens)])
             metric("generated_tokens_total", "counter", "Tokens generated.", [("", self.generated_tokens)])
             metric("decode_steps_total", "counter", "Decode steps run.", [("", self.decode_steps)])
             metric("decode_step_seconds_total", "counter", "Time in decode steps.", [("", self.decode_seconds)])

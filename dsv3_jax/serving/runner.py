@@ -13,8 +13,14 @@ cut out for a prefill chunk and written back, so the other slots' rows are never
 reached; attention never reads them (see `dsv3_jax.inference.cache`), so a freed slot needs no
 clearing and idle rows of the decode step may write anywhere at or past their frontier.
 
-Compilation: the decode step once per (B, S); a prefill chunk once per width W (`prefill.plan`:
-`chunk`, or a power of two from 16 below it). Every function is pure in (state, cache, ...) and donates the cache.
+Decode buckets: a step runs only N rows, N the smallest of 1, 2, 4, ... max_batch that holds the
+decoding slots, so a lone request costs a batch-1 step, not a max_batch one. The step gathers those
+slots' rows of the cache (the decoding slots, padded with distinct idle ones), runs them and
+scatters them back; at N = max_batch it runs the whole cache in place.
+
+Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chunk once per width W
+(`prefill.plan`: `chunk`, or a power of two from 16 below it). Every function is pure in
+(state, cache, ...) and donates the cache.
 """
 
 from __future__ import annotations
@@ -54,12 +60,44 @@ def chunk_buckets(chunk: int) -> tuple[int, ...]:
     return tuple(sorted({chunking.plan(n, chunk)[-1][1] for n in range(1, chunk + 1)}))
 
 
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """Row counts a decode step compiles for: powers of two below `max_batch`, then `max_batch`."""
+    return tuple(1 << i for i in range((max_batch - 1).bit_length()) if 1 << i < max_batch) + (max_batch,)
+
+
+def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
+    """int32 [N]: the slots a decode step runs, the active ones first, padded with idle ones to the
+    smallest bucket N that holds them (distinct, so the scatter back writes each slot once)."""
+    active = np.flatnonzero(active_B)
+    n = next(b for b in buckets if b >= len(active))
+    if n == len(active_B):
+        return np.arange(n, dtype=np.int32)
+    return np.concatenate([active, np.flatnonzero(~active_B)[:n - len(active)]]).astype(np.int32)
+
+
 def _rows(cache, slot):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
 
 
 def _put_rows(cache, rows, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, rows)
+
+
+@functools.partial(jax.jit, static_argnames="width")
+def _read_block(cache, slot, start, *, width):
+    """The slot's cache rows at positions start .. start + width - 1: [L, 1, W, ...] per array."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(_rows_of(a, slot), start, width, axis=2), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_block(cache, block, slot, start):
+    def put(a, b):
+        return jax.lax.dynamic_update_slice(a, b, (0, slot, start) + (0,) * (a.ndim - 3))
+    return jax.tree.map(put, cache, block)
+
+
+def _rows_of(a, slot):
+    return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
 
 
 class Runner:
@@ -81,14 +119,20 @@ class Runner:
         chunking.check_chunk(chunk)
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
+        self.decode_buckets = decode_buckets(max_batch)
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
         self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
         self.penalty_width = table_width(self.context)  # columns of RowSampling's penalty tables
         graphdef, self.state = nnx.split(model)
-        # committed to a device, as every step's output is: one compiled step for both
-        cache = init_cache(cfg, max_batch, max_seq_len, cache_dtype, with_mtp=use_mtp)
-        self.cache = jax.device_put(cache, jax.devices()[0])
+        self.reset()
         self._prefill, self._decode = _compiled(graphdef, max_seq_len, use_mtp)
+
+    def reset(self) -> None:
+        """A new zero cache: after a failed step, whose donated cache may be gone."""
+        cache = init_cache(self.config, self.max_batch, self.max_seq_len, self.cache_dtype,
+                           with_mtp=self.drafts > 0)
+        # committed to a device, as every step's output is: one compiled step for both
+        self.cache = jax.device_put(cache, jax.devices()[0])
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
@@ -108,22 +152,50 @@ class Runner:
         nxt, logprobs = jax.device_get(out)
         return PrefillResult(nxt, TokenLogprobs(*logprobs))
 
+    def read_block(self, slot: int, start: int):
+        """A copy of the slot's cache rows at positions start .. start + chunk - 1 (a prefix block)."""
+        return _read_block(self.cache, np.int32(slot), np.int32(start), width=self.chunk)
+
+    def write_block(self, slot: int, start: int, block) -> None:
+        """Puts a `read_block` copy back at positions start .. start + chunk - 1 of the slot."""
+        self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start))
+
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
-        """One step: slot b feeds tokens[b] (its last token, then its drafts) from positions[b]."""
-        out, self.cache = self._decode(self.state, self.cache, jnp.asarray(tokens_BxK, jnp.int32),
-                                       jnp.asarray(positions_B, jnp.int32), jnp.asarray(active_B), sampling)
-        emitted, accepted, nxt, counts, logprobs = jax.device_get(out)
+        """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b].
+        Rows of inactive slots in the result are zeros."""
+        rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets)
+        picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
+        out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
+                         np.asarray(active_B, bool)[rows_N], picked)
+        emitted_N, accepted_N, nxt_N, counts, logprobs_N = jax.device_get(out)
+        emitted, accepted, nxt, *logprobs = (_scatter_rows(a, rows_N, self.max_batch)
+                                             for a in (emitted_N, accepted_N, nxt_N, *logprobs_N))
         return StepResult(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
 
+    def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
+        """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
+        out, self.cache = self._decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N, sampling)
+        return out
+
     def warm_up(self) -> None:
-        """Compiles every prefill bucket and the decode step (on slot 0, whose rows hold nothing yet)."""
-        greedy = RowSampling.greedy(self.max_batch, self.penalty_width)
+        """Compiles every prefill width and decode bucket (on idle slots: their rows hold nothing yet)."""
+        b = self.max_batch
+        greedy = RowSampling.greedy(b, self.penalty_width)
         for w in self.buckets:
             self.prefill_chunk(0, np.zeros(w, np.int32), 0, w, greedy)
-        zeros = np.zeros(self.max_batch, np.int32)
-        self.decode(np.zeros((self.max_batch, 1 + self.drafts), np.int32), zeros, np.zeros(self.max_batch, bool),
-                    greedy)
+        for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
+            self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
+                       np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width))
+        if self.chunk <= self.max_seq_len:  # prefix-cache blocks: the cache rows of a full chunk
+            self.write_block(0, 0, self.read_block(0, 0))
+
+
+def _scatter_rows(a_NxX: np.ndarray, rows_N: np.ndarray, batch: int) -> np.ndarray:
+    """[batch, ...] zeros with a_NxX's rows at rows_N: a bucket's results in their slots."""
+    out = np.zeros((batch, *a_NxX.shape[1:]), a_NxX.dtype)
+    out[rows_N] = a_NxX
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -152,8 +224,13 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
             nxt = jnp.concatenate([nxt, drafts], axis=1)
         return (nxt[0], logprobs), _put_rows(cache, rows, slot)
 
-    def decode(state, cache, tokens_BxK, positions_B, active_B, sampling):
-        model = nnx.merge(graphdef, state)
+    def decode(state, cache, rows_N, tokens_NxK, positions_N, active_N, sampling):
+        whole = rows_N.shape[0] == jax.tree.leaves(cache)[0].shape[1]  # then rows_N is every slot, in order
+        picked = cache if whole else jax.tree.map(lambda a: jnp.take(a, rows_N, axis=1), cache)
+        out, picked = _decode_rows(nnx.merge(graphdef, state), picked, tokens_NxK, positions_N, active_N, sampling)
+        return out, picked if whole else jax.tree.map(lambda a, r: a.at[:, rows_N].set(r), cache, picked)
+
+    def _decode_rows(model, cache, tokens_BxK, positions_B, active_B, sampling):
         b, k = tokens_BxK.shape
         positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
         out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))

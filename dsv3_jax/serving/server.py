@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from dsv3_jax.serving import responses, schemas
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
-from dsv3_jax.serving.engine import Engine, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.engine import Engine, EngineFailed, QueueFull, Request, SamplingParams
 from dsv3_jax.serving.penalties import Penalties
 from dsv3_jax.serving.responses import Choice
 
@@ -125,7 +125,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
                               stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                              logprobs=logprobs, echo=echo, penalties=penalties)
+                              logprobs=logprobs, echo=echo, penalties=penalties, prefix_cache=req.prefix_cache)
 
     def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
         loop, requests = asyncio.get_running_loop(), []
@@ -165,6 +165,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
             requests = submit(choices, per_choice, queue)
         except QueueFull as e:
             return error(429, str(e), kind="rate_limit_error")
+        except EngineFailed as e:
+            return error(503, str(e))
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in {id(c.prompt): c.prompt for c in choices}.values())
         if req.stream:
@@ -266,7 +268,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "slots_in_use": engine.slots_in_use(), "queue_length": engine.queue_length()}
+        state = engine.health()  # status ok | recovering | failed (503), last_error, resets
+        body = state | {"slots_in_use": engine.slots_in_use(), "queue_length": engine.queue_length()}
+        return JSONResponse(body, status_code=503 if state["status"] == "failed" else 200)
 
     @app.get("/metrics")
     async def metrics():

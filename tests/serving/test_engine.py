@@ -1,8 +1,13 @@
-"""Continuous batching against `generate()` alone, cancellation, the bounded queue."""
+"""Continuous batching against `generate()` alone, cancellation, the bounded queue, recovery from a failed step."""
 
+import contextlib
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,6 +16,8 @@ from dsv3_jax import DeepSeekV3
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
+from dsv3_jax.serving.engine import EngineFailed
+from tests.helpers import free_port
 from tests.inference.conftest import VOCAB, tiny_config
 
 MAX_BATCH, CHUNK = 8, 16
@@ -29,6 +36,33 @@ def engine(model):
     eng.start()
     yield eng
     eng.shutdown()
+
+
+@contextlib.contextmanager
+def queue_limit(engine, max_queue: int):
+    """The shared engine with another queue limit for the block, restored after it."""
+    before, engine.max_queue = engine.max_queue, max_queue
+    try:
+        yield
+    finally:
+        engine.max_queue = before
+
+
+@contextlib.contextmanager
+def jax_compiles():
+    """Every jit trace and backend compile (jax's own compile events, any thread) during the block."""
+    events = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    seen = []
+
+    def listener(event, seconds, **kwargs):
+        if event in events:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class Collector:
@@ -50,16 +84,18 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     lengths = [3, 8, 17, 30] * 4
     max_tokens = [4 + (5 * i) % 13 for i in range(16)]
     prompts = [rng.randint(0, VOCAB, n).tolist() for n in lengths]
-    engine.max_queue = 16
     sinks = [Collector() for _ in prompts]
-    for prompt, n, sink in zip(prompts, max_tokens, sinks):
-        engine.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
-        time.sleep(rng.uniform(0, 0.05))
-    for sink in sinks:
-        assert sink.done.wait(300), "a request never finished"
+    with queue_limit(engine, 16), jax_compiles() as compiles:
+        for prompt, n, sink in zip(prompts, max_tokens, sinks):
+            engine.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
+            time.sleep(rng.uniform(0, 0.05))
+        for sink in sinks:
+            assert sink.done.wait(300), "a request never finished"
+    assert compiles == [], "warm-up must compile every shape a request meets"
     assert engine.slots_in_use() == 0 and engine.queue_length() == 0
-    runner = engine.runner  # compiled once per prefill width and once for decode, whatever the lengths
-    assert runner._prefill._cache_size() == len(runner.buckets) and runner._decode._cache_size() == 1
+    runner = engine.runner  # compiled once per prefill width and decode bucket (at warm-up), whatever the lengths
+    assert runner._prefill._cache_size() == len(runner.buckets)
+    assert runner._decode._cache_size() == len(runner.decode_buckets) == 4  # 1, 2, 4, 8 rows
     for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
         alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
         assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
@@ -102,9 +138,151 @@ def test_cancel_frees_the_slot_at_once(engine):
 
 
 def test_full_queue_refuses(engine):
-    engine.max_queue = 0
-    try:
+    with queue_limit(engine, 0):
         with pytest.raises(QueueFull, match="queue is full"):
             engine.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
+    assert engine.max_queue == 4, "the shared engine's queue limit must be restored"
+
+
+class FailingDecode:
+    """A real Runner whose next decode, once armed, fails as a step can on a device: the donated
+    cache is consumed (its buffers deleted) and the step raises. Without a reset every later step
+    would fail on the deleted cache."""
+
+    def __init__(self, runner, *, reset_fails: bool = False):
+        self.runner, self.armed, self.reset_fails = runner, threading.Event(), reset_fails
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def decode(self, *args):
+        if self.armed.is_set():
+            self.armed.clear()
+            for a in jax.tree.leaves(self.runner.cache):
+                a.delete()
+            raise RuntimeError("injected: device step failed")
+        return self.runner.decode(*args)
+
+    def reset(self):
+        if self.reset_fails:
+            raise RuntimeError("injected: cannot allocate the cache")
+        self.runner.reset()
+
+
+def _http_get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def serving(engine):
+    """`make_app` over the engine on 127.0.0.1 (uvicorn in a thread); yields its base url."""
+    import uvicorn
+
+    from dsv3_jax.serving import ChatTokenizer, make_app
+    from dsv3_jax.data.tokenizer import BUNDLED_PATH
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, ChatTokenizer(BUNDLED_PATH), "m"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
-        engine.max_queue = 16
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_failed_step_ends_requests_with_an_error_and_the_engine_recovers(model):
+    """The injected failure ends the in-flight requests with "error"; /health reports it; the cache is
+    rebuilt, so the next requests equal generate() alone. Same shapes as the shared engine: no compile."""
+    runner = FailingDecode(Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK))
+    eng = Engine(runner, load_tokenizer(), max_queue=4)
+    eng.start()
+    try:
+        with serving(eng) as url:
+            first = [Collector() for _ in range(2)]
+            for sink in first:
+                eng.submit(Request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), sink))
+            deadline = time.time() + 120
+            while sum(len(s.tokens) for s in first) < 4 and time.time() < deadline:
+                time.sleep(0.01)
+            runner.armed.set()
+            for sink in first:
+                assert sink.done.wait(120) and sink.reason == "error"
+            status, health = _http_get(url + "/health")
+            assert status == 200 and health["resets"] == 1 and health["status"] in ("ok", "recovering")
+            assert "injected: device step failed" in health["last_error"]
+            prompt, sink = [9, 4, 33, 2, 17], Collector()
+            eng.submit(Request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), sink))
+            assert sink.done.wait(120) and sink.reason == "length"
+            assert _http_get(url + "/health")[1]["status"] == "ok"
+    finally:
+        eng.shutdown()
+    alone = np.asarray(generate(model, np.array([prompt], np.int32), 6))[0, len(prompt):]
+    assert sink.tokens == alone.tolist()
+
+
+def test_a_reset_that_fails_leaves_the_engine_failed(model):
+    runner = FailingDecode(Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK), reset_fails=True)
+    eng = Engine(runner, load_tokenizer(), max_queue=4)
+    eng.start()
+    try:
+        with serving(eng) as url:
+            runner.armed.set()
+            sink = Collector()
+            eng.submit(Request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), sink))
+            assert sink.done.wait(120) and sink.reason == "error"
+            status, health = _http_get(url + "/health")
+            assert status == 503 and health["status"] == "failed" and "cannot allocate" in health["last_error"]
+            with pytest.raises(EngineFailed, match="could not recover"):
+                eng.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
+    finally:
+        eng.shutdown()
+
+
+def _run_one(eng, prompt, max_tokens, **params) -> list[int]:
+    sink = Collector()
+    eng.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), sink))
+    assert sink.done.wait(300) and sink.reason == "length"
+    return sink.tokens
+
+
+def test_prefix_cache_reuses_whole_chunks_and_keeps_outputs(model, engine):
+    """Prompts sharing a 40-token prefix (2 whole chunks of 16 and 8 more): the later ones take
+    the 2 blocks from the cache; every output equals the shared engine's, which has no cache."""
+    runner = Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK)
+    cached = Engine(runner, load_tokenizer(), max_queue=4, prefix_cache=8)
+    cached.start()
+    rng = np.random.RandomState(2)
+    prefix = rng.randint(0, VOCAB, 40).tolist()
+    prompts = [prefix + rng.randint(0, VOCAB, n).tolist() for n in (3, 9, 1, 14)]
+    try:
+        got = [_run_one(cached, p, 6) for p in prompts]
+        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK
+        opted_out = _run_one(cached, prompts[1], 6, prefix_cache=False)
+        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK, "an opted-out request must not reuse blocks"
+    finally:
+        cached.shutdown()
+    want = [_run_one(engine, p, 6) for p in prompts]
+    assert got == want and opted_out == want[1]
+
+
+def test_prefix_cache_evicts_the_least_recently_used_block():
+    from dsv3_jax.serving.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity=2, width=4)
+    a, b, c = ([i] * 9 for i in (1, 2, 3))  # 9 tokens: 2 blocks may be reused
+    for prompt in (a, b):
+        cache.put(cache.wants(prompt, 0), f"block0 of {prompt[0]}")
+    assert cache.wants(a, 0) is None and cache.wants(a, 2) is None  # cached; block 2 is not whole
+    assert cache.match(a) == ["block0 of 1"]  # refreshes a: b is now the least recent
+    cache.put(cache.wants(c, 0), "block0 of 3")
+    assert cache.match(b) == [] and cache.match(a) == ["block0 of 1"] and cache.match(c) == ["block0 of 3"]
+    assert cache.match([1] * 4) == []  # 4 tokens: its one block holds the last token, which is prefilled
