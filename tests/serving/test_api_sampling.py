@@ -134,7 +134,11 @@ def test_chat_logprobs_and_n(client, model, ref, server):
     np.testing.assert_allclose([c.logprob for c in content], want.max(-1), atol=TOL, rtol=0)
     for c, w in zip(content, want):
         np.testing.assert_allclose([t.logprob for t in c.top_logprobs], np.sort(w)[::-1][:4], atol=TOL, rtol=0)
-    assert out.choices[1].logprobs.content == content
+    # the same tokens; log-probabilities equal up to rounding (the choices may decode in batches of
+    # different sizes, whose matmuls round differently)
+    other = out.choices[1].logprobs.content
+    assert [c.token for c in other] == [c.token for c in content]
+    np.testing.assert_allclose([c.logprob for c in other], [c.logprob for c in content], atol=TOL, rtol=0)
 
 
 def test_chat_n_and_logprobs_stream_what_they_answer(client, model):
