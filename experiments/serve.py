@@ -44,6 +44,7 @@ def build(args: argparse.Namespace):
     """-> (FastAPI app, engine), the engine started and every step compiled."""
     from dsv3_jax import load_pretrained
     from dsv3_jax.checkpoint import run_folder
+    from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
     from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
 
     run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
@@ -62,7 +63,8 @@ def build(args: argparse.Namespace):
     prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
     if args.use_mtp and args.prefix_cache_blocks:
         logging.info("prefix caching is off with --use_mtp")
-    engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix)
+    eos_ids = read_generation_config(args.checkpoint).eos_ids  # generation_config.json's, if the folder has one
+    engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix, eos_ids=eos_ids)
     engine.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     return make_app(engine, chat, name), engine

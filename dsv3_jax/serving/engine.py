@@ -94,12 +94,17 @@ class Request:
 
 
 class Engine:
-    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off."""
+    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off.
+    `eos_ids`: end-of-sequence ids beyond the tokenizer's own (generation_config.json's)."""
 
-    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0):
+    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0,
+                 eos_ids: tuple[int, ...] = ()):
         if prefix_cache and runner.drafts:
             raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
+        # ids that end a request unless it sets ignore_eos: the tokenizer's EOS and any that the
+        # checkpoint's generation_config.json adds
+        self.eos_ids = tuple(dict.fromkeys((tokenizer.eos_id, *eos_ids)))
         self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache else None
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
@@ -309,7 +314,7 @@ class Engine:
         for token in tokens:
             kept.append(token)
             request.generated.append(token)
-            if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
                 reason = "stop"
             else:
                 text += request.stream.push([token])

@@ -121,7 +121,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
                 raise BadRequest(400, f"{used[0]} is not supported with MTP speculation (--use_mtp)", used[0])
         penalties = Penalties(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                               tuple((req.logit_bias or {}).items()), req.min_tokens,
-                              stop_ids + (() if req.ignore_eos else (tok.eos_id,)))
+                              stop_ids + (() if req.ignore_eos else engine.eos_ids))
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
                               stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,

@@ -286,3 +286,19 @@ def test_prefix_cache_evicts_the_least_recently_used_block():
     cache.put(cache.wants(c, 0), "block0 of 3")
     assert cache.match(b) == [] and cache.match(a) == ["block0 of 1"] and cache.match(c) == ["block0 of 3"]
     assert cache.match([1] * 4) == []  # 4 tokens: its one block holds the last token, which is prefilled
+
+
+def test_generation_config_eos_ids_end_a_request(model, engine):
+    """An id of generation_config.json's eos list (`Engine(eos_ids=...)`, which experiments.serve
+    reads from the checkpoint) ends a request as the tokenizer's EOS does."""
+    prompt = [5, 9, 2, 7]
+    alone = np.asarray(generate(model, np.array([prompt], np.int32), 6))[0, len(prompt):].tolist()
+    before, sink = engine.eos_ids, Collector()
+    engine.eos_ids = before + (alone[2],)
+    try:
+        engine.submit(Request(prompt, SamplingParams(max_tokens=6), sink))
+        assert sink.done.wait(300)
+    finally:
+        engine.eos_ids = before
+    end = min(i for i, t in enumerate(alone) if t in before + (alone[2],))
+    assert end <= 2 and sink.tokens == alone[:end + 1] and sink.reason == "stop"
