@@ -34,13 +34,17 @@ setup(
         # dev/CI machines; elsewhere pip may pick a CUDA build of the same version. jupytext, nbclient,
         # nbformat and ipykernel turn notebooks/*.py into notebooks and execute them (tests/test_notebooks.py);
         # the serving tests drive the server with the official OpenAI client and lm-evaluation-harness
-        # (local-completions; its [api] extra holds the HTTP client packages).
+        # (local-completions; its [api] extra holds the HTTP client packages); a local GCS emulator
+        # (gcp-storage-emulator, pinned: the test adds one header it lacks) stands in for gs://.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
-                 "lm_eval[api]==0.4.13"],
+                 "lm_eval[api]==0.4.13", "gcsfs>=2025.3", "google-cloud-storage>=2.14",
+                 "gcp-storage-emulator==2026.7.19"],
         # python -m experiments.serve: HTTP server, chat templates (rendered as HF does), process RSS metric
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
+        # gs:// work directories (dsv3_jax/paths.py): epath's gcsfs backend; TensorBoard's GCS writer
+        "gcs": ["gcsfs>=2025.3", "google-cloud-storage>=2.14"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],
         "gpu": ["jax[cuda12]>=0.10.2"],
         "tpu": ["jax[tpu]>=0.10.2"],

@@ -4,13 +4,12 @@
 
 Writes loss.png (train total / LM / MTP loss, eval loss, and the mean MaxVio per step) and
 expert_load.png (share of routed tokens per expert x MoE layer, averaged over the last 20% of
-logged steps; a balanced layer is a flat row at 1/E).
+logged steps; a balanced layer is a flat row at 1/E). WORKDIR and DIR may be URLs (gs://bucket/run).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import matplotlib
@@ -20,13 +19,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from dsv3_jax import paths  # noqa: E402
+
 
 def load_records(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = paths.join(workdir, "metrics.jsonl")
+    if not paths.at(path).exists():
         raise FileNotFoundError(f"{path} does not exist; is {workdir} a training workdir?")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = [json.loads(line) for line in paths.at(path).read_text().splitlines() if line.strip()]
     if not records:
         raise ValueError(f"{path} holds no records yet")
     return records
@@ -52,7 +52,12 @@ def plot_losses(records: list[dict], path: str):
         ax_vio.legend()
     ax_vio.set(xlabel="step", ylabel="max load / mean load - 1", title="MaxVio (batch)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
+
+
+def _save(fig, path: str):
+    with paths.at(path).open("wb") as f:  # a local file or an object (URL)
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -62,11 +67,10 @@ def moe_layer_numbers(workdir: str, num_rows: int) -> list[int]:
     Read from WORKDIR/model_config.json (written by experiments.train); without it the rows are
     numbered from 0 as MoE layers.
     """
-    path = os.path.join(workdir, "model_config.json")
-    if not os.path.exists(path):
+    path = paths.at(paths.join(workdir, "model_config.json"))
+    if not path.exists():
         return list(range(num_rows))
-    with open(path) as f:
-        first_moe = json.load(f)["num_dense_layers"]
+    first_moe = json.loads(path.read_text())["num_dense_layers"]
     return list(range(first_moe, first_moe + num_rows))
 
 
@@ -91,9 +95,7 @@ def expert_load_figure(records: list[dict], layers: list[int] | None = None):
 
 
 def plot_expert_load(records: list[dict], path: str, layers: list[int] | None = None):
-    fig = expert_load_figure(records, layers)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(expert_load_figure(records, layers), path)
 
 
 def main(argv):
@@ -103,13 +105,13 @@ def main(argv):
     except (FileNotFoundError, ValueError) as e:
         print(f"experiments.plot: {e}", file=sys.stderr)
         sys.exit(2)
-    out = _OUT.value or _WORKDIR.value
-    os.makedirs(out, exist_ok=True)
-    plot_losses(records, os.path.join(out, "loss.png"))
+    out = paths.resolve(_OUT.value or _WORKDIR.value)
+    paths.makedirs(out)
+    plot_losses(records, paths.join(out, "loss.png"))
     rows = len(next((r["expert_load"] for r in records if "expert_load" in r), []))
     layers = moe_layer_numbers(_WORKDIR.value, rows)
-    plot_expert_load(records, os.path.join(out, "expert_load.png"), layers)
-    print(f"wrote {os.path.join(out, 'loss.png')} and {os.path.join(out, 'expert_load.png')}")
+    plot_expert_load(records, paths.join(out, "expert_load.png"), layers)
+    print(f"wrote {paths.join(out, 'loss.png')} and {paths.join(out, 'expert_load.png')}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from ml_collections import config_flags
 
 import sharding
 from sharding import multihost
-from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
+from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained, paths
 from dsv3_jax.data import DataConfig, DataError, load_tokenizer, make_dataset, make_train_and_eval
 from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
@@ -87,17 +87,18 @@ def main(argv):
     except (DataError, ChatTemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(next_steps(os.path.relpath(config.train.workdir)), flush=True)
+    print(next_steps(paths.display(paths.resolve(config.train.workdir))), flush=True)
 
 
 def next_steps(workdir: str) -> str:
     """Where a finished run's outputs are and the commands that use them."""
+    hf_out = f"{workdir}/hf" if not paths.is_url(workdir) else "hf"  # the converter writes a local folder
     return "\n".join([
         f"outputs in {workdir}/: metrics.jsonl, tensorboard/, checkpoints/<step>/ (the latest is used below)",
         "next:",
         f"  python -m experiments.plot --workdir={workdir}                       # loss curves, expert loads",
         f"  python -m experiments.generate --checkpoint={workdir} --prompt=\"Once upon a time\"  # sample text",
-        f"  python -m dsv3_jax.convert --to-hf --ckpt={workdir} --out={workdir}/hf            # HF folder + tokenizer",
+        f"  python -m dsv3_jax.convert --to-hf --ckpt={workdir} --out={hf_out}            # HF folder + tokenizer",
     ])
 
 
@@ -195,26 +196,23 @@ def train(config) -> list[dict]:
     """Runs (or resumes) the training described by `config`; returns the records it logged."""
     tc = config.train
     enable_compilation_cache(tc.compilation_cache)
-    workdir = os.path.abspath(tc.workdir)
-    os.makedirs(workdir, exist_ok=True)
+    workdir = paths.resolve(tc.workdir)  # a local folder or a URL (gs://bucket/run): dsv3_jax/paths.py
+    paths.makedirs(workdir)
     lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
     if lead:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint_every,
+        paths.at(paths.join(workdir, "config.json")).write_text(config.to_json_best_effort(indent=2))
+    ckpt = checkpointing.Checkpointer(paths.join(workdir, "checkpoints"), every=tc.checkpoint_every,
                                       keep=tc.keep_checkpoints)
-    model_json = os.path.join(workdir, "model_config.json")
+    model_json = paths.at(paths.join(workdir, "model_config.json"))
     resume = ckpt.latest_step() is not None
     if resume:  # the architecture of the run being resumed (it may have come from --init_from)
-        with open(model_json) as f:
-            cfg = ModelConfig.from_dict(json.load(f))
+        cfg = ModelConfig.from_dict(json.loads(model_json.read_text()))
         model = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
     else:
         model = build_model(config, model_config(config))
         cfg = model.config
         if lead:
-            with open(model_json, "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2)
+            model_json.write_text(json.dumps(cfg.to_dict(), indent=2))
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     pretrain_eval_ds = make_pretrain_eval(config)
     graphdef, params, _ = state_lib.split_model(model)

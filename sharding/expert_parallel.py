@@ -13,6 +13,13 @@ split on their leading dimension over `expert_axis`):
    plus tile rounding, not P x that;
 4. `all_to_all` back, rows return to their (token, slot) and are combined with the gate weights.
 
+Tensor ranks share the work: a mesh with `tensor` > 1 holds the same tokens on every tensor rank
+(activations are split over the batch axes only), so the shard_map splits them over `tensor` too
+(`split_axes`) and each tensor rank exchanges and computes its own share; the expert weights come
+in with their `mlp` dimension gathered, as FSDP gathers any weight for its layer. Without this each
+tensor rank would repeat the same rows: `tensor` x the expert work. Where the tokens cannot be
+split (N not divisible by the axes' product, e.g. one decode token), they stay whole on each rank.
+
 Dropless by default: C = M, the worst case (every row of a device choosing one device), so no
 token is ever dropped, at the price of a P x M-row receive buffer (memory, not work).
 `capacity_factor` cf sets C = ceil(cf * M / P): a P*C = cf*M-row buffer; rows past C are dropped
@@ -56,20 +63,35 @@ def is_active(mesh, expert_axis: str = "expert") -> bool:
     return mesh is not None and not mesh.empty and mesh.shape.get(expert_axis, 1) > 1
 
 
-def splits_tokens(mesh, token_axes: Sequence[str] = ("data", "fsdp", "expert")) -> bool:
+TOKEN_AXES = ("data", "fsdp", "expert")  # axes whose devices hold different tokens
+SPLIT_AXES = ("tensor",)  # axes whose devices hold the same tokens: each takes a share of them here
+
+
+def splits_tokens(mesh, token_axes: Sequence[str] = TOKEN_AXES) -> bool:
     """True when `mesh` splits tokens over any of `token_axes`."""
     return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in token_axes)
 
 
+def shard_axes(mesh, num_tokens: int, token_axes: Sequence[str] = TOKEN_AXES,
+               split_axes: Sequence[str] = SPLIT_AXES) -> tuple[str, ...]:
+    """Mesh axes the shard_map splits the tokens over: the `token_axes` the mesh has, then each of
+    `split_axes` that still divides the tokens (module docstring)."""
+    axes = tuple(a for a in token_axes if mesh.shape.get(a, 1) > 1)
+    for a in split_axes:
+        if mesh.shape.get(a, 1) > 1 and num_tokens % math.prod(mesh.shape[b] for b in axes + (a,)) == 0:
+            axes += (a,)
+    return axes
+
+
 def token_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array,
                    expert_weights: Sequence[jax.Array], dispatch_fn: Callable[..., jax.Array], *, mesh,
-                   token_axes: Sequence[str] = ("data", "fsdp", "expert")) -> jax.Array:
+                   token_axes: Sequence[str] = TOKEN_AXES, split_axes: Sequence[str] = SPLIT_AXES) -> jax.Array:
     """`dispatch_fn(x, experts, weights, *expert_weights)` on each device's own tokens, with every
     expert's weights whole (gathered, as FSDP gathers any weight). Without this, XLA's partitioner
     gathers every device's routing to sort it globally, and each device computes the whole batch's
-    experts: P x the work on a data- or fsdp-split mesh."""
-    token_axes = tuple(a for a in token_axes if mesh.shape.get(a, 1) > 1)
-    tokens = P(token_axes, None)
+    experts: P x the work on a data- or fsdp-split mesh. Tensor ranks share the tokens out as in
+    `expert_parallel`."""
+    tokens = P(shard_axes(mesh, x_NxD.shape[0], token_axes, split_axes) or None, None)
     return jax.shard_map(dispatch_fn, mesh=mesh, in_specs=(tokens, tokens, tokens, *(P() for _ in expert_weights)),
                          out_specs=tokens, check_vma=False)(x_NxD, experts_NxK, weights_NxK, *expert_weights)
 
@@ -83,12 +105,14 @@ def capacity(rows: int, num_devices: int, capacity_factor: float | None) -> int:
 
 def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array,
                     expert_weights: Sequence[jax.Array], local_fn: LocalFn, *, mesh, num_experts: int,
-                    expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp", "expert"),
+                    expert_axis: str = "expert", token_axes: Sequence[str] = TOKEN_AXES,
+                    split_axes: Sequence[str] = SPLIT_AXES,
                     capacity_factor: float | None = None, exchange: str = "auto",
                     ragged_all_to_all: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]) with experts split over `expert_axis`.
 
     x [N, D] (global), experts/weights [N, K]; each of `expert_weights` has experts on dim 0.
+    Tokens are split over the mesh's `token_axes` and shared out over `split_axes` (`shard_axes`).
     `exchange`: "auto", "padded" or "ragged" (module docstring); `ragged_all_to_all` replaces the
     collective of the ragged exchange (default: jax.lax.ragged_all_to_all, its all_gather
     emulation on CPU). Returns ([N, D] in x's dtype, int32 [] dropped (token, expert) pairs, 0
@@ -99,7 +123,7 @@ def expert_parallel(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.A
         raise ValueError(f"num_experts={num_experts} is not divisible by mesh axis {expert_axis}={p}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    token_axes = tuple(a for a in token_axes if a in mesh.shape and mesh.shape[a] > 1)
+    token_axes = shard_axes(mesh, x_NxD.shape[0], token_axes, split_axes)
     tokens = P(token_axes or None, None)
     weight_specs = tuple(P(expert_axis, *([None] * (w.ndim - 1))) for w in expert_weights)
     exchange_ops = ragged_all_to_all or _ragged_collective
@@ -133,8 +157,9 @@ def _by_destination(experts_NxK: jax.Array, local_experts: int, p: int):
     return flat, dest_M, order_M, jnp.zeros((p,), jnp.int32).at[dest_M].add(1)
 
 
-def _combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
-    """sum_k weights[n, k] * y[n * K + k] in fp32, returned in `dtype`."""
+def combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
+    """sum_k weights[n, k] * y[n * K + k] in fp32, returned in `dtype`: the gate-weighted sum of a
+    token's expert outputs, rows in (token, slot) order. The one combine (ops/dispatch.py uses it)."""
     n, k = weights_NxK.shape
     out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, -1), weights_NxK.astype(y_MxD.dtype),
                      preferred_element_type=jnp.float32)
@@ -170,7 +195,7 @@ def _local_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str,
         back_PxCxD = jax.lax.all_to_all(y_RxD.reshape(p, c, d), expert_axis, 0, 0)
         y_sorted_MxD = back_PxCxD.at[dest_sorted, slot_M].get(mode="fill", fill_value=0)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        return _combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
+        return combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
 
     return body
 
@@ -206,7 +231,7 @@ def _ragged_body(local_fn: LocalFn, p: int, local_experts: int, expert_axis: str
         y_sorted_MxD = ragged_all_to_all(y_RxD, jnp.zeros((m, d), x_NxD.dtype), recv_start_P, recv_P,
                                          starts_PxP[:, me], send_P, axis_name=expert_axis)
         y_MxD = jnp.zeros((m, d), y_sorted_MxD.dtype).at[order_M].set(y_sorted_MxD)
-        return _combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
+        return combine(y_MxD, weights_NxK, x_NxD.dtype), _dropped(counts_P, c, token_axes)
 
     return body
 

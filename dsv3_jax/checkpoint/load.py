@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import sharding
+from dsv3_jax import paths
 from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, run_folder
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
@@ -98,7 +99,7 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
     """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`)."""
     import orbax.checkpoint as ocp
 
-    path = os.path.abspath(os.fspath(path))
+    path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
     cfg = ModelConfig.from_dict(meta["model"])
     pdtype = np.dtype(jnp.dtype(dtype if dtype is not None else cfg.param_dtype))
@@ -109,7 +110,7 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
     variables = _variables(model)
     place = placement(mesh, rules)
     fp8_leaves = set(meta.get("fp8_leaves", []))
-    params_dir = os.path.join(path, orbax_layout.PARAMS)
+    params_dir = paths.join(path, orbax_layout.PARAMS)
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     stored_keys = orbax_layout.item_keys(path, orbax_layout.PARAMS)
     target: dict = {}

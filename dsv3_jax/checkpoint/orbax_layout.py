@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from dsv3_jax import paths
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 
 PARAMS, FP8, CONFIG = "params", "fp8", "config"
@@ -51,8 +51,9 @@ def _context() -> ts.Context:
 
 def _kvstore(item_dir: str, name: str) -> dict:
     # Orbax's non-OCDBT layout: one zarr folder per array, one file per chunk. (Writing into one
-    # OCDBT database commits its manifest on every slice write: 50x slower here.)
-    return {"driver": "file", "path": os.path.join(os.path.abspath(item_dir), name) + "/"}
+    # OCDBT database commits its manifest on every slice write: 50x slower here.) A local folder
+    # or a URL (dsv3_jax/paths.py): `file` or the URL's driver, e.g. `gcs`.
+    return paths.kvstore(paths.join(item_dir, name))
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, stacked: int = 0, target: int = CHUNK_BYTES) -> list[int]:
@@ -76,7 +77,7 @@ class ItemWriter:
 
     def __init__(self, item_dir: str, max_in_flight: int = 256 << 20):
         self.dir = item_dir
-        os.makedirs(item_dir, exist_ok=True)
+        paths.makedirs(item_dir)
         self._ctx = _context()
         self._keys: list[tuple[str, ...]] = []
         self._pending: list[tuple[Any, int]] = []
@@ -109,39 +110,39 @@ class ItemWriter:
         tree = {str(k): {"key_metadata": [{"key": p, "key_type": 2} for p in k],
                          "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False}}
                 for k in self._keys}
-        _write_json(os.path.join(self.dir, "_METADATA"),
+        _write_json(paths.join(self.dir, "_METADATA"),
                     {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
                      "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
 
 
 def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    paths.write_text(path, json.dumps(obj))
+
+
+def _read_json(path: str):
+    return json.loads(paths.at(path).read_text())
 
 
 def write_config(root: str, meta: dict[str, Any], items: list[str]) -> None:
     """Written last: a folder without these files is not a checkpoint (see `is_orbax_checkpoint`)."""
-    os.makedirs(os.path.join(root, CONFIG), exist_ok=True)
-    _write_json(os.path.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
+    paths.makedirs(paths.join(root, CONFIG))
+    _write_json(paths.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
     now = time.time_ns()
-    _write_json(os.path.join(root, "_CHECKPOINT_METADATA"),
+    _write_json(paths.join(root, "_CHECKPOINT_METADATA"),
                 {"item_handlers": {k: _HANDLERS[k] for k in [*items, CONFIG]}, "metrics": {},
                  "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
                  "custom_metadata": {}})
 
 
 def is_orbax_checkpoint(path: str) -> bool:
-    return all(os.path.exists(os.path.join(path, *p)) for p in
+    return all(paths.at(paths.join(path, *p)).exists() for p in
                [("_CHECKPOINT_METADATA",), (CONFIG, "metadata"), (PARAMS, "_METADATA")])
 
 
 def read_meta(root: str) -> dict[str, Any]:
-    path = os.path.join(root, CONFIG, "metadata")
+    path = paths.join(root, CONFIG, "metadata")
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = _read_json(path)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{root} is not a dsv3_jax Orbax checkpoint: cannot read {path} ({e})") from None
     if meta.get("format") != FORMAT:
@@ -150,11 +151,10 @@ def read_meta(root: str) -> dict[str, Any]:
 
 
 def item_keys(root: str, item: str) -> set[tuple[str, ...]]:
-    path = os.path.join(root, item, "_METADATA")
-    if not os.path.exists(path):
+    path = paths.join(root, item, "_METADATA")
+    if not paths.at(path).exists():
         return set()
-    with open(path) as f:
-        tree = json.load(f)["tree_metadata"]
+    tree = _read_json(path)["tree_metadata"]
     return {tuple(k["key"] for k in v["key_metadata"]) for v in tree.values()}
 
 
@@ -164,12 +164,11 @@ class ItemReader:
     names (an OCDBT database, zarr or zarr3), e.g. the `state` item of a training step."""
 
     def __init__(self, root: str, item: str):
-        self.dir = os.path.join(root, item)
+        self.dir = paths.join(root, item)
         self._ctx = _context()
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
         try:
-            with open(os.path.join(self.dir, "_METADATA")) as f:
-                layout = json.load(f)
+            layout = _read_json(paths.join(self.dir, "_METADATA"))
         except (OSError, json.JSONDecodeError):
             layout = {}
         self._ocdbt = bool(layout.get("use_ocdbt", False))
@@ -177,7 +176,7 @@ class ItemReader:
 
     def _spec(self, name: str) -> dict:
         if self._ocdbt:  # one database for the item; an array is a key prefix in it
-            base = {"driver": "file", "path": os.path.abspath(self.dir) + "/"}
+            base = paths.kvstore(self.dir)
             return {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name + "/"}}
         return {"driver": self._driver, "kvstore": _kvstore(self.dir, name)}
 

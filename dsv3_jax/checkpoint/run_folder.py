@@ -6,7 +6,8 @@ Layout written by `python -m experiments.train --workdir=RUN`:
   RUN/config.json              the run's config (data.tokenizer: None = the bundled tokenizer)
   RUN/checkpoints/<step>/state the TrainState (params, router_bias, optimizer state, ...)
 `RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. Only the
-parameters and router biases are read, each straight into its target sharding.
+parameters and router biases are read, each straight into its target sharding. RUN may be a URL
+(`gs://bucket/run`, dsv3_jax/paths.py), as the trainer writes it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv3_jax import paths
 from dsv3_jax.checkpoint import orbax_layout
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
@@ -32,25 +34,25 @@ class RunStep(NamedTuple):
     tokenizer: str | None  # tokenizer.json of the run (None: the bundled one)
 
     def model_config(self) -> ModelConfig:
-        with open(os.path.join(self.run_dir, "model_config.json")) as f:
-            return ModelConfig.from_dict(json.load(f))
+        return ModelConfig.from_dict(json.loads(paths.at(paths.join(self.run_dir, "model_config.json")).read_text()))
 
 
 def _is_run(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "model_config.json")) and os.path.isdir(os.path.join(path, "checkpoints"))
+    return (paths.at(paths.join(path, "model_config.json")).is_file()
+            and paths.at(paths.join(path, "checkpoints")).is_dir())
 
 
 def _complete_steps(checkpoints: str) -> list[int]:
-    """Steps whose folder Orbax finished (unfinished saves live in temporary folders)."""
-    return sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()
-                  and os.path.exists(os.path.join(checkpoints, d, "_CHECKPOINT_METADATA")))
+    """Steps whose folder Orbax finished: locally, unfinished saves live in temporary folders; on
+    an object store (no atomic rename) Orbax writes commit_success.txt last."""
+    marker = "commit_success.txt" if paths.is_url(checkpoints) else "_CHECKPOINT_METADATA"
+    return sorted(int(d.name) for d in paths.at(checkpoints).iterdir() if d.name.isdigit() and (d / marker).exists())
 
 
 def _data_field(run_dir: str, field: str) -> str | None:
     """`data.<field>` of the run's config.json (None when absent or unreadable)."""
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            return json.load(f).get("data", {}).get(field)
+        return json.loads(paths.at(paths.join(run_dir, "config.json")).read_text()).get("data", {}).get(field)
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -61,26 +63,26 @@ def _tokenizer(run_dir: str) -> str | None:
 
 def find(path: str | os.PathLike) -> RunStep | None:
     """The step `path` names (a run folder: its latest), or None when it is no training run's folder."""
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
+    path = paths.resolve(path)
+    parent = paths.parent(path)
     if _is_run(path):
         run_dir, step = path, None
-    elif os.path.basename(path) == "checkpoints" and _is_run(parent):
+    elif paths.name(path) == "checkpoints" and _is_run(parent):
         run_dir, step = parent, None
-    elif os.path.basename(parent) == "checkpoints" and _is_run(os.path.dirname(parent)):
-        run_dir, step = os.path.dirname(parent), os.path.basename(path)
+    elif paths.name(parent) == "checkpoints" and _is_run(paths.parent(parent)):
+        run_dir, step = paths.parent(parent), paths.name(path)
         if not step.isdigit():
             raise CheckpointError(f"{path} is not a step folder of the run {run_dir} (expected checkpoints/<step>)")
         step = int(step)
     else:
         return None
-    steps = _complete_steps(os.path.join(run_dir, "checkpoints"))
+    steps = _complete_steps(paths.join(run_dir, "checkpoints"))
     if step is None and not steps:
         raise CheckpointError(f"the run {run_dir} has no complete checkpoint yet (checkpoints/ holds no finished step)")
     if step is not None and step not in steps:
         raise CheckpointError(f"{path} is not a complete checkpoint; the run {run_dir} has steps {steps}")
     step = steps[-1] if step is None else step
-    return RunStep(run_dir, step, os.path.join(run_dir, "checkpoints", str(step)), _tokenizer(run_dir))
+    return RunStep(run_dir, step, paths.join(run_dir, "checkpoints", str(step)), _tokenizer(run_dir))
 
 
 def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides):
@@ -106,7 +108,7 @@ def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overri
         node[p[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
-            restored = ckptr.restore(os.path.join(run.step_dir, "state"), ocp.args.PyTreeRestore(
+            restored = ckptr.restore(paths.join(run.step_dir, "state"), ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise CheckpointError(f"{run.step_dir}/state does not hold this run's parameters ({e})") from None
@@ -122,7 +124,7 @@ class StateParams:
     bias, read with tensorstore, nothing else restored."""
 
     def __init__(self, run: RunStep):
-        self.dir = os.path.join(run.step_dir, "state")
+        self.dir = paths.join(run.step_dir, "state")
         self.reader = orbax_layout.ItemReader(run.step_dir, "state")
         self.keys = orbax_layout.item_keys(run.step_dir, "state")
 

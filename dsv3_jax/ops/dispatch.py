@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sharding.expert_parallel import combine
+
 
 class SortedRows(NamedTuple):
     token_M: jax.Array  # int32 token index of each sorted row
@@ -241,14 +243,10 @@ def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Ar
                    max_tile: int = 128, layer=None) -> jax.Array:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype.
     Weights as in `grouped_expert_mlp` (a layer stack with `layer`)."""
-    n, k = experts_NxK.shape
     rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
     y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD,
                                impl=impl, max_tile=max_tile, layer=layer)
-    unsorted_NxKxD = jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD).reshape(n, k, -1)
-    out = jnp.einsum("NKD,NK->ND", unsorted_NxKxD, weights_NxK.astype(y_MxD.dtype),
-                     preferred_element_type=jnp.float32)
-    return out.astype(x_NxD.dtype)
+    return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
 
 
 def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,

@@ -12,12 +12,12 @@ run saves a final checkpoint and exits cleanly instead of dying mid-step.
 
 from __future__ import annotations
 
-import os
 import signal
 
 import jax
 import orbax.checkpoint as ocp
 
+from dsv3_jax import paths
 from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
 
@@ -29,7 +29,8 @@ class Checkpointer:
         # The interval is applied here, not by Orbax, which also saves whenever no checkpoint exists yet.
         options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep,
                                                enable_async_checkpointing=async_save, create=True)
-        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
+        # A local folder or a URL (gs://...): Orbax writes through epath and tensorstore either way.
+        self.manager = ocp.CheckpointManager(paths.resolve(directory), options=options,
                                              item_names=("state", "data"))
 
     def latest_step(self) -> int | None:

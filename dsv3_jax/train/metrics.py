@@ -15,12 +15,13 @@ config overrides both.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsv3_jax import paths
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' data sheets (substring of device_kind).
 PEAK_FLOPS = {
@@ -90,36 +91,48 @@ class MetricsWriter:
     """Appends one JSON object per logged step to DIR/metrics.jsonl and scalars to TensorBoard.
 
     On resume from step S the lines of steps > S (written after the checkpoint, before a crash)
-    are dropped, so the file reads like an uninterrupted run.
+    are dropped, so the file reads like an uninterrupted run. DIR may be a URL (dsv3_jax/paths.py):
+    an object store has no append, so there the file is rewritten whole on every write (as
+    TensorBoard's own GCS writer does on every flush), and a killed run loses no logged line.
     """
 
     def __init__(self, workdir: str, resume_step: int = 0):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self._truncate_after(resume_step)
-        self._file = open(self.path, "a")
+        paths.makedirs(workdir)
+        self.path = paths.join(workdir, "metrics.jsonl")
+        kept = self._kept_lines(resume_step)
+        self._lines, self._file = None, None  # the object's lines (a URL), or the open file (a path)
+        if paths.is_url(self.path):
+            self._lines = kept
+            paths.at(self.path).write_text("".join(kept))
+        else:
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+            self._file = open(self.path, "a")
         from tensorboardX import SummaryWriter  # imported here: only the writer needs it
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tb = SummaryWriter(paths.join(workdir, "tensorboard"))
 
-    def _truncate_after(self, step: int):
-        if not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            records = [line for line in f if line.strip()]
-        kept = [line for line in records if json.loads(line)["step"] <= step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+    def _kept_lines(self, step: int) -> list[str]:
+        if not paths.at(self.path).exists():
+            return []
+        records = [line for line in paths.at(self.path).read_text().splitlines(keepends=True) if line.strip()]
+        return [line for line in records if json.loads(line)["step"] <= step]
 
     def write(self, record: dict):
         record = {k: _plain(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        if self._lines is not None:
+            self._lines.append(line)
+            paths.at(self.path).write_text("".join(self._lines))
+        else:
+            self._file.write(line)
+            self._file.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
                 self._tb.add_scalar(key, value, record["step"])
 
     def close(self):
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         self._tb.close()
 
 
@@ -132,8 +145,8 @@ def _plain(value):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    text = paths.at(paths.join(workdir, "metrics.jsonl")).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 class Progress:

@@ -5,7 +5,8 @@
 For meshes expert=8 and data=2 x expert=4, routings uniform and all-to-one-device, and both
 exchanges: outputs and gradients against the dense single-device dispatch; the rows the local
 grouped matmul computes, counted at run time by a callback in each executed row tile; with a
-capacity factor, the dropped pairs and the output against a numpy model of the rule.
+capacity factor, the dropped pairs and the output against a numpy model of the rule. Then the
+MoE FLOPs per device with and without tensor ranks (tests/sharding/ep_tensor_worker.py).
 """
 
 import json
@@ -24,6 +25,7 @@ import numpy as np  # noqa: E402
 import sharding  # noqa: E402
 from sharding import expert_parallel  # noqa: E402
 from dsv3_jax.ops import dispatch  # noqa: E402
+from tests.sharding import ep_tensor_worker  # noqa: E402
 
 N, D, F, E, K = 64, 16, 8, 32, 4
 TILE = 8  # max_tile of the local grouped matmul
@@ -136,6 +138,7 @@ def main():
                                   cf_rows_expected=expected_rows(experts, keep, p, 1.0)[0])
                 print(json.dumps(record), flush=True)
     lowerings()
+    ep_tensor_worker.flops_rows()
 
 
 def lowerings():

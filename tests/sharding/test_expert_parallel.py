@@ -1,5 +1,5 @@
 """Expert parallelism: all-to-all in shard_map equals the single-device dispatch (8 fake devices),
-and the receive side computes only the rows it received.
+and the receive side computes only the rows it received; tensor ranks share the tokens out.
 
 On meshes expert=8 and data=2 x expert=4, with routing uniform and all-to-one-device, both
 exchanges give the outputs and gradients of the dense single-device dispatch; the rows the local
@@ -106,3 +106,21 @@ def test_receive_side_gives_padding_to_no_expert(impl, monkeypatch):
     a, b = np.asarray(y, np.float64)[valid], np.asarray(y_ref, np.float64)[valid]
     tol = 2e-3 if impl == "fp8" else 1e-10  # fp8: the block-scaled recipe's error (tests/model/test_dispatch.py)
     assert 1 - 2 * np.sum(a * b) / np.sum(a * a + b * b) < tol
+
+
+def test_tensor_ranks_share_the_expert_work(ep_rows):
+    """Issue 22, acceptance 5: tensor=2 x expert=4 (8 devices) against expert=4 (4 devices) at one
+    global batch; the compiled MoE forward and backward costs each device about half (each tensor
+    rank takes half the tokens), not the same again (each rank repeating its peer's rows)."""
+    rows = {r["flops_mesh"]: r for r in ep_rows if "flops_mesh" in r}
+    ratio = rows["tensor2_expert4"]["moe_flops_per_device"] / rows["expert4"]["moe_flops_per_device"]
+    assert 0.45 <= ratio <= 0.55, rows  # below 0.5 only if work went missing; 1.0 before the split
+
+
+def test_tensor_split_falls_back_where_the_tokens_do_not_divide():
+    import sharding
+
+    mesh = sharding.abstract_mesh({"data": 2, "tensor": 2, "expert": 2}, 8)
+    assert expert_parallel.shard_axes(mesh, 64) == ("data", "expert", "tensor")
+    assert expert_parallel.shard_axes(mesh, 4) == ("data", "expert")  # one token per data x expert rank
+    assert expert_parallel.shard_axes(sharding.abstract_mesh({"tensor": 8}, 8), 8) == ("tensor",)

@@ -44,3 +44,48 @@ def test_restart_keeps_pid_and_arguments_and_sets_the_tunable():
     assert (int(child_pid), tunables, args.strip()) == (pid, "glibc.malloc.hugetlb=1", "['a', '--b=1']")
     _, (_, tunables, _) = _run(code, **{hugepages.OPT_OUT: "0"})
     assert tunables == "None"
+
+
+@pytest.mark.parametrize("platforms,cpu", [("cpu", True), ("CPU", True), ("cpu,cuda", True), ("tpu", False),
+                                           ("cuda,cpu", False), ("rocm", False)])
+def test_jax_platforms_decides_the_backend(platforms, cpu):
+    assert hugepages.runs_on_cpu({"JAX_PLATFORMS": platforms}) is cpu
+    if not cpu:
+        assert not hugepages.wanted({"JAX_PLATFORMS": platforms})
+
+
+@pytest.mark.parametrize("node,plugin,cpu", [(False, "json", True), (True, "json", False),
+                                             (True, "no_such_jax_plugin_module", True)])
+def test_without_jax_platforms_an_accelerator_node_with_its_plugin_means_no_cpu(node, plugin, cpu, tmp_path,
+                                                                                monkeypatch):
+    """A device node (here a file like /dev/nvidia0) counts only with jax's plugin for it installed
+    (here a module that exists, `json`, or one that does not): without one jax runs on CPU."""
+    if node:
+        (tmp_path / "nvidia0").touch()
+    monkeypatch.setattr(hugepages, "_ACCELERATORS", (((str(tmp_path / "nvidia[0-9]*"),), (plugin,)),))
+    assert hugepages.runs_on_cpu({}) is cpu
+
+
+_PRINT = "import os; print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), [])"
+_RESTART = "from experiments import hugepages; hugepages.reexec(); " + _PRINT
+
+
+@pytest.mark.skipif(not hugepages.wanted(_child_env()), reason="no glibc >= 2.35 with transparent huge pages")
+@pytest.mark.parametrize("setup,env", [
+    ("import sys; sys.settrace(lambda *a: None); ", {}),  # a tracer (coverage, a debugger)
+    ("import sys, types; sys.modules['ipykernel'] = types.ModuleType('ipykernel'); ", {}),  # a kernel's process
+    ("", {"JAX_PLATFORMS": "tpu"}),  # not the CPU backend
+])
+def test_no_restart_under_a_tracer_in_a_kernel_or_off_cpu(setup, env):
+    pid, (child_pid, tunables, _) = _run(setup + _RESTART, **env)
+    assert (int(child_pid), tunables) == (pid, "None")
+
+
+@pytest.mark.skipif(not hugepages.wanted(_child_env()), reason="no glibc >= 2.35 with transparent huge pages")
+def test_no_restart_under_pdb(tmp_path):
+    """`python -m pdb -c continue cmd.py`: pdb stays the process (its prompt comes back at the end)."""
+    script = tmp_path / "cmd.py"
+    script.write_text(_RESTART.replace("; ", "\n"))
+    out = subprocess.run([sys.executable, "-m", "pdb", "-c", "continue", str(script)], env=_child_env(),
+                         cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert " None []" in out.stdout and "(Pdb)" in out.stdout, out.stdout + out.stderr
