@@ -36,7 +36,8 @@ setup(
         # the serving tests drive the server with the official OpenAI client.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
-                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
+                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
+                 "peft==0.21.2"],  # LoRA export: PeftModel loads our adapter-only folders (Python >= 3.9)
         # python -m experiments.serve: HTTP server, chat templates (rendered as HF does), process RSS metric
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],

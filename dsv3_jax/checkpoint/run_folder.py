@@ -140,8 +140,10 @@ def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
     from dsv3_jax.checkpoint.orbax_to_hf import write_hf
     from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
+    from dsv3_jax.checkpoint.lora_export import merged_params
+
     meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
-    summary = write_hf(meta, StateParams(run), out, **convert_kw)
+    summary = write_hf(meta, merged_params(run, StateParams(run)), out, **convert_kw)  # LoRA runs: merged
     tokenizer = run.tokenizer or BUNDLED_PATH
     if os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, "tokenizer.json")

@@ -71,14 +71,16 @@ class Adapter(nnx.Module):
     def delta(self) -> jax.Array:
         """s A B, the update in the weight's own shape (for merging and the absorbed MLA form).
         The batch axes are counted on the arrays: a scan over layers removes the leading one."""
-        a, b = self.a[...], self.b[...]
-        nb = a.ndim - self.contract - 1
-        lead, r = a.shape[:nb], a.shape[-1]
-        nl = int(np.prod(lead, dtype=np.int64))
-        out = b.shape[nb + 1:]
-        d = jnp.einsum("Lir,Lro->Lio", a.reshape(nl, -1, r).astype(jnp.float32),
-                       b.reshape(nl, r, -1).astype(jnp.float32))
-        return (self.scale * d).reshape(*lead, *a.shape[nb:-1], *out)
+        return low_rank_delta(self.a[...], self.b[...], self.a.ndim - self.contract - 1, self.scale, jnp)
+
+
+def low_rank_delta(a, b, batch_rank: int, scale: float, xp=np):
+    """scale * A B for A [*batch, *in, r], B [*batch, r, *out] -> [*batch, *in, *out] in fp32
+    (`xp`: numpy for the exporter's host slices, jax.numpy in the model)."""
+    lead, r = a.shape[:batch_rank], a.shape[-1]
+    nl = int(np.prod(lead, dtype=np.int64))
+    d = xp.einsum("Lir,Lro->Lio", a.reshape(nl, -1, r).astype(xp.float32), b.reshape(nl, r, -1).astype(xp.float32))
+    return (scale * d).reshape(*lead, *a.shape[batch_rank:-1], *b.shape[batch_rank + 1:])
 
 
 def _batch_rank(axes) -> int:
