@@ -17,7 +17,6 @@ import os
 import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from experiments import train as train_lib
 from experiments.configs import lora as lora_config

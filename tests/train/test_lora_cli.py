@@ -14,8 +14,8 @@ import pytest
 from tests.sharding import workers
 from tests.sharding.parity_worker import FAST_COMPILE
 from tests.helpers import run
-from tests.train.conftest import REPO, TEST_OVERRIDES, run_train, train_env
-from tests.train.test_train_cli import COMPARED, read_records
+from tests.train.conftest import REPO, TEST_OVERRIDES, read_records, train_env
+from tests.train.test_train_cli import COMPARED
 
 LORA_STEPS = 8
 LORA = [f"--steps={LORA_STEPS}", "--config.optimizer.peak_lr=1e-2", "--config.optimizer.warmup_steps=2",
@@ -37,11 +37,9 @@ def run_lora(workdir, pretrained, *flags, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, compile_cache):
+def pretrained(uninterrupted):
     """The shrunk tiny model after the CLI tests' 60 steps of pretraining (its eval at the end)."""
-    workdir = tmp_path_factory.mktemp("pretrained")
-    run_train(workdir, "--config.train.eval_every=60", "--config.train.checkpoint_every=60", cache_dir=compile_cache)
-    return workdir
+    return uninterrupted[0]
 
 
 @pytest.fixture(scope="module")
