@@ -9,6 +9,8 @@ PEFT layout (peft.LoraModel, one nn.Linear [out, in] per HF module): `lora_A.wei
 `lora_B.weight` [out, r], update (lora_alpha / r) B A, keys
 `base_model.model.<module>.lora_A.weight`. Our a and b flatten their in/out axes in the order the
 HF weight does (the converter's reshape), so lora_A = a^T and lora_B = b^T after flattening.
+PEFT folders carry MLA adapters only: PEFT on transformers 5 maps DeepseekV3's gate_proj, up_proj
+and down_proj names to the fused routed experts, so MLP adapters export merged.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
             raise CheckpointError(
                 f"the adapter on {'/'.join(leaf.path)} has no PEFT module in transformers' DeepseekV3 "
                 "(routed experts and MTP layers): export the merged model instead (without --adapter_only)")
+        if leaf.path[-2] != "attn":
+            raise CheckpointError(
+                f"the adapter on {'/'.join(leaf.path)} (an MLP gate/up/down_proj) would not load as such: on "
+                "transformers 5 PEFT reads DeepseekV3 adapters named gate_proj/up_proj/down_proj as the fused routed "
+                "experts' (peft 0.21 converts them to gate_up_proj). Export the merged model instead, or train "
+                "attention-only adapters (--config.lora.targets='(dense_layers|moe_layers)/attn/.*')")
         ad = _adapter_path(leaf.path)
         for index, names in hf_names.leaf_slices(leaf):
             a, b = params.read((*ad, "a"), index), params.read((*ad, "b"), index)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from tests.train.conftest import REPO, TEST_OVERRIDES, read_records, train_env
 from tests.train.test_train_cli import COMPARED
 
 LORA_STEPS = 8
+ATTENTION_ONLY = "(dense_layers|moe_layers)/attn/(wq_a|wq_b|wkv_a|wkv_b|wo)"  # what a PEFT folder can carry
 LORA = [f"--steps={LORA_STEPS}", "--config.optimizer.peak_lr=1e-2", "--config.optimizer.warmup_steps=2",
         "--config.train.eval_every=4", "--config.train.checkpoint_every=2"]
 
@@ -45,7 +47,7 @@ def pretrained(uninterrupted):
 @pytest.fixture(scope="module")
 def lora_run(pretrained, tmp_path_factory, compile_cache):
     workdir = tmp_path_factory.mktemp("lora")
-    result = run_lora(workdir, pretrained, cache_dir=compile_cache)
+    result = run_lora(workdir, pretrained, f"--config.lora.targets={ATTENTION_ONLY}", cache_dir=compile_cache)
     return workdir, read_records(workdir), result.stderr
 
 
@@ -54,14 +56,14 @@ def test_lora_lowers_the_held_out_loss_and_trains_adapters_only(pretrained, lora
     base_eval = read_records(pretrained)[-1]["eval_loss"]  # the same held-out batches
     assert [r["step"] for r in records] == list(range(1, LORA_STEPS + 1))
     assert records[-1]["eval_loss"] < base_eval - 0.01, (records[-1]["eval_loss"], base_eval)
-    assert "LoRA rank 8 on 16 weights" in stderr  # 5 MLA x 2 layers, dense MLP 3, shared expert 3
+    assert "LoRA rank 8 on 10 weights" in stderr  # 5 MLA projections x 2 layers
     with open(workdir / "config.json") as f:
         assert json.load(f)["lora"]["rank"] == 8
 
 
 def test_lora_run_stopped_then_restarted_continues_exactly(pretrained, lora_run, tmp_path, compile_cache):
     _, reference, _ = lora_run
-    cmd = lora_command(tmp_path, pretrained, cache_dir=compile_cache)
+    cmd = lora_command(tmp_path, pretrained, f"--config.lora.targets={ATTENTION_ONLY}", cache_dir=compile_cache)
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 600
@@ -74,7 +76,7 @@ def test_lora_run_stopped_then_restarted_continues_exactly(pretrained, lora_run,
     assert proc.returncode == 0, stderr[-3000:]
     assert len(metrics.read_text().splitlines()) < LORA_STEPS, "the run ended before it could be stopped"
 
-    result = run_lora(tmp_path, pretrained, cache_dir=compile_cache)
+    result = run_lora(tmp_path, pretrained, f"--config.lora.targets={ATTENTION_ONLY}", cache_dir=compile_cache)
     assert "resumed from" in result.stderr
     resumed = read_records(tmp_path)
     assert [r["step"] for r in resumed] == list(range(1, LORA_STEPS + 1))
@@ -133,15 +135,17 @@ def test_exports_load_in_transformers_and_peft_with_the_adapter_logits(pretraine
     merged = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", **load))
     np.testing.assert_allclose(merged, ours, atol=1e-4 * np.max(np.abs(ours)), rtol=0)
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
-    assert len([n for n, _ in adapted.named_parameters() if "lora_A" in n]) == 16  # 8 HF modules a layer
+    assert len([n for n, _ in adapted.named_parameters() if "lora_A" in n]) == 10  # 5 HF modules a layer
     np.testing.assert_allclose(hf_logits(adapted), ours, atol=1e-4 * np.max(np.abs(ours)), rtol=0)
 
-    # ... and the PEFT folder read back onto the base export (the `--init_from=PEFT` path) is our model again
-    from dsv3_jax import load_pretrained
-    from dsv3_jax.model import lora
+    # ... and `--init_from=PEFT` (its base_model_name_or_path is the base export) builds our model again
+    from experiments import train as train_lib
+    from experiments.configs import lora as lora_config
+    from dsv3_jax.train import finetune
 
-    again = load_pretrained(tmp_path / "base", dtype="float32")
-    section = lora_export.peft_lora_config(tmp_path / "peft")
-    lora.apply(again, lora.LoRAConfig(rank=section["rank"], alpha=section["alpha"]))
-    assert len(lora_export.import_peft(again, tmp_path / "peft")) == 16
+    config = lora_config.get_config()
+    config.train.init_from, config.lora.targets = str(tmp_path / "peft"), ATTENTION_ONLY
+    again = train_lib.build_model(config, train_lib.model_config(config))
+    mask = finetune.adapt(config, again)
+    assert sum(jax.tree.leaves(mask)) == 2 * 10  # A and B of 10 stacked adapters
     np.testing.assert_allclose(np.asarray(again(tokens)), ours, atol=1e-4 * np.max(np.abs(ours)), rtol=0)
