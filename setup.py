@@ -40,7 +40,8 @@ setup(
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
                  "lm_eval[api]==0.4.13", "gcsfs>=2025.3", "google-cloud-storage>=2.14",
-                 "gcp-storage-emulator==2026.7.19"],
+                 "gcp-storage-emulator==2026.7.19",
+                 "peft==0.21.2"],  # LoRA export: PeftModel loads our adapter-only folders (Python >= 3.9)
         # python -m experiments.serve: HTTP server, chat templates (rendered as HF does), process RSS metric
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
         # gs:// work directories (dsv3_jax/paths.py): epath's gcsfs backend; TensorBoard's GCS writer

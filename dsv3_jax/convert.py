@@ -2,6 +2,10 @@
 
     python -m dsv3_jax.convert --hf-dir HF --out CKPT [--dtype bfloat16|float32] [--keep-fp8] [--verify [N]]
     python -m dsv3_jax.convert --to-hf --ckpt CKPT --out HF [--fp8] [--dtype ...] [--shard-size 5GB]
+    python -m dsv3_jax.convert --to-hf --ckpt LORA_RUN --out PEFT --adapter_only [--base HF]
+
+A LoRA run (experiments/configs/lora.py) exports merged (W + s A B) by default; `--adapter_only`
+writes its adapters alone as a PEFT folder for transformers' DeepseekV3 (non-expert targets).
 
 Streams: resident memory is about one layer slice whatever the checkpoint size. Output goes to a
 temporary folder renamed into place only when complete. Exit code 0 on success, 2 on a checkpoint
@@ -37,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt", help="Orbax checkpoint, training run folder or run step folder to export (with --to-hf)")
     p.add_argument("--fp8", action="store_true", help="with --to-hf: write e4m3 projections + weight_scale_inv")
     p.add_argument("--shard-size", type=_size, default="5GB", help="with --to-hf: max bytes per shard")
+    p.add_argument("--adapter_only", action="store_true",
+                   help="with --to-hf on a LoRA run: write the adapters as a PEFT folder, not merged weights")
+    p.add_argument("--base", help="with --adapter_only: base_model_name_or_path recorded in adapter_config.json")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only once complete)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -46,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--hf-dir is required (or --to-hf --ckpt CKPT)")
     if args.to_hf and (args.keep_fp8 or args.verify):
         p.error("--keep-fp8 and --verify apply to HF -> Orbax only")
+    if args.adapter_only and not args.to_hf:
+        p.error("--adapter_only applies to --to-hf --ckpt LORA_RUN")
     if not args.to_hf and args.fp8:
         p.error("--fp8 applies to --to-hf; for HF -> Orbax use --keep-fp8")
     return args
@@ -65,6 +74,14 @@ def main(argv=None) -> int:
             kw = dict(fp8_out=args.fp8, dtype=args.dtype, shard_bytes=args.shard_size, progress=not args.no_progress,
                       overwrite=args.overwrite)
             run = run_folder.find(args.ckpt)  # a training run's folder or step: exported with its tokenizer
+            if args.adapter_only:
+                from dsv3_jax.checkpoint import lora_export
+
+                if run is None:
+                    raise CheckpointError(f"--adapter_only needs a LoRA training run's folder; {args.ckpt} is none")
+                summary = lora_export.export_adapter(run, args.out, overwrite=args.overwrite, base=args.base)
+                logging.info("wrote %s", summary)
+                return 0
             summary = run_folder.export_hf(run, args.out, **kw) if run else convert_orbax_to_hf(args.ckpt, args.out, **kw)
         else:
             from dsv3_jax.checkpoint.hf_to_orbax import convert_hf_to_orbax

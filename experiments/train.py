@@ -50,7 +50,7 @@ from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained, paths
 from dsv3_jax.data import DataConfig, DataError, load_tokenizer, make_dataset, make_train_and_eval
 from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
-from dsv3_jax.train import sharded, state as state_lib, step as step_lib
+from dsv3_jax.train import finetune, sharded, state as state_lib, step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
@@ -127,13 +127,14 @@ _POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl"
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
-    if config.train.init_from:
+    init_from = finetune.base_of(config.train.init_from)  # a PEFT folder: its base (adapters: finetune.adapt)
+    if init_from:
         logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
-                     "implementation switches come from config.model", config.train.init_from)
+                     "implementation switches come from config.model", init_from)
         policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
         # On a mesh each process reads only the shards its devices hold, placed as training places them.
         mesh = sharded.config_mesh(config)
-        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
+        return load_pretrained(init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
                                rules=config.mesh.get("rules", "default"), **policy)
     return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
 
@@ -215,10 +216,12 @@ def train(config) -> list[dict]:
             model_json.write_text(json.dumps(cfg.to_dict(), indent=2))
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     pretrain_eval_ds = make_pretrain_eval(config)
+    trainable = finetune.adapt(config, model)  # None, or LoRA: the adapters alone train
     graphdef, params, _ = state_lib.split_model(model)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
-    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
-    graphdef, state = state_lib.init_train_state(model, tx, tc.seed)
+    decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
+    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
+    graphdef, state = state_lib.init_train_state(model, tx, tc.seed, trainable)
     # Mesh (config.mesh, sharding/): the state placed by the logical-axis rules before any restore,
     # so a checkpoint restores straight into its shardings; None on a single device.
     on_mesh = sharded.for_config(config, model, state)
@@ -232,7 +235,7 @@ def train(config) -> list[dict]:
     start = int(state.step)
 
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
-                       bias_update_speed=config.balancing.bias_update_speed)
+                       bias_update_speed=finetune.bias_update_speed(config), trainable=trainable)
     if on_mesh is None:
         train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
     else:

@@ -147,8 +147,10 @@ def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
     from dsv3_jax.checkpoint.orbax_to_hf import write_hf
     from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
+    from dsv3_jax.checkpoint.lora_export import merged_params
+
     meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
     template = _data_field(run.run_dir, "chat_template")  # an SFT run's own template, when it set one
-    summary = write_hf(meta, StateParams(run), out, tokenizer=run.tokenizer or BUNDLED_PATH,
-                       chat_template_file=template, **convert_kw)
+    summary = write_hf(meta, merged_params(run, StateParams(run)), out, tokenizer=run.tokenizer or BUNDLED_PATH,
+                       chat_template_file=template, **convert_kw)  # LoRA runs: merged
     return {**summary, "step": run.step}

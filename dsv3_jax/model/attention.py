@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import params
+from dsv3_jax.model import lora, params
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops import latent_attention
@@ -71,6 +71,8 @@ def _attention_fn(impl: str):
 
 
 class MLA(nnx.Module):
+    LORA_TARGETS = {"wq": 1, "wq_a": 1, "wq_b": 1, "wkv_a": 1, "wkv_b": 1, "wo": 2}  # weight: contracted axes
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, h, std, pd = cfg.hidden_size, cfg.num_heads, cfg.initializer_range, cfg.param_dtype
@@ -88,23 +90,25 @@ class MLA(nnx.Module):
                                    ("kv_lora", "heads", "head_dim"), std=std, dtype=pd)
         self.wo = params.normal(rngs, (h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), std=std, dtype=pd)
 
-    def _mm(self, eq: str, x: jax.Array, w: nnx.Param) -> jax.Array:
-        """x's trailing axes contracted with w's leading ones, as the einsum `eq` spells out."""
+    def _mm(self, eq: str, x: jax.Array, name: str) -> jax.Array:
+        """x's trailing axes contracted with the leading ones of weight `name` (plus its LoRA
+        adapter, if any), as the einsum `eq` spells out."""
         lhs, out = eq.split("->")
         x_axes, w_axes = lhs.split(",")
         contract = len(set(x_axes) & set(w_axes) - set(out))
-        return project(x, w[...], contract=contract, compute_dtype=self.cfg.compute_dtype, fp8=self.cfg.fp8_matmul)
+        return project(x, getattr(self, name)[...], contract=contract, compute_dtype=self.cfg.compute_dtype,
+                       fp8=self.cfg.fp8_matmul, lora=lora.pair(self, name))
 
     def query(self, x_BxTxD: jax.Array) -> jax.Array:
         """[B, T, H, N + R] (rope part not yet rotated)."""
         if self.cfg.q_lora_rank is None:
-            return self._mm("BTD,DHK->BTHK", x_BxTxD, self.wq)
-        c_q = self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, self.wq_a))
-        return self._mm("BTQ,QHK->BTHK", c_q, self.wq_b)
+            return self._mm("BTD,DHK->BTHK", x_BxTxD, "wq")
+        c_q = self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, "wq_a"))
+        return self._mm("BTQ,QHK->BTHK", c_q, "wq_b")
 
     def latent(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What the decode cache stores: normalised latent [B, T, C] and roped key [B, T, R]."""
-        kv_a = self._mm("BTD,DC->BTC", x_BxTxD, self.wkv_a)
+        kv_a = self._mm("BTD,DC->BTC", x_BxTxD, "wkv_a")
         c_kv, k_pe = jnp.split(kv_a, [self.cfg.kv_lora_rank], axis=-1)
         return self.kv_norm(c_kv), apply_rope(k_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
@@ -128,12 +132,12 @@ class MLA(nnx.Module):
         q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
         c_kv, k_pe = self.latent(x_BxTxD, cos, sin)
-        k_nope, v = jnp.split(self._mm("BSC,CHK->BSHK", c_kv, self.wkv_b), [cfg.qk_nope_head_dim], axis=-1)
+        k_nope, v = jnp.split(self._mm("BSC,CHK->BSHK", c_kv, "wkv_b"), [cfg.qk_nope_head_dim], axis=-1)
         k_pe_BxSxHxR = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], cfg.qk_rope_head_dim))
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         k = jnp.concatenate([k_nope, k_pe_BxSxHxR], axis=-1)
         out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
-        return self._mm("BTHV,HVD->BTD", out, self.wo)
+        return self._mm("BTHV,HVD->BTD", out, "wo")
 
     def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
                  positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
@@ -143,11 +147,11 @@ class MLA(nnx.Module):
         q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
         own = self.latent(x_BxTxD, cos, sin)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
-        w_uk, w_uv = jnp.split(self.wkv_b[...].astype(dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
+        w_uk, w_uv = jnp.split(lora.weight(self, "wkv_b").astype(dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
         q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
         attend = (latent_attention.attend_pallas if cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
                   else latent_attention.attend)
         o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, softmax_scale=cfg.softmax_scale, compute_dtype=dt,
                        layer=layer)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
-        return self._mm("BTHV,HVD->BTD", out.astype(dt), self.wo), entries
+        return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

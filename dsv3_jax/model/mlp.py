@@ -6,11 +6,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv3_jax.model import params
+from dsv3_jax.model import lora, params
 from dsv3_jax.ops.linear import project
 
 
 class MLP(nnx.Module):
+    LORA_TARGETS = {"w1": 1, "w3": 1, "w2": 1}  # weight: contracted axes
+
     def __init__(self, dim: int, hidden: int, *, std: float, param_dtype, compute_dtype, rngs: nnx.Rngs,
                  fp8: bool = False):
         self.compute_dtype, self.fp8 = compute_dtype, fp8
@@ -19,8 +21,9 @@ class MLP(nnx.Module):
         self.w2 = params.normal(rngs, (hidden, dim), ("mlp", "embed"), std=std, dtype=param_dtype)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        def mm(lhs, w):  # BTD,DF->BTF and BTF,FD->BTD
-            return project(lhs, w[...], contract=1, compute_dtype=self.compute_dtype, fp8=self.fp8)
+        def mm(lhs, name):  # BTD,DF->BTF and BTF,FD->BTD, plus the weight's LoRA adapter if any
+            return project(lhs, getattr(self, name)[...], contract=1, compute_dtype=self.compute_dtype, fp8=self.fp8,
+                           lora=lora.pair(self, name))
 
-        h = jax.nn.silu(mm(x_BxTxD, self.w1).astype(jnp.float32)).astype(self.compute_dtype) * mm(x_BxTxD, self.w3)
-        return mm(h, self.w2)
+        h = jax.nn.silu(mm(x_BxTxD, "w1").astype(jnp.float32)).astype(self.compute_dtype) * mm(x_BxTxD, "w3")
+        return mm(h, "w2")

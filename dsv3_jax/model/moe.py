@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import params
+from dsv3_jax.model import lora, params
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.ops import dispatch, routing
 from sharding import expert_parallel
@@ -39,6 +39,8 @@ class Router(nnx.Module):
 
 
 class MoE(nnx.Module):
+    LORA_TARGETS = {"w1": 1, "w3": 1, "w2": 1}  # routed experts' weights [E, ...]: contracted axes after E
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         e, d, f, std, pd = (cfg.num_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -76,24 +78,28 @@ class MoE(nnx.Module):
     def _routed(self, x_NxD: jax.Array, route: routing.Routing, layer=None) -> tuple[jax.Array, jax.Array]:
         """Routed experts: all-to-all expert parallelism when the context mesh (`jax.set_mesh`)
         splits experts over `expert`, else the single-device dispatch on each device's tokens.
-        Same function when dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs)."""
+        Same function when dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs).
+        LoRA adapters on the routed experts ([E, ...] per layer) travel with the expert weights."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
         mesh = jax.sharding.get_abstract_mesh()
         stacks = (self.w1[...], self.w3[...], self.w2[...])
+        adapters, scale = lora.expert_arrays(self)
+        adapters = tuple(a.astype(dt) for a in adapters)
+        scaled = {"lora_scale": scale, "impl": impl, "max_tile": cfg.moe_tile_size}
         if layer is not None and not expert_parallel.is_active(mesh) and not expert_parallel.splits_tokens(mesh):
-            return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *stacks, impl=impl,
-                                           max_tile=cfg.moe_tile_size, layer=layer), jnp.float32(0)
+            return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *stacks, *adapters,
+                                           layer=layer, **scaled), jnp.float32(0)
         weights = (tuple(w.astype(dt) for w in stacks) if layer is None
-                   else dispatch.layer_weights(stacks, layer, dt))
+                   else dispatch.layer_weights(stacks, layer, dt)) + adapters
         if expert_parallel.is_active(mesh):
-            local = functools.partial(dispatch.local_expert_mlp, impl=impl, max_tile=cfg.moe_tile_size)
+            local = functools.partial(dispatch.local_expert_mlp, **scaled)
             y, dropped = expert_parallel.expert_parallel(
                 x_NxD, route.experts_NxK, route.weights_NxK, weights, local, mesh=mesh,
                 num_experts=cfg.num_routed_experts, capacity_factor=cfg.expert_capacity_factor,
                 exchange=cfg.expert_exchange)
             return y, dropped.astype(jnp.float32)
-        dispatch_fn = functools.partial(dispatch.routed_experts, impl=impl, max_tile=cfg.moe_tile_size)
+        dispatch_fn = functools.partial(dispatch.routed_experts, **scaled)
         if expert_parallel.splits_tokens(mesh):  # each device sorts and computes its own tokens only
             return expert_parallel.token_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, dispatch_fn,
                                                   mesh=mesh), jnp.float32(0)

@@ -11,10 +11,19 @@ Three grouped-matmul implementations compute the same function:
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
+
+Expert LoRA: `adapters`, six arrays (a1 [E, D, r], b1 [E, r, F], a3 [E, D, r], b3 [E, r, F],
+a2 [E, F, r], b2 [E, r, D]), add to each of a row's three projections its own expert's low-rank
+update, x W_e + scale * (x A_e) B_e, inside the grouped matmul: ragged_dot with the stacked A and
+B, the tile loop reading tile j's expert's A and B beside its weights (and adding their gradients
+into that expert's slot), the dense reference through every expert's adapter, then select.
+Adapters are per layer ([E, ...]) even where the weights are a layer stack read at `layer`. The
+FP8 path takes none (the adapters would run in the compute dtype beside FP8 weights: not built).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -51,14 +60,19 @@ def _swiglu(gate, up):
     return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
 
 
-def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
     def mm(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, sizes_E, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
-    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+    def proj(lhs, w, i):  # lhs W_e (+ scale * (lhs A_e) B_e), each row with its own expert's matrices
+        y = mm(lhs, w)
+        return y if not adapters else y + lora_scale * mm(mm(lhs, adapters[2 * i]), adapters[2 * i + 1])
+
+    return proj(_swiglu(proj(x_MxD, w1_ExDxF, 0), proj(x_MxD, w3_ExDxF, 1)), w2_ExFxD, 2)
 
 
-def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int, layer=None):
+def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int, layer=None, adapters=(),
+               lora_scale: float = 1.0):
     """Rows padded per expert to a multiple of the tile t, each tile through its expert's SwiGLU
     (weights [E, ...], or a layer stack [L, E, ...] read in place at `layer`).
 
@@ -81,7 +95,7 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
 
     x_JxtxD = jnp.zeros((num_tiles * t, d), x_MxD.dtype).at[pos_M].set(x_MxD, mode="drop")
     y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), num_active,
-                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)
+                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, tuple(adapters), lora_scale)
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
@@ -103,17 +117,27 @@ def _mm(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD):
+def _tile_proj(x_txA, w_AxB, adapter=(), scale: float = 1.0):
+    """x w (+ scale * (x a) b for an adapter (a [A, r], b [r, B])) in x's dtype, fp32 accumulation."""
+    dt = x_txA.dtype
+    y = _mm("tA,AB->tB", x_txA, w_AxB.astype(dt)).astype(dt)
+    if not adapter:
+        return y
+    a_Axr, b_rxB = (m.astype(dt) for m in adapter)
+    return y + scale * _mm("tr,rB->tB", _mm("tA,Ar->tr", x_txA, a_Axr).astype(dt), b_rxB).astype(dt)
+
+
+def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0):
     """One row tile through one expert's SwiGLU: (y [t, D], gate [t, F], up [t, F]), the unit of
-    work of `tile_loop_swiglu` (gate and up are what its backward needs)."""
-    dt = x_txD.dtype
-    w1_DxF, w3_DxF, w2_FxD = w1_DxF.astype(dt), w3_DxF.astype(dt), w2_FxD.astype(dt)
-    gate, up = _mm("tD,DF->tF", x_txD, w1_DxF).astype(dt), _mm("tD,DF->tF", x_txD, w3_DxF).astype(dt)
-    return _mm("tF,FD->tD", _swiglu(gate, up), w2_FxD).astype(dt), gate, up
+    work of `tile_loop_swiglu` (gate and up are what its backward needs). `adapters`: that expert's
+    six LoRA matrices (a1, b1, a3, b3, a2, b2) or none."""
+    ad = [tuple(adapters[i:i + 2]) for i in (0, 2, 4)] if adapters else [()] * 3
+    gate, up = _tile_proj(x_txD, w1_DxF, ad[0], scale), _tile_proj(x_txD, w3_DxF, ad[1], scale)
+    return _tile_proj(_swiglu(gate, up), w2_FxD, ad[2], scale), gate, up
 
 
-@jax.custom_vjp
-def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
+def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None, adapters=(),
+                     lora_scale: float = 1.0):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
 
     Weights are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
@@ -124,9 +148,16 @@ def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_
     count is theirs, so the static bound's idle tiles cost nothing (their output is zero). Each step
     reads its expert's weights in place (no [J, D, F] copy of them) and the backward adds each
     tile's weight gradient into its expert's slot of one [E, D, F] buffer, so memory follows the
-    rows, not tiles x weights.
+    rows, not tiles x weights. Expert `adapters` (six [E, ...] arrays, module docstring) are read and
+    accumulated the same way.
     """
-    return _tile_loop_fwd(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer)[0]
+    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, (w1_ExDxF, w3_ExDxF, w2_ExFxD), layer,
+                      tuple(adapters))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tile_loop(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters):
+    return _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters)[0]
 
 
 def _put(buffer_JxAxB, j, value_AxB):
@@ -137,52 +168,74 @@ def _get(buffer_JxAxB, j):
     return jax.lax.dynamic_index_in_dim(buffer_JxAxB, j, axis=0, keepdims=False)
 
 
-def _tile_loop_fwd(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None):
-    (num_tiles, t, d), f = x_JxtxD.shape, w1_ExDxF.shape[-1]
+def _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters):
+    (num_tiles, t, d), f = x_JxtxD.shape, weights[0].shape[-1]
 
     def tile(j, out):
         e = tile_expert_J[j]
-        y, gate, up = _tile_swiglu(_get(x_JxtxD, j), _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer),
-                                   _at(w2_ExFxD, e, layer))
+        y, gate, up = _tile_swiglu(_get(x_JxtxD, j), *(_at(w, e, layer) for w in weights),
+                                   tuple(_at(a, e) for a in adapters), scale)
         return tuple(_put(buf, j, v) for buf, v in zip(out, (y, gate, up)))
 
     zeros = (jnp.zeros((num_tiles, t, d), x_JxtxD.dtype), *[jnp.zeros((num_tiles, t, f), x_JxtxD.dtype)] * 2)
     y_JxtxD, gate_JxtxF, up_JxtxF = jax.lax.fori_loop(0, num_active, tile, zeros)
-    res = (x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF)
-    return y_JxtxD, res
+    return y_JxtxD, (x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, gate_JxtxF, up_JxtxF)
 
 
-def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD):
-    """One tile's backward: (dx [t, D], dw1 [D, F], dw3 [D, F], dw2 [F, D]), fp32 weight grads."""
+def _lora_back(lhs_txA, dy_txB, a_Axr, b_rxB, scale):
+    """Backward of scale * (lhs a) b: (its part of d lhs [t, A], da [A, r], db [r, B]), fp32."""
+    dt = lhs_txA.dtype
+    a_Axr, b_rxB = a_Axr.astype(dt), b_rxB.astype(dt)
+    u_txr = _mm("tA,Ar->tr", lhs_txA, a_Axr).astype(dt)
+    du_txr = scale * _mm("tB,rB->tr", dy_txB, b_rxB)
+    return (_mm("tr,Ar->tA", du_txr.astype(dt), a_Axr), _mm("tA,tr->Ar", lhs_txA, du_txr.astype(dt)),
+            scale * _mm("tr,tB->rB", u_txr, dy_txB))
+
+
+def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0):
+    """One tile's backward: (dx [t, D], (dw1 [D, F], dw3 [D, F], dw2 [F, D]), the six adapter
+    gradients or ()), weight gradients in fp32."""
     dt = x.dtype
     w1_DxF, w3_DxF, w2_FxD = w1_DxF.astype(dt), w3_DxF.astype(dt), w2_FxD.astype(dt)
     gate32 = gate.astype(jnp.float32)
     sig = jax.nn.sigmoid(gate32)
     act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
+    h = act * up
     dh = _mm("tD,FD->tF", dy, w2_FxD)
+    d_adapters = []
+    if adapters:
+        dh_lora, da2, db2 = _lora_back(h, dy, adapters[4], adapters[5], scale)
+        dh = dh + dh_lora
     dup = (dh * act.astype(jnp.float32)).astype(dt)
     dgate = (dh * up.astype(jnp.float32) * sig * (1 + gate32 * (1 - sig))).astype(dt)
     dx = _mm("tF,DF->tD", dgate, w1_DxF) + _mm("tF,DF->tD", dup, w3_DxF)
-    return dx.astype(dt), _mm("tD,tF->DF", x, dgate), _mm("tD,tF->DF", x, dup), _mm("tF,tD->FD", act * up, dy)
+    if adapters:
+        dx1, da1, db1 = _lora_back(x, dgate, adapters[0], adapters[1], scale)
+        dx3, da3, db3 = _lora_back(x, dup, adapters[2], adapters[3], scale)
+        dx = dx + dx1 + dx3
+        d_adapters = [da1, db1, da3, db3, da2, db2]
+    dw = (_mm("tD,tF->DF", x, dgate), _mm("tD,tF->DF", x, dup), _mm("tF,tD->FD", h, dy))
+    return dx.astype(dt), dw, tuple(d_adapters)
 
 
-def _tile_loop_bwd(res, dy_JxtxD):
-    x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, gate_JxtxF, up_JxtxF = res
+def _tile_loop_bwd(scale, res, dy_JxtxD):
+    x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, gate_JxtxF, up_JxtxF = res
 
     def tile(j, carry):
-        dx_JxtxD, dw = carry
+        dx_JxtxD, dw, da = carry
         e = tile_expert_J[j]
-        dx, g1, g3, g2 = _tile_grads(*(_get(a, j) for a in (x_JxtxD, gate_JxtxF, up_JxtxF, dy_JxtxD)),
-                                     _at(w1_ExDxF, e, layer), _at(w3_ExDxF, e, layer), _at(w2_ExFxD, e, layer))
-        return _put(dx_JxtxD, j, dx), tuple(_add_at(acc, e, g, layer) for acc, g in zip(dw, (g1, g3, g2)))
+        dx, g_w, g_a = _tile_grads(_get(x_JxtxD, j), _get(gate_JxtxF, j), _get(up_JxtxF, j), _get(dy_JxtxD, j),
+                                   *(_at(w, e, layer) for w in weights), tuple(_at(a, e) for a in adapters), scale)
+        return (_put(dx_JxtxD, j, dx), tuple(_add_at(acc, e, g, layer) for acc, g in zip(dw, g_w)),
+                tuple(_add_at(acc, e, g) for acc, g in zip(da, g_a)))
 
-    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
-    dx_JxtxD, (dw1, dw3, dw2) = jax.lax.fori_loop(0, num_active, tile, (jnp.zeros_like(x_JxtxD), zeros))
-    return (dx_JxtxD, None, None, dw1.astype(w1_ExDxF.dtype), dw3.astype(w3_ExDxF.dtype), dw2.astype(w2_ExFxD.dtype),
-            None)
+    zeros = tuple(tuple(jnp.zeros(w.shape, jnp.float32) for w in ws) for ws in (weights, adapters))
+    dx_JxtxD, dw, da = jax.lax.fori_loop(0, num_active, tile, (jnp.zeros_like(x_JxtxD), *zeros))
+    return (dx_JxtxD, None, None, tuple(g.astype(w.dtype) for g, w in zip(dw, weights)), None,
+            tuple(g.astype(a.dtype) for g, a in zip(da, adapters)))
 
 
-tile_loop_swiglu.defvjp(_tile_loop_fwd, _tile_loop_bwd)
+_tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)
 
 
 def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
@@ -194,12 +247,17 @@ def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
 
 
-def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
     def mm(eq, lhs, w):
         return jnp.einsum(eq, lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
-    h_MxExF = _swiglu(mm("MD,EDF->MEF", x_MxD, w1_ExDxF), mm("MD,EDF->MEF", x_MxD, w3_ExDxF))
-    y_MxExD = mm("MEF,EFD->MED", h_MxExF, w2_ExFxD)
+    def proj(eqs, lhs, w, i):  # every row through every expert's W (+ scale * (lhs A) B)
+        y = mm(eqs[0], lhs, w)
+        return y if not adapters else y + lora_scale * mm(eqs[2], mm(eqs[1], lhs, adapters[2 * i]), adapters[2 * i + 1])
+
+    up_eqs = ("MD,EDF->MEF", "MD,EDr->MEr", "MEr,ErF->MEF")
+    h_MxExF = _swiglu(proj(up_eqs, x_MxD, w1_ExDxF, 0), proj(up_eqs, x_MxD, w3_ExDxF, 1))
+    y_MxExD = proj(("MEF,EFD->MED", "MEF,EFr->MEr", "MEr,ErD->MED"), h_MxExF, w2_ExFxD, 2)
     return jnp.take_along_axis(y_MxExD, rows.expert_M[:, None, None], axis=1)[:, 0]
 
 
@@ -208,67 +266,84 @@ def layer_weights(stacks, layer, dtype):
     return tuple(w[layer].astype(dtype) for w in stacks)
 
 
+def _check_adapters(adapters, impl: str):
+    if len(adapters) not in (0, 6):
+        raise ValueError(f"expert adapters are six arrays (a1, b1, a3, b3, a2, b2), got {len(adapters)}")
+    if adapters and impl == "fp8":
+        raise ValueError("expert LoRA adapters do not run on the fp8 grouped kernel; set "
+                         "model.fp8_matmul=False or leave the routed experts out of the LoRA targets")
+
+
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
-                       w2_ExFxD: jax.Array, *, impl: str = "auto", max_tile: int = 128, layer=None) -> jax.Array:
+                       w2_ExFxD: jax.Array, *adapters: jax.Array, impl: str = "auto", max_tile: int = 128,
+                       layer=None, lora_scale: float = 1.0) -> jax.Array:
     """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D].
 
     Weights are [E, ...], or layer stacks [L, E, ...] with `layer`: the tiled path reads those in
-    place, the others slice the layer first. `auto` picks ragged_dot where the platform runs it
+    place, the others slice the layer first. `adapters`: none, or six expert LoRA arrays [E, ...]
+    with `lora_scale` (module docstring). `auto` picks ragged_dot where the platform runs it
     sparsely and the tiled path on CPU, for the platform the program is lowered for (a TPU lowering
     on a CPU host gets ragged_dot)."""
+    _check_adapters(adapters, impl)
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    lora = {"lora_scale": lora_scale} if adapters else {}
 
     def tiled():
-        return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer)
+        return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer, adapters, lora_scale)
 
     def one_layer():
-        return stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)
+        return (stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)) + adapters
+
+    def ragged():
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), **lora)
 
     if impl == "auto":
-        return jax.lax.platform_dependent(cpu=tiled, default=lambda: _ragged_mlp(x_MxD, rows.group_sizes_E,
-                                                                                 *one_layer()))
+        return jax.lax.platform_dependent(cpu=tiled, default=ragged)
     if impl == "tiled":
         return tiled()
     if impl == "ragged":
-        return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer())
+        return ragged()
     if impl == "dense":
-        return _dense_mlp(x_MxD, rows, *one_layer())
+        return _dense_mlp(x_MxD, rows, *one_layer(), **lora)
     if impl == "fp8":
         return _fp8_mlp(x_MxD, rows.group_sizes_E, *one_layer())
     raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense or fp8")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,
-                   w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
-                   max_tile: int = 128, layer=None) -> jax.Array:
+                   w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *adapters: jax.Array, impl: str = "auto",
+                   max_tile: int = 128, layer=None, lora_scale: float = 1.0) -> jax.Array:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype.
-    Weights as in `grouped_expert_mlp` (a layer stack with `layer`)."""
+    Weights and adapters as in `grouped_expert_mlp` (a layer stack with `layer`)."""
     rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
-    y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD,
-                               impl=impl, max_tile=max_tile, layer=layer)
+    y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters,
+                               impl=impl, max_tile=max_tile, layer=layer, lora_scale=lora_scale)
     return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
 
 
 def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,
-                     w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *, impl: str = "auto",
-                     max_tile: int = 128) -> jax.Array:
+                     w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *adapters: jax.Array, impl: str = "auto",
+                     max_tile: int = 128, lora_scale: float = 1.0) -> jax.Array:
     """Expert-parallel receive side: row r through its local expert (one expert per row, K = 1).
 
     Rows with `valid_R` False are padding from the all-to-all. They sort after every expert's rows
     and belong to no group (excluded from the group sizes), so the grouped matmuls (`ragged_dot`,
     the fp8 kernel, the tile loop) never compute them; their outputs are zero. `auto`
     follows the platform the program is lowered for: the tiled loop on CPU, `ragged_dot` elsewhere.
+    `adapters`: the local experts' LoRA arrays, as in `grouped_expert_mlp`.
     """
+    _check_adapters(adapters, impl)
     e = w1_ExDxF.shape[0]
     rows = sort_by_expert(jnp.where(valid_R, expert_R, e)[:, None], e)  # padding: expert e, no group
     x_MxD = x_RxD[rows.token_M]
     weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    lora = {"lora_scale": lora_scale} if adapters else {}
 
     def tiled():
-        return _tiled_mlp(x_MxD, rows, *weights, max_tile)
+        return _tiled_mlp(x_MxD, rows, *weights, max_tile, None, adapters, lora_scale)
 
     def ragged():
-        return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights)
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights, *adapters, **lora)
 
     if impl == "auto":
         y_MxD = jax.lax.platform_dependent(cpu=tiled, default=ragged)
@@ -280,6 +355,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
         y_MxD = _fp8_mlp(x_MxD, rows.group_sizes_E, *weights)
     else:  # the dense reference computes every row, padding included (clamped to a real expert)
         clamped = rows._replace(expert_M=jnp.minimum(rows.expert_M, e - 1))
-        y_MxD = grouped_expert_mlp(x_MxD, clamped, *weights, impl=impl, max_tile=max_tile)
+        y_MxD = grouped_expert_mlp(x_MxD, clamped, *weights, *adapters, impl=impl, max_tile=max_tile,
+                                   lora_scale=lora_scale)
     y_RxD = jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD)
     return jnp.where(valid_R[:, None], y_RxD, 0)

@@ -90,11 +90,24 @@ def _flatten(x, w, contract: int):
     return x.reshape(-1, k), w.reshape(k, -1)
 
 
-def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bool = False) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bool = False,
+            lora: tuple[jax.Array, jax.Array, float] | None = None) -> jax.Array:
     """x [..., *w.shape[:contract]] . w -> [..., *w.shape[contract:]] in `compute_dtype`.
 
     The plain path is one einsum with fp32 accumulation; `fp8` routes through `fp8_matmul`.
+    `lora` (a [*w.shape[:contract], r], b [r, *w.shape[contract:]], scale) adds the low-rank
+    update scale * (x a) b (LoRA, Hu et al. 2021), computed through the same projection in the
+    compute dtype (never FP8: the adapters are small and trained in full precision).
     """
+    y = _project(x, w, contract, compute_dtype, fp8)
+    if lora is None:
+        return y
+    a, b, scale = lora
+    u = _project(x, a, contract, compute_dtype, False)
+    return (y + scale * _project(u, b, 1, compute_dtype, False)).astype(compute_dtype)
+
+
+def _project(x, w, contract, compute_dtype, fp8):
     batch, out = x.shape[: x.ndim - contract], w.shape[contract:]
     x, w = x.astype(compute_dtype), w.astype(compute_dtype)
     if fp8:

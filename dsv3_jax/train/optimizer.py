@@ -13,6 +13,9 @@ not a parameter at all (see `balancing`), so the optimizer never sees it.
 Moments: `moment_dtype` "bfloat16" stores AdamW's first and second moments in bf16, as the paper
 does (section 3.3.3); each update is computed in fp32 from the widened moments and only the
 stored state is rounded. Master weights and gradients stay fp32.
+
+Trainable subset: `trainable_mask` / `select` / `combine` give the optimizer only some parameters
+(LoRA adapters); the others are constants of the step, with no gradient and no moments.
 """
 
 from __future__ import annotations
@@ -132,3 +135,37 @@ def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransform
     return optax.chain(clip, scale_by_adam_stored_in(jnp.bfloat16, b1=opt.b1, b2=opt.b2, eps=opt.eps),
                        optax.add_decayed_weights(opt.weight_decay, mask),
                        optax.scale_by_learning_rate(lr))
+
+
+def trainable_mask(param_state: nnx.State, wrt=nnx.Param) -> dict:
+    """Pure dict of bools over the parameters, True for the variables of type `wrt` (all of them for
+    nnx.Param; for LoRA, `nnx.LoRAParam`: the adapters train and the base stays frozen)."""
+    mask = jax.tree.map(lambda v: isinstance(v, wrt), param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    mask = nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
+    if not any(jax.tree.leaves(mask)):
+        raise ValueError(f"no parameter of type {wrt.__name__} to train")
+    return mask
+
+
+def select(tree: dict, mask: dict | None) -> dict:
+    """The leaves of a pure dict where `mask` is True, as a nested dict of those only (None: all).
+    What the optimizer sees: its state holds moments for these leaves and no others."""
+    if mask is None:
+        return tree
+    out = {}
+    for key, m in mask.items():
+        if isinstance(m, dict):
+            sub = select(tree[key], m)
+            if sub:
+                out[key] = sub
+        elif m:
+            out[key] = tree[key]
+    return out
+
+
+def combine(tree: dict, part: dict) -> dict:
+    """`tree` with the leaves of `part` (a `select`ion of it) put in their places."""
+    out = dict(tree)
+    for key, value in part.items():
+        out[key] = combine(tree[key], value) if isinstance(value, dict) else value
+    return out

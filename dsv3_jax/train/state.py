@@ -38,12 +38,16 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return graphdef, params, biases
 
 
-def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int, trainable: dict | None = None
                      ) -> tuple[nnx.GraphDef, TrainState]:
+    """`trainable` (`optimizer.trainable_mask`, e.g. LoRA adapters only): the parameters the
+    optimizer holds state for; None: all of them."""
+    from dsv3_jax.train.optimizer import select
+
     graphdef, params, biases = split_model(model)
     params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
     zero = jnp.zeros((), jnp.int32)
-    state = TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(params),
+    state = TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(select(params, trainable)),
                        rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)
     # Fresh buffers for every leaf (the step donates its state and XLA refuses one buffer twice),
     # committed to the device like a restored state, so both lower to the same program.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dsv3_jax.train import balancing, losses
+from dsv3_jax.train import balancing, losses, optimizer
 from dsv3_jax.train.state import TrainState
 
 
@@ -40,28 +40,34 @@ def _dropped_fraction(*stats) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
                     mtp_weight: float, balance_weight: float, bias_update_speed: float,
-                    jit_kwargs: dict | None = None, donate: bool | None = None):
+                    jit_kwargs: dict | None = None, donate: bool | None = None, trainable: dict | None = None):
     """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU
     (`donate` None), or as `donate` says (a plan of a TPU step compiled on a CPU host).
 
     batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
     dropped), `dropped_fraction` ((token, expert) pairs past the expert capacity; 0 when dropless), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
+
+    `trainable` (`optimizer.trainable_mask`; None: all): only those parameters are differentiated
+    and updated (LoRA adapters); the rest enter the step as constants. `tx` and `state.opt_state`
+    cover the trainable ones only (`init_train_state(..., trainable)`).
     """
 
-    def loss_fn(params, biases, batch):
-        out = _forward(graphdef, params, biases, batch, with_mtp=True)
+    def loss_fn(train_params, all_params, biases, batch):
+        out = _forward(graphdef, optimizer.combine(all_params, train_params), biases, batch, with_mtp=True)
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
 
     def train_step(state: TrainState, batch: dict, bias_update_speed: jax.Array):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (parts, main_counts, mtp_counts, dropped)), grads = grad_fn(state.params, state.router_bias, batch)
+        train_params = optimizer.select(state.params, trainable)
+        (loss, (parts, main_counts, mtp_counts, dropped)), grads = grad_fn(train_params, state.params,
+                                                                           state.router_bias, batch)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, train_params)
+        params = optimizer.combine(state.params, optax.apply_updates(train_params, updates))
         biases = balancing.update_router_biases(state.router_bias, main_counts, mtp_counts, bias_update_speed)
 
         def guard(new, old):  # a non-finite step leaves every piece of state as it was

@@ -1,5 +1,7 @@
 """Shared pieces for the training tests: a test-sized model and a runner for the train CLI."""
 
+import json
+import os
 import sys
 
 import pytest
@@ -38,3 +40,20 @@ def train_env():
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+def read_records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+RESUME_FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, compile_cache):
+    """One STEPS-step run of the test-sized model (read only): the CLI tests' reference run and the
+    fine-tuning tests' pretrained model. (workdir, metrics records, stderr)."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_train(workdir, *RESUME_FLAGS, cache_dir=compile_cache)
+    return workdir, read_records(workdir), result.stderr

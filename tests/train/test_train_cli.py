@@ -1,6 +1,5 @@
 """End-to-end runs of `python -m experiments.train` in subprocesses (tiny model, a few steps)."""
 
-import json
 import os
 import random
 import signal
@@ -8,25 +7,11 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from tests.helpers import run_module
-from tests.train.conftest import REPO, STEPS, run_train, train_command, train_env
+from tests.train.conftest import REPO, RESUME_FLAGS, STEPS, read_records, run_train, train_command, train_env
 
-RESUME_FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
 COMPARED = ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr")
-
-
-def read_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, compile_cache):
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    result = run_train(workdir, *RESUME_FLAGS, cache_dir=compile_cache)
-    return workdir, read_records(workdir), result.stderr
 
 
 def test_metrics_file_has_the_documented_fields(uninterrupted):

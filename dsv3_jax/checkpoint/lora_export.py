@@ -1,0 +1,199 @@
+"""A LoRA run's weights out of its training folder: merged into the base (an HF folder like any
+run's), or the adapters alone as a PEFT LoRA folder for transformers' DeepseekV3.
+
+The run's config.json holds its `lora` section (rank, alpha); its step's train state holds each
+adapter beside its weight (`params/<path>_lora/a` [*batch, *in, r], `.../b` [*batch, r, *out]).
+Both exports read one [layer] slice at a time, like the base export.
+
+PEFT layout (peft.LoraModel, one nn.Linear [out, in] per HF module): `lora_A.weight` [r, in],
+`lora_B.weight` [out, r], update (lora_alpha / r) B A, keys
+`base_model.model.<module>.lora_A.weight`. Our a and b flatten their in/out axes in the order the
+HF weight does (the converter's reshape), so lora_A = a^T and lora_B = b^T after flattening.
+PEFT folders carry MLA adapters only: PEFT on transformers 5 maps DeepseekV3's gate_proj, up_proj
+and down_proj names to the fused routed experts, so MLP adapters export merged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from dsv3_jax.checkpoint import hf_names
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
+from dsv3_jax.model.lora import low_rank_delta
+
+ADAPTER = "_lora"
+
+
+def lora_section(run_dir: str) -> dict | None:
+    """The run's `lora` config section, or None for a run without adapters."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f).get("lora")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _adapter_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    return (*path[:-1], path[-1] + ADAPTER)
+
+
+class MergedParams:
+    """A run step's parameters with every adapter folded in: read(path, index) = W + s A B at that
+    slice (the reader of `orbax_to_hf.write_hf`)."""
+
+    def __init__(self, params, keys: set[tuple[str, ...]], scale: float):
+        self.params, self.keys, self.scale = params, keys, scale
+
+    def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
+        w = self.params.read(path, index)
+        ad = _adapter_path(path)
+        if ("params", *ad, "a") not in self.keys:
+            return w
+        a, b = self.params.read((*ad, "a"), index), self.params.read((*ad, "b"), index)
+        batch = a.ndim + b.ndim - 2 - w.ndim
+        return (w.astype(np.float32) + low_rank_delta(a, b, batch, self.scale)).astype(w.dtype)
+
+
+def merged_params(run, params):
+    """`params` (a `run_folder.StateParams`) merged with the run's adapters; as is without LoRA."""
+    section = lora_section(run.run_dir)
+    if section is None:
+        return params
+    return MergedParams(params, params.keys, section["alpha"] / section["rank"])
+
+
+def _adapted_leaves(cfg, keys):
+    for leaf in hf_names.leaves(cfg):
+        if ("params", *_adapter_path(leaf.path), "a") in keys:
+            yield leaf
+
+
+def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
+    """PEFT state dict of every adapter of the run; an error for adapters PEFT cannot express."""
+    out = {}
+    for leaf in _adapted_leaves(cfg, keys):
+        if hf_names.stacked_dims(leaf) == 2 or leaf.path[0] == "mtp":
+            raise CheckpointError(
+                f"the adapter on {'/'.join(leaf.path)} has no PEFT module in transformers' DeepseekV3 "
+                "(routed experts and MTP layers): export the merged model instead (without --adapter_only)")
+        if leaf.path[-2] != "attn":
+            raise CheckpointError(
+                f"the adapter on {'/'.join(leaf.path)} (an MLP gate/up/down_proj) would not load as such: on "
+                "transformers 5 PEFT reads DeepseekV3 adapters named gate_proj/up_proj/down_proj as the fused routed "
+                "experts' (peft 0.21 converts them to gate_up_proj). Export the merged model instead, or train "
+                "attention-only adapters (--config.lora.targets='(dense_layers|moe_layers)/attn/.*')")
+        ad = _adapter_path(leaf.path)
+        for index, names in hf_names.leaf_slices(leaf):
+            a, b = params.read((*ad, "a"), index), params.read((*ad, "b"), index)
+            module = "base_model.model." + names[0].removesuffix(".weight")
+            r = a.shape[-1]
+            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+    return out
+
+
+def peft_config(section: dict, modules: list[str], base: str | None) -> dict:
+    """adapter_config.json: the exact HF modules as a regex (PEFT full-matches a string)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": section["rank"], "lora_alpha": section["alpha"],
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base,
+            "target_modules": "|".join(re.escape(m) for m in modules), "modules_to_save": None}
+
+
+def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None = None) -> dict:
+    """PEFT folder `out` (adapter_config.json, adapter_model.safetensors) with the run's adapters."""
+    from safetensors.numpy import save_file
+
+    from dsv3_jax.checkpoint.run_folder import StateParams
+
+    section = lora_section(run.run_dir)
+    if section is None:
+        raise CheckpointError(f"{run.run_dir} is not a LoRA run (its config.json has no lora section)")
+    if os.path.exists(out) and not overwrite:
+        raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
+    params = StateParams(run)
+    tensors = peft_tensors(run.model_config(), params, params.keys)
+    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(section, modules, base), f, indent=2)
+    return {"out": out, "tensors": len(tensors), "modules": len(modules), "step": run.step}
+
+
+def load_adapted(path, dtype=None, **overrides):
+    """A LoRA run's model with its adapters unmerged (the model training ran): the base as
+    `run_folder.load_run` reads it, the run's adapters put on and filled from the step."""
+    from flax import nnx
+
+    from dsv3_jax.checkpoint.run_folder import StateParams, find, load_run
+    from dsv3_jax.model import lora
+
+    run = find(path)
+    section = None if run is None else lora_section(run.run_dir)
+    if section is None:
+        raise CheckpointError(f"{path} is not a LoRA training run (no run folder with a lora config section)")
+    model = load_run(run, dtype, **overrides)
+    fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts") if k in section}
+    lora.apply(model, lora.LoRAConfig(**fields))
+    params = StateParams(run)
+    for var_path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.LoRAParam):
+            var[...] = params.read(tuple(str(p) for p in var_path)).astype(var.dtype)
+    return model
+
+
+def is_peft_folder(path) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), "adapter_config.json"))
+
+
+def peft_lora_config(folder) -> dict:
+    """rank, alpha and the base model of a PEFT LoRA folder; an error for what we cannot load."""
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        meta = json.load(f)
+    if meta.get("peft_type") != "LORA":
+        raise CheckpointError(f"{folder}/adapter_config.json: peft_type {meta.get('peft_type')!r} is not LORA")
+    for field, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if meta.get(field, plain) != plain:
+            raise CheckpointError(f"{folder}/adapter_config.json: {field}={meta[field]!r} is not supported "
+                                  f"(plain LoRA only: {field}={plain!r})")
+    return {"rank": int(meta["r"]), "alpha": float(meta["lora_alpha"]), "base": meta.get("base_model_name_or_path")}
+
+
+def import_peft(model, folder) -> list[str]:
+    """Fills the adapters of `model` (put on by `lora.apply` with the folder's rank and alpha) from a
+    PEFT folder, one HF module at a time. Every adapter needs its module in the file and every
+    module of the file an adapter; returns the modules read."""
+    from flax import nnx
+    from safetensors import safe_open
+
+    from dsv3_jax.model import lora
+
+    nodes = {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)}
+    used = []
+    with safe_open(os.path.join(folder, "adapter_model.safetensors"), framework="numpy") as f:
+        keys = set(f.keys())
+        for leaf in hf_names.leaves(model.config):
+            owner = nodes.get(leaf.path[:-1])
+            ad = None if owner is None else lora.adapter(owner, leaf.path[-1])
+            if ad is None:
+                continue
+            a, b = np.array(ad.a[...]), np.array(ad.b[...])
+            for index, names in hf_names.leaf_slices(leaf):
+                module = "base_model.model." + names[0].removesuffix(".weight")
+                if f"{module}.lora_A.weight" not in keys:
+                    raise CheckpointError(f"{folder}: no {module}.lora_A.weight for the adapter on "
+                                          f"{'/'.join(leaf.path)}; check lora.targets against the folder's modules")
+                a[index] = f.get_tensor(f"{module}.lora_A.weight").T.reshape(a[index].shape)
+                b[index] = f.get_tensor(f"{module}.lora_B.weight").T.reshape(b[index].shape)
+                used.append(module)
+            ad.a[...], ad.b[...] = a, b
+    extra = {k.rsplit(".lora_", 1)[0] for k in keys} - set(used)
+    if extra:
+        raise CheckpointError(f"{folder} has adapters for modules the model's LoRA targets leave out: "
+                              f"{sorted(extra)[:4]}; widen lora.targets")
+    return used

@@ -1,0 +1,169 @@
+"""LoRA (Hu et al. 2021): a frozen projection W plus a trained low-rank update, y = x W + s (x A) B.
+
+A [*in, r] starts Gaussian (std 1/r, PEFT's "gaussian" init), B [r, *out] starts at zero, so an
+adapted model starts equal to its base; s = alpha / r. Adapters are `nnx.LoRAParam`s (a subclass
+of `nnx.Param`) on the module that owns W, in an `Adapter` named `<weight>_lora`; the module's own
+forward adds the update through the same ops (`ops.linear.project`, the expert dispatch), so there
+is one forward with or without adapters. Only LoRAParams reach the optimizer
+(`train.optimizer.trainable_mask`).
+
+Which weights can carry one is declared by their module (`LORA_TARGETS`: weight name -> number of
+leading input axes it contracts); `apply` puts adapters on those whose path ("moe_layers/attn/wq_a",
+"dense_layers/ffn/w1", "moe_layers/ffn/shared_experts/w2", routed experts "moe_layers/ffn/w1")
+fully matches `LoRAConfig.targets`. Leading `layers` and `expert` axes stay batch axes of A and B:
+every layer, and every routed expert, has its own adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax.model import params
+
+# Every projection of MLA (q_a, q_b or q, kv_a, kv_b, o), the dense MLPs and the shared experts;
+# routed experts ("moe_layers/ffn/w*") only with LoRAConfig.experts. MTP layers are left out.
+DEFAULT_TARGETS = r"(dense_layers|moe_layers)/(attn/(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn/(shared_experts/)?w[123])"
+_BATCH_AXES = (params.LAYERS, "expert")  # leading axes along which each slice has its own adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 8  # r, inner dimension of A [*in, r] and B [r, *out]
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    targets: str = DEFAULT_TARGETS  # regex fully matching the paths of the weights to adapt
+    experts: bool = False  # also adapt the routed experts (per-expert A, B inside the grouped matmul)
+    seed: int = 0  # draws of the A matrices
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        try:
+            re.compile(self.targets)
+        except re.error as e:
+            raise ValueError(f"lora.targets is not a valid regex ({e}): {self.targets!r}") from e
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Adapter(nnx.Module):
+    """A [*batch, *in, r] and B [*batch, r, *out] for a weight [*batch, *in, *out]."""
+
+    def __init__(self, weight: nnx.Variable, contract: int, cfg: LoRAConfig, rngs: nnx.Rngs):
+        axes = params.logical_axes(weight)
+        nb = _batch_rank(axes)
+        shape = weight.shape
+        a_shape, b_shape = (*shape[:nb + contract], cfg.rank), (*shape[:nb], cfg.rank, *shape[nb + contract:])
+        a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / cfg.rank
+        self.a = nnx.LoRAParam(a.astype(weight.dtype), logical_axes=(*axes[:nb + contract], None))
+        self.b = nnx.LoRAParam(jnp.zeros(b_shape, weight.dtype), logical_axes=(*axes[:nb], None, *axes[nb + contract:]))
+        self.scale, self.contract = cfg.scale, contract
+
+    def delta(self) -> jax.Array:
+        """s A B, the update in the weight's own shape (for merging and the absorbed MLA form).
+        The batch axes are counted on the arrays: a scan over layers removes the leading one."""
+        return low_rank_delta(self.a[...], self.b[...], self.a.ndim - self.contract - 1, self.scale, jnp)
+
+
+def low_rank_delta(a, b, batch_rank: int, scale: float, xp=np):
+    """scale * A B for A [*batch, *in, r], B [*batch, r, *out] -> [*batch, *in, *out] in fp32
+    (`xp`: numpy for the exporter's host slices, jax.numpy in the model)."""
+    lead, r = a.shape[:batch_rank], a.shape[-1]
+    nl = int(np.prod(lead, dtype=np.int64))
+    d = xp.einsum("Lir,Lro->Lio", a.reshape(nl, -1, r).astype(xp.float32), b.reshape(nl, r, -1).astype(xp.float32))
+    return (scale * d).reshape(*lead, *a.shape[batch_rank:-1], *b.shape[batch_rank + 1:])
+
+
+def _batch_rank(axes) -> int:
+    n = 0
+    while n < len(axes) and axes[n] in _BATCH_AXES:
+        n += 1
+    return n
+
+
+def adapter(module: nnx.Module, name: str) -> Adapter | None:
+    return getattr(module, f"{name}_lora", None)
+
+
+def pair(module: nnx.Module, name: str):
+    """(A, B, scale) of the adapter on `module.<name>`, or None: the `lora` argument of `project`."""
+    ad = adapter(module, name)
+    return None if ad is None else (ad.a[...], ad.b[...], ad.scale)
+
+
+def weight(module: nnx.Module, name: str) -> jax.Array:
+    """W, plus s A B where `name` carries an adapter: for uses that need the matrix itself."""
+    w, ad = getattr(module, name)[...], adapter(module, name)
+    return w if ad is None else (w.astype(jnp.float32) + ad.delta()).astype(w.dtype)
+
+
+def expert_arrays(moe: nnx.Module) -> tuple[tuple[jax.Array, ...], float]:
+    """The routed experts' (a1, b1, a3, b3, a2, b2) and scale, or ((), 1.0) without adapters."""
+    ads = [adapter(moe, n) for n in ("w1", "w3", "w2")]
+    if ads[0] is None:
+        return (), 1.0
+    return tuple(m[...] for ad in ads for m in (ad.a, ad.b)), ads[0].scale
+
+
+def _targets(model: nnx.Module, cfg: LoRAConfig):
+    """(path, module, weight name, contract) of every weight the config adapts."""
+    pattern = re.compile(cfg.targets)
+    for path, node in nnx.iter_graph(model):
+        for name, contract in getattr(type(node), "LORA_TARGETS", {}).items():
+            if not hasattr(node, name):
+                continue
+            where = "/".join(str(p) for p in (*path, name))
+            routed = "expert" in params.logical_axes(getattr(node, name))
+            if pattern.fullmatch(where) and (cfg.experts or not routed):
+                yield where, node, name, contract
+
+
+def apply(model: nnx.Module, cfg: LoRAConfig) -> list[str]:
+    """Puts a fresh adapter on every target weight of `model` (in place); returns their paths."""
+    rngs = nnx.Rngs(cfg.seed)
+    found = list(_targets(model, cfg))
+    if not found:
+        raise ValueError(f"lora.targets={cfg.targets!r} (experts={cfg.experts}) matches no weight of the model")
+    for _, node, name, contract in found:
+        if adapter(node, name) is not None:
+            raise ValueError(f"{name} already carries a LoRA adapter")
+        setattr(node, f"{name}_lora", Adapter(getattr(node, name), contract, cfg, rngs))
+    return [where for where, *_ in found]
+
+
+def _adapted(model: nnx.Module):
+    for path, node in list(nnx.iter_graph(model)):
+        for name in getattr(type(node), "LORA_TARGETS", {}):
+            if adapter(node, name) is not None:
+                yield "/".join(str(p) for p in (*path, name)), node, name
+
+
+def merge(model: nnx.Module) -> dict[str, Adapter]:
+    """W <- W + s A B for every adapter, which is taken off the model (now a plain base model of the
+    same forward). Returns the adapters by weight path, for `unmerge`."""
+    taken = {}
+    for where, node, name in list(_adapted(model)):
+        getattr(node, name)[...] = weight(node, name)
+        taken[where] = adapter(node, name)
+        delattr(node, f"{name}_lora")
+    return taken
+
+
+def unmerge(model: nnx.Module, adapters: dict[str, Adapter]) -> None:
+    """Inverse of `merge`: W <- W - s A B and the adapters back in place."""
+    nodes = {"/".join(str(p) for p in path): node for path, node in nnx.iter_graph(model)}
+    for where, ad in adapters.items():
+        owner, name = where.rsplit("/", 1)
+        node = nodes[owner]
+        w = getattr(node, name)
+        w[...] = (w[...].astype(jnp.float32) - ad.delta()).astype(w.dtype)
+        setattr(node, f"{name}_lora", ad)

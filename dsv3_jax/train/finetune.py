@@ -1,0 +1,52 @@
+"""Fine-tuning set-up for the trainer: LoRA adapters from `config.lora`, and `--init_from` a PEFT
+LoRA folder (its base model, then its adapters)."""
+
+from __future__ import annotations
+
+import os
+
+from absl import logging
+from flax import nnx
+
+from dsv3_jax.checkpoint import lora_export
+from dsv3_jax.model import lora
+from dsv3_jax.train import optimizer
+from dsv3_jax.train.state import split_model
+
+
+def base_of(init_from: str | None) -> str | None:
+    """What to load the weights from: the base model of a PEFT folder, else `init_from` itself."""
+    if not init_from or not lora_export.is_peft_folder(init_from):
+        return init_from
+    base = lora_export.peft_lora_config(init_from)["base"]
+    if not base or not os.path.exists(base):
+        raise ValueError(f"--init_from={init_from} is a PEFT adapter whose base_model_name_or_path ({base!r}) is "
+                         "no local folder; set it to the base model's HF folder (or a run of ours)")
+    return base
+
+
+def adapt(config, model: nnx.Module) -> dict | None:
+    """With a `config.lora` section: LoRA adapters on the model (in place; read from a PEFT
+    `--init_from`) and the mask of the parameters that train (the adapters). Without: None (every
+    parameter trains)."""
+    if "lora" not in config:
+        return None
+    fields = {k: v for k, v in config.lora.to_dict().items() if k != "train_router_bias"}
+    init_from = config.train.init_from
+    peft = init_from if init_from and lora_export.is_peft_folder(init_from) else None
+    if peft:  # the run's config (and so its export) must say what the adapter is
+        for field, value in lora_export.peft_lora_config(peft).items():
+            if field != "base" and value != fields[field]:
+                raise ValueError(f"config.lora.{field}={fields[field]} differs from the PEFT adapter's {value} "
+                                 f"({peft}/adapter_config.json); pass --config.lora.{field}={value}")
+    targets = lora.apply(model, lora.LoRAConfig(**fields))
+    logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
+    if peft:
+        logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))
+    return optimizer.trainable_mask(split_model(model)[1], nnx.LoRAParam)
+
+
+def bias_update_speed(config) -> float:
+    """gamma of the router-bias update: 0 in a LoRA run unless `lora.train_router_bias`."""
+    frozen = "lora" in config and not config.lora.train_router_bias
+    return 0.0 if frozen else config.balancing.bias_update_speed
