@@ -113,15 +113,42 @@ _POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl"
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
-    if config.train.init_from:
-        logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
-                     "implementation switches come from config.model", config.train.init_from)
-        policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
-        # On a mesh each process reads only the shards its devices hold, placed as training places them.
-        mesh = sharded.config_mesh(config)
-        return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
-                               rules=config.mesh.get("rules", "default"), **policy)
-    return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
+    """The weights of config.train.init_from, each parameter loaded shard by shard where it will live."""
+    logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
+                 "implementation switches come from config.model", config.train.init_from)
+    policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
+    # On a mesh each process reads only the shards its devices hold, placed as training places them.
+    mesh = sharded.config_mesh(config)
+    return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
+                           rules=config.mesh.get("rules", "default"), **policy)
+
+
+def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
+                train_iter):
+    """(graphdef, train state, MeshTraining or None): the state built abstractly, its shardings from
+    the rules (one device without a mesh), then made shard by shard: restored from `ckpt` (a resume;
+    `train_iter` moved to the saved position), from `model`'s weights (--init_from, loaded per
+    shard) or a fresh init under jit. No path holds a whole sharded leaf on one device or host."""
+    tc = config.train
+    def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
+        return DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
+
+    abstract_model = nnx.eval_shape(make_model)
+    _, params, _ = state_lib.split_model(abstract_model)
+    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
+    graphdef, abstract = state_lib.abstract_train_state(abstract_model, tx, tc.seed)
+    on_mesh = sharded.for_config(config, abstract_model, abstract)
+    if on_mesh is not None:
+        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
+    shardings = on_mesh.shardings if on_mesh is not None else state_lib.on_one_device(abstract)
+    if ckpt is not None:
+        state = ckpt.restore(checkpointing.abstract_like(abstract, shardings), train_iter)
+        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    elif model is not None:
+        state = state_lib.train_state_from(model, tx, tc.seed, shardings, donate=True)
+    else:
+        state = state_lib.fresh_train_state(make_model, tx, tc.seed, shardings)
+    return graphdef, tx, state, on_mesh
 
 
 def make_data(config, vocab_size: int):
@@ -171,31 +198,22 @@ def train(config) -> list[dict]:
                                       keep=tc.keep_checkpoints)
     model_json = os.path.join(workdir, "model_config.json")
     resume = ckpt.latest_step() is not None
+    model = None  # the loaded weights of --init_from; a fresh start and a resume build nothing yet
     if resume:  # the architecture of the run being resumed (it may have come from --init_from)
         with open(model_json) as f:
             cfg = ModelConfig.from_dict(json.load(f))
-        model = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
-    else:
+    elif config.train.init_from:
         model = build_model(config, model_config(config))
         cfg = model.config
-        if lead:
-            with open(model_json, "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2)
+    else:
+        cfg = model_config(config)
+    if lead and not resume:
+        with open(model_json, "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
-    graphdef, params, _ = state_lib.split_model(model)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
-    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, optimizer_lib.decay_mask(params))
-    graphdef, state = state_lib.init_train_state(model, tx, tc.seed)
-    # Mesh (config.mesh, sharding/): the state placed by the logical-axis rules before any restore,
-    # so a checkpoint restores straight into its shardings; None on a single device.
-    on_mesh = sharded.for_config(config, model, state)
-    if on_mesh is not None:
-        state = on_mesh.place_state(state)
-        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
-    del model, params
-    if resume:
-        state = ckpt.restore(checkpointing.abstract_like(state), train_iter)
-        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    graphdef, tx, state, on_mesh = start_state(config, cfg, model, ckpt if resume else None, train_iter)
+    del model
     start = int(state.step)
 
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,

@@ -10,7 +10,6 @@ batch rows its devices own (`process_rows`) and `global_batch` assembles the glo
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import numpy as np
@@ -55,17 +54,3 @@ def global_batch(local: dict, sharding: Sharding, global_rows: int) -> dict:
     """Global arrays [global_rows, ...] from this process's rows (`process_rows` of each array)."""
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_rows,) + np.shape(v)[1:])
             for k, v in local.items()}
-
-
-def put_replicated_source(tree: Any, shardings: Any) -> Any:
-    """Places host values that every process holds in full (e.g. a freshly initialised state) with
-    `shardings`, each process writing only its own devices' shards. Works for one process too.
-    Leaves that are already global arrays (e.g. loaded straight onto the mesh) are kept, or
-    resharded on the devices, never gathered to a host."""
-    def put(x, s):
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-            return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-
-    return jax.tree.map(put, tree, shardings)

@@ -55,10 +55,13 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_like(tree):
-    """ShapeDtypeStructs of a pytree of arrays (a restore target that allocates nothing)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+def abstract_like(tree, shardings=None):
+    """ShapeDtypeStructs of a pytree of arrays or ShapeDtypeStructs, each in its sharding from
+    `shardings` (default: the leaf's own): a restore target that allocates nothing, each device
+    reading only its own shards."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 class SigtermFlag:
