@@ -16,6 +16,13 @@ Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ 
 checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
 checkpoint (parameters, optimizer, router biases, step, RNG and data position), so a killed run
 continues exactly. SIGTERM saves a checkpoint and exits.
+
+The run's architecture is fixed once it exists: a resume takes it from WORKDIR/model_config.json,
+and --init_from from the checkpoint; asking for another value of a field that says what the model
+is (shapes, vocabulary, layers, experts, MTP depth) on resume stops with exit code 2 naming it. The
+fields that say how to run it (dtypes, kernels, capacity factor, exchange, remat, pipeline; see
+dsv3_jax/train/run_config.py) always come from the command line, and a change is logged.
+WORKDIR/config.json and model_config.json record what runs.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ if __name__ == "__main__":  # before jax allocates anything: huge pages for the 
 import json  # noqa: E402 (after the restart above)
 import logging as std_logging
 import os
+import sys
 import time
 
 import jax
@@ -41,7 +49,7 @@ from sharding import multihost
 from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained
 from dsv3_jax.data import DataConfig, load_tokenizer, make_train_and_eval
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
-from dsv3_jax.train import sharded, state as state_lib, step as step_lib
+from dsv3_jax.train import run_config, sharded, state as state_lib, step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
@@ -73,7 +81,11 @@ def main(argv):
         if _INIT_FROM.value is not None:
             config.train.init_from = _INIT_FROM.value
     _quiet_library_logs()
-    train(config)
+    try:
+        train(config)
+    except run_config.ModelChanged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(next_steps(os.path.relpath(config.train.workdir)), flush=True)
 
 
@@ -108,19 +120,38 @@ def model_config(config) -> ModelConfig:
     return ModelConfig.from_dict(config.model.to_dict())
 
 
-# Fields of config.model that say how to run a model rather than what it is.
-_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul", "remat")
+def resolve_model(config, workdir: str, resume: bool) -> tuple[ModelConfig, DeepSeekV3 | None]:
+    """(the model config that runs, the --init_from weights or None); see dsv3_jax/train/run_config.py.
+
+    A resume keeps the run's architecture (model_config.json; another one asked for is a ModelChanged)
+    and applies config.model's run fields, logging each change. --init_from loads the checkpoint's
+    architecture with config.model's run fields."""
+    requested = model_config(config)
+    if resume:
+        with open(os.path.join(workdir, "model_config.json")) as f:
+            record = ModelConfig.from_dict(json.load(f))
+        cfg = run_config.for_resume(record, requested, from_checkpoint=bool(config.train.init_from))
+        for line in run_config.log_lines(record, cfg, "the run's model_config.json"):
+            logging.warning("resume with a changed run field: %s", line)
+        return cfg, None
+    if config.train.init_from:
+        model = build_model(config, requested)
+        for name, asked, used in run_config.differences(requested, model.config, run_config.MODEL_FIELDS):
+            logging.info("config.model.%s=%r ignored: %s has %s=%r", name, asked, config.train.init_from, name, used)
+        return model.config, model
+    return requested, None
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
-    """The weights of config.train.init_from, each parameter loaded shard by shard where it will live."""
-    logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
-                 "implementation switches come from config.model", config.train.init_from)
-    policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
+    """The weights of config.train.init_from, each parameter loaded shard by shard where it will live,
+    under the checkpoint's architecture and `cfg`'s run fields (dtypes, kernels, exchange, ...)."""
+    logging.info("initialising from %s: its architecture replaces config.model; the run fields (%s) come "
+                 "from config.model", config.train.init_from, ", ".join(run_config.RUN_FIELDS))
+    run = run_config.run_fields(cfg)
     # On a mesh each process reads only the shards its devices hold, placed as training places them.
     mesh = sharded.config_mesh(config)
-    return load_pretrained(config.train.init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
-                           rules=config.mesh.get("rules", "default"), **policy)
+    return load_pretrained(config.train.init_from, dtype=run.pop("param_dtype"), mesh=mesh if mesh.size > 1 else None,
+                           rules=config.mesh.get("rules", "default"), **run)
 
 
 def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
@@ -191,24 +222,16 @@ def train(config) -> list[dict]:
     workdir = os.path.abspath(tc.workdir)
     os.makedirs(workdir, exist_ok=True)
     lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
-    if lead:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint_every,
                                       keep=tc.keep_checkpoints)
-    model_json = os.path.join(workdir, "model_config.json")
     resume = ckpt.latest_step() is not None
-    model = None  # the loaded weights of --init_from; a fresh start and a resume build nothing yet
-    if resume:  # the architecture of the run being resumed (it may have come from --init_from)
-        with open(model_json) as f:
-            cfg = ModelConfig.from_dict(json.load(f))
-    elif config.train.init_from:
-        model = build_model(config, model_config(config))
-        cfg = model.config
-    else:
-        cfg = model_config(config)
-    if lead and not resume:
-        with open(model_json, "w") as f:
+    cfg, model = resolve_model(config, workdir, resume)
+    if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
+        record = json.loads(config.to_json_best_effort())
+        record["model"] = cfg.to_dict()
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(record, f, indent=2)
+        with open(os.path.join(workdir, "model_config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
