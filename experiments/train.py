@@ -15,7 +15,8 @@ is then the rows per process; process 0 writes the metrics.
 Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ and Orbax
 checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
 checkpoint (parameters, optimizer, router biases, step, RNG and data position), so a killed run
-continues exactly. SIGTERM saves a checkpoint and exits.
+continues exactly. SIGTERM (to one process or several, at any moment) makes every process save a
+checkpoint at one agreed step and exit 0.
 
 The run's architecture is fixed once it exists: a resume takes it from WORKDIR/model_config.json,
 and --init_from from the checkpoint; asking for another value of a field that says what the model
@@ -268,7 +269,7 @@ def train(config) -> list[dict]:
     progress = metrics_lib.Progress(start, tc.steps)
     records, window_start, t_window = [], start, time.perf_counter()
     try:
-        with checkpointing.SigtermFlag() as sigterm:
+        with checkpointing.Preemption() as preemption:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 state, m = train_step(state, next(train_iter))
@@ -284,8 +285,9 @@ def train(config) -> list[dict]:
                     writer.write(record)
                     records.append(record)
                     window_start, t_window = step, time.perf_counter()
-                ckpt.save(step, state, train_iter, force=step == tc.steps or sigterm.requested)
-                if sigterm.requested:
+                stop = preemption.reached(step)  # the same step on every process
+                ckpt.save(step, state, train_iter, force=step == tc.steps or stop)
+                if stop:
                     logging.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
                     break
             if previous is not None:

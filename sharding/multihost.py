@@ -4,7 +4,8 @@ One process per host (or per GPU), all running the same program: `initialize` jo
 `jax.distributed` (coordinator address, process count and id from the arguments, else from
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from the cluster's own
 environment: TPU pods, SLURM, Open MPI are detected by jax). Each process then loads only the
-batch rows its devices own (`process_rows`) and `global_batch` assembles the global array.
+batch rows its devices own (`process_rows`) and `global_batch` assembles the global array; a
+pre-emption notice on any process becomes one step at which all of them stop (`reached_preemption`).
 """
 
 from __future__ import annotations
@@ -54,3 +55,15 @@ def global_batch(local: dict, sharding: Sharding, global_rows: int) -> dict:
     """Global arrays [global_rows, ...] from this process's rows (`process_rows` of each array)."""
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_rows,) + np.shape(v)[1:])
             for k, v in local.items()}
+
+
+def reached_preemption(step: int) -> bool:
+    """True, on every process at the same `step`, once any process got SIGTERM (a pre-emption notice).
+
+    JAX's preemption sync manager (started by `jax.distributed.initialize`) catches the signal; the
+    coordination service spreads the notice, and the processes agree on the largest step any of
+    them has reached, plus one. Every process must call this after every step, with the same
+    increasing step numbers. False without jax.distributed (one process)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
