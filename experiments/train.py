@@ -157,11 +157,12 @@ def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
 
 def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
                 train_iter):
-    """(graphdef, train state, MeshTraining or None): the state built abstractly, its shardings from
+    """(graphdef, optimizer, train state, MeshTraining or None): the state built abstractly, its shardings from
     the rules (one device without a mesh), then made shard by shard: restored from `ckpt` (a resume;
     `train_iter` moved to the saved position), from `model`'s weights (--init_from, loaded per
     shard) or a fresh init under jit. No path holds a whole sharded leaf on one device or host."""
     tc = config.train
+
     def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
         return DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
 
@@ -237,7 +238,7 @@ def train(config) -> list[dict]:
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     graphdef, tx, state, on_mesh = start_state(config, cfg, model, ckpt if resume else None, train_iter)
-    del model
+    del model  # its weights now live in the state (donated)
     start = int(state.step)
 
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
