@@ -231,10 +231,8 @@ def train(config) -> list[dict]:
     if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
         record = json.loads(config.to_json_best_effort())
         record["model"] = cfg.to_dict()
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(record, f, indent=2)
-        with open(os.path.join(workdir, "model_config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+        _write_json(os.path.join(workdir, "config.json"), record)
+        _write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     graphdef, tx, state, on_mesh = start_state(config, cfg, model, ckpt if resume else None, train_iter)
@@ -297,6 +295,14 @@ def train(config) -> list[dict]:
         ckpt.close()
         writer.close()
     return records
+
+
+def _write_json(path: str, obj) -> None:
+    """Replaces `path` in one step: the other processes of a resumed run read model_config.json while
+    process 0 rewrites it, and must see the old file or the new one, never a truncated one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):
