@@ -205,6 +205,13 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     """
     path = os.fspath(path)
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
+        from dsv3_jax.checkpoint import lora_export
+
+        if lora_export.lora_section(run.run_dir) is not None:  # a LoRA run: its base with its adapters
+            if mesh is not None:
+                raise CheckpointError(f"{path} is a LoRA run, which loads on one device; for a mesh export it "
+                                      f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
+            return lora_export.load_adapted(path, dtype, **config_overrides)
         return load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
         return load_orbax(path, dtype, mesh=mesh, rules=rules, **config_overrides)
