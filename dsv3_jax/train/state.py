@@ -101,8 +101,11 @@ def train_state_from(model: nnx.Module, tx: optax.GradientTransformation, seed: 
     """Step 0 from a model whose weights are already placed (e.g. `load_pretrained(mesh=...)`): the
     optimizer state is initialised under jit in `shardings`, every leaf a fresh buffer (the step
     donates its state). `donate`: the model's weights are consumed (their buffers reused), so the
-    weights are never held twice."""
+    weights are never held twice. A weight not yet where `shardings` puts it (LoRA adapters made
+    after the load) is moved there first, so a donated buffer always has its output's shape."""
     _, params, biases = _pure(model)
+    if donate:
+        params, biases = jax.device_put((params, biases), (shardings.params, shardings.router_bias))
     make = jax.jit(lambda p, b: _state_of(p, b, tx, seed, trainable), out_shardings=shardings,
                    donate_argnums=(0, 1) if donate else ())
     return make(params, biases)
