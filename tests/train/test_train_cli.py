@@ -1,5 +1,6 @@
 """End-to-end runs of `python -m experiments.train` in subprocesses (tiny model, a few steps)."""
 
+import json
 import os
 import random
 import shutil
