@@ -1,6 +1,6 @@
 """One line per fine-tuning run: what it cost and what it changed, measured on its own files.
 
-    python -m experiments.bench.finetune_report --runs=runs/sft[,runs/lora,...]
+    python -m experiments.finetune_report --runs=runs/sft[,runs/lora,...]
 
 For each run folder (its latest checkpoint and metrics.jsonl):
   trainable   parameters the optimizer updates: the elements of Adam's first moments (`mu`) in the
