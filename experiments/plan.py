@@ -15,7 +15,11 @@ exchange buffers, dropless the worst case of P x the device's rows, with
 this host, in the lowered program and in the count: the 671B TPU plan lowers the ragged all to
 all and `ragged_dot`.
 
-`--check_compiled` compiles the step for this host's devices instead (e.g. 8 fake CPU devices)
+The fresh init of the train state (`dsv3_jax/train/state.py:fresh_init` under jit with the state's
+shardings, as `experiments.train` runs it) is lowered too, and its outputs' bytes per device are
+printed: each device initialises only its own shards.
+
+`--check_compiled` compiles the init and the step for this host's devices instead (e.g. 8 fake CPU devices)
 and prints XLA's own per-device figure beside the plan's total: `memory_analysis()` arguments +
 outputs - aliased (the donated state, counted once) + temporaries.
 
@@ -48,7 +52,7 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Devices of the planned mesh; d
                                 "mesh sizes (all must be set), or this machine's device count.")
 _MODEL = flags.DEFINE_enum("model", "config", ["config", "deepseek_v3", "tiny"],
                            "Architecture: config.model, or a ModelConfig preset (671B / tiny).")
-_LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step for the abstract mesh.")
+_LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step (with --check_compiled: compile it).")
 _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.")
 _CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this host's devices (the mesh must "
                               "use them all) and compare memory_analysis() with the plan.")
@@ -103,15 +107,8 @@ def num_devices(sizes: dict[str, int], opts: Options) -> int:
 def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     """(abstract model with metadata, graphdef, TrainState of ShapeDtypeStructs); allocates nothing."""
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(seed)))
-    box = {}
-
-    def build():
-        graphdef, state = state_lib.init_train_state(DeepSeekV3(cfg, rngs=nnx.Rngs(seed)), tx, seed)
-        box["graphdef"] = graphdef
-        return state
-
-    state = jax.eval_shape(build)
-    return model, box["graphdef"], state
+    graphdef, state = state_lib.abstract_train_state(model, tx, seed)
+    return model, graphdef, state
 
 
 def plan(config, opts: Options = Options()) -> dict:
@@ -154,8 +151,9 @@ def plan(config, opts: Options = Options()) -> dict:
 
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
                 stack_tokens // micro)
+    init_compiled = report_init(cfg, tx, config.train.seed, shardings, mesh, n, opts)
     lowered_s, compiled = None, None
-    if opts.lower or opts.check_compiled:
+    if opts.lower:
         t0 = time.perf_counter()
         lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config, opts)
         lowered_s = time.perf_counter() - t0
@@ -175,7 +173,8 @@ def plan(config, opts: Options = Options()) -> dict:
                   f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
                   f"plan total / compiled = {total / compiled:.3f}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
-            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled}
+            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled,
+            "state_bytes": params_b + bias_b + opt_b, "init_compiled_bytes": init_compiled}
 
 
 def _experts_split(state, shardings, mesh) -> bool:
@@ -218,6 +217,32 @@ def _decay_mask_for(cfg: ModelConfig):
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
     _, params, _ = state_lib.split_model(model)
     return optimizer_lib.decay_mask(params)
+
+
+def report_init(cfg: ModelConfig, tx, seed: int, shardings, mesh, n: int, opts: Options) -> int | None:
+    """Lowers the fresh init (`state_lib.fresh_init` under jit with the state's shardings, what
+    `experiments.train` runs) and prints the bytes per device of its outputs, read from the lowered
+    program; with --check_compiled also compiles it and prints XLA's memory_analysis() (returned)."""
+    jitted = jax.jit(state_lib.fresh_init(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(seed)), tx, seed),
+                     out_shardings=shardings)
+    t0 = time.perf_counter()
+    if opts.check_compiled:
+        with jax.set_mesh(mesh):
+            lowered = jitted.trace().lower()
+    else:
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = jitted.trace().lower(lowering_platforms=(opts.platform,))
+    outputs = jax.tree.leaves(lowered.out_info)
+    out_b = sharded.per_device_bytes(outputs, [x.sharding for x in outputs])
+    print(f"train state init lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}"
+          f"{n}-device mesh in {time.perf_counter() - t0:.1f}s: its outputs per device {out_b / GiB:.3f} GiB "
+          f"(each device initialises only its shards)")
+    if not opts.check_compiled:
+        return None
+    m = lowered.compile().memory_analysis()
+    print(f"init compiled on this host, memory_analysis() per device: outputs {m.output_size_in_bytes / GiB:.3f} GiB "
+          f"+ temporaries {m.temp_size_in_bytes / GiB:.3f} GiB")
+    return m.output_size_in_bytes + m.temp_size_in_bytes
 
 
 def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch: int, seq: int, config,

@@ -22,7 +22,15 @@ template that cannot mark assistant turns: one line naming it, exit code 2.
 Writes WORKDIR/metrics.jsonl (one object per logged step), WORKDIR/tensorboard/ and Orbax
 checkpoints in WORKDIR/checkpoints. Started again with the same command it resumes from the last
 checkpoint (parameters, optimizer, router biases, step, RNG and data position), so a killed run
-continues exactly. SIGTERM saves a checkpoint and exits.
+continues exactly. SIGTERM (to one process or several, at any moment) makes every process save a
+checkpoint at one agreed step and exit 0.
+
+The run's architecture is fixed once it exists: a resume takes it from WORKDIR/model_config.json,
+and --init_from from the checkpoint; asking for another value of a field that says what the model
+is (shapes, vocabulary, layers, experts, MTP depth) on resume stops with exit code 2 naming it. The
+fields that say how to run it (dtypes, kernels, capacity factor, exchange, remat, pipeline; see
+dsv3_jax/train/run_config.py) always come from the command line, and a change is logged.
+WORKDIR/config.json and model_config.json record what runs.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from dsv3_jax import DeepSeekV3, ModelConfig, load_pretrained, paths
 from dsv3_jax.data import DataConfig, DataError, load_tokenizer, make_dataset, make_train_and_eval
 from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
-from dsv3_jax.train import finetune, sharded, state as state_lib, step as step_lib
+from dsv3_jax.train import finetune, run_config, sharded, state as state_lib, step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
@@ -84,8 +92,8 @@ def main(argv):
     _quiet_library_logs()
     try:
         train(config)
-    except (DataError, ChatTemplateError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, ChatTemplateError, run_config.ModelChanged) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(next_steps(paths.display(paths.resolve(config.train.workdir))), flush=True)
 
@@ -122,21 +130,74 @@ def model_config(config) -> ModelConfig:
     return ModelConfig.from_dict(config.model.to_dict())
 
 
-# Fields of config.model that say how to run a model rather than what it is.
-_POLICY_FIELDS = ("compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul", "remat")
+def resolve_model(config, workdir: str, resume: bool) -> tuple[ModelConfig, DeepSeekV3 | None]:
+    """(the model config that runs, the --init_from weights or None); see dsv3_jax/train/run_config.py.
+
+    A resume keeps the run's architecture (model_config.json; another one asked for is a ModelChanged)
+    and applies config.model's run fields, logging each change. --init_from loads the checkpoint's
+    architecture with config.model's run fields."""
+    requested = model_config(config)
+    if resume:
+        record = ModelConfig.from_dict(json.loads(paths.at(paths.join(workdir, "model_config.json")).read_text()))
+        cfg = run_config.for_resume(record, requested, from_checkpoint=bool(config.train.init_from))
+        for line in run_config.log_lines(record, cfg, "the run's model_config.json"):
+            logging.warning("resume with a changed run field: %s", line)
+        return cfg, None
+    if config.train.init_from:
+        model = build_model(config, requested)
+        for name, asked, used in run_config.differences(requested, model.config, run_config.MODEL_FIELDS):
+            logging.info("config.model.%s=%r ignored: %s has %s=%r", name, asked, config.train.init_from, name, used)
+        return model.config, model
+    return requested, None
 
 
 def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
+    """The weights of config.train.init_from, each parameter loaded shard by shard where it will live,
+    under the checkpoint's architecture and `cfg`'s run fields (dtypes, kernels, exchange, ...)."""
     init_from = finetune.base_of(config.train.init_from)  # a PEFT folder: its base (adapters: finetune.adapt)
-    if init_from:
-        logging.info("initialising from %s: its architecture replaces config.model; dtypes and "
-                     "implementation switches come from config.model", init_from)
-        policy = {k: getattr(cfg, k) for k in _POLICY_FIELDS}
-        # On a mesh each process reads only the shards its devices hold, placed as training places them.
-        mesh = sharded.config_mesh(config)
-        return load_pretrained(init_from, dtype=cfg.param_dtype, mesh=mesh if mesh.size > 1 else None,
-                               rules=config.mesh.get("rules", "default"), **policy)
-    return DeepSeekV3(cfg, rngs=nnx.Rngs(config.train.seed))
+    logging.info("initialising from %s: its architecture replaces config.model; the run fields (%s) come "
+                 "from config.model", init_from, ", ".join(run_config.RUN_FIELDS))
+    run = run_config.run_fields(cfg)
+    # On a mesh each process reads only the shards its devices hold, placed as training places them.
+    mesh = sharded.config_mesh(config)
+    return load_pretrained(init_from, dtype=run.pop("param_dtype"), mesh=mesh if mesh.size > 1 else None,
+                           rules=config.mesh.get("rules", "default"), **run)
+
+
+def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
+                train_iter):
+    """(graphdef, optimizer, train state, MeshTraining or None, trainable mask or None): the state built
+    abstractly, its shardings from the rules (one device without a mesh), then made shard by shard:
+    restored from `ckpt` (a resume; `train_iter` moved to the saved position), from `model`'s weights
+    (--init_from, loaded per shard) or a fresh init under jit. No path holds a whole sharded leaf on
+    one device or host. With `config.lora` the model carries adapters and only they train."""
+    tc = config.train
+
+    def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
+        fresh = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
+        finetune.adapt(config, fresh, read_peft=False)
+        return fresh
+
+    abstract_model = nnx.eval_shape(make_model)
+    trainable = finetune.adapt(config, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))),
+                               read_peft=False)  # the mask only: same adapters, so same tree
+    _, params, _ = state_lib.split_model(abstract_model)
+    decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
+    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
+    graphdef, abstract = state_lib.abstract_train_state(abstract_model, tx, tc.seed, trainable)
+    on_mesh = sharded.for_config(config, abstract_model, abstract)
+    if on_mesh is not None:
+        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
+    shardings = on_mesh.shardings if on_mesh is not None else state_lib.on_one_device(abstract)
+    if ckpt is not None:
+        state = ckpt.restore(checkpointing.abstract_like(abstract, shardings), train_iter)
+        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    elif model is not None:
+        finetune.adapt(config, model)  # LoRA: adapters on the loaded weights (a PEFT --init_from: read)
+        state = state_lib.train_state_from(model, tx, tc.seed, shardings, donate=True, trainable=trainable)
+    else:
+        state = state_lib.fresh_train_state(make_model, tx, tc.seed, shardings, trainable)
+    return graphdef, tx, state, on_mesh, trainable
 
 
 def make_data(config, vocab_size: int):
@@ -200,38 +261,20 @@ def train(config) -> list[dict]:
     workdir = paths.resolve(tc.workdir)  # a local folder or a URL (gs://bucket/run): dsv3_jax/paths.py
     paths.makedirs(workdir)
     lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
-    if lead:
-        paths.at(paths.join(workdir, "config.json")).write_text(config.to_json_best_effort(indent=2))
     ckpt = checkpointing.Checkpointer(paths.join(workdir, "checkpoints"), every=tc.checkpoint_every,
                                       keep=tc.keep_checkpoints)
-    model_json = paths.at(paths.join(workdir, "model_config.json"))
     resume = ckpt.latest_step() is not None
-    if resume:  # the architecture of the run being resumed (it may have come from --init_from)
-        cfg = ModelConfig.from_dict(json.loads(model_json.read_text()))
-        model = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
-    else:
-        model = build_model(config, model_config(config))
-        cfg = model.config
-        if lead:
-            model_json.write_text(json.dumps(cfg.to_dict(), indent=2))
+    cfg, model = resolve_model(config, workdir, resume)
+    if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
+        record = json.loads(config.to_json_best_effort())
+        record["model"] = cfg.to_dict()
+        _write_json(paths.join(workdir, "config.json"), record)
+        _write_json(paths.join(workdir, "model_config.json"), cfg.to_dict())
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     pretrain_eval_ds = make_pretrain_eval(config)
-    trainable = finetune.adapt(config, model)  # None, or LoRA: the adapters alone train
-    graphdef, params, _ = state_lib.split_model(model)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
-    decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
-    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
-    graphdef, state = state_lib.init_train_state(model, tx, tc.seed, trainable)
-    # Mesh (config.mesh, sharding/): the state placed by the logical-axis rules before any restore,
-    # so a checkpoint restores straight into its shardings; None on a single device.
-    on_mesh = sharded.for_config(config, model, state)
-    if on_mesh is not None:
-        state = on_mesh.place_state(state)
-        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
-    del model, params
-    if resume:
-        state = ckpt.restore(checkpointing.abstract_like(state), train_iter)
-        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    graphdef, tx, state, on_mesh, trainable = start_state(config, cfg, model, ckpt if resume else None, train_iter)
+    del model  # its weights now live in the state (donated)
     start = int(state.step)
 
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
@@ -267,7 +310,7 @@ def train(config) -> list[dict]:
             records.append(_evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches))
             writer.write(records[-1])
         t_window = time.perf_counter()
-        with checkpointing.SigtermFlag() as sigterm:
+        with checkpointing.Preemption() as preemption:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 state, m = train_step(state, next(train_iter))
@@ -286,8 +329,9 @@ def train(config) -> list[dict]:
                     writer.write(record)
                     records.append(record)
                     window_start, t_window = step, time.perf_counter()
-                ckpt.save(step, state, train_iter, force=step == tc.steps or sigterm.requested)
-                if sigterm.requested:
+                stop = preemption.reached(step)  # the same step on every process
+                ckpt.save(step, state, train_iter, force=step == tc.steps or stop)
+                if stop:
                     logging.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
                     break
             if previous is not None:
@@ -296,6 +340,19 @@ def train(config) -> list[dict]:
         ckpt.close()
         writer.close()
     return records
+
+
+def _write_json(path: str, obj) -> None:
+    """Replaces `path` in one step: the other processes of a resumed run read model_config.json while
+    process 0 rewrites it, and must see the old file or the new one, never a truncated one (an
+    object store's writes are whole objects already)."""
+    text = json.dumps(obj, indent=2)
+    if paths.is_url(path):
+        paths.write_text(path, text)
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):

@@ -4,13 +4,13 @@ One process per host (or per GPU), all running the same program: `initialize` jo
 `jax.distributed` (coordinator address, process count and id from the arguments, else from
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from the cluster's own
 environment: TPU pods, SLURM, Open MPI are detected by jax). Each process then loads only the
-batch rows its devices own (`process_rows`) and `global_batch` assembles the global array.
+batch rows its devices own (`process_rows`) and `global_batch` assembles the global array; a
+pre-emption notice on any process becomes one step at which all of them stop (`reached_preemption`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import numpy as np
@@ -57,15 +57,13 @@ def global_batch(local: dict, sharding: Sharding, global_rows: int) -> dict:
             for k, v in local.items()}
 
 
-def put_replicated_source(tree: Any, shardings: Any) -> Any:
-    """Places host values that every process holds in full (e.g. a freshly initialised state) with
-    `shardings`, each process writing only its own devices' shards. Works for one process too.
-    Leaves that are already global arrays (e.g. loaded straight onto the mesh) are kept, or
-    resharded on the devices, never gathered to a host."""
-    def put(x, s):
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-            return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+def reached_preemption(step: int) -> bool:
+    """True, on every process at the same `step`, once any process got SIGTERM (a pre-emption notice).
 
-    return jax.tree.map(put, tree, shardings)
+    JAX's preemption sync manager (started by `jax.distributed.initialize`) catches the signal; the
+    coordination service spreads the notice, and the processes agree on the largest step any of
+    them has reached, plus one. Every process must call this after every step, with the same
+    increasing step numbers. False without jax.distributed (one process)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)

@@ -126,14 +126,20 @@ class HFReader:
         """(copy, main) pairs present: each MTP layer may store the embedding and head again."""
         return [(c, m) for c, m in hf_names.mtp_shared_copies(cfg) if c in self.ckpt]
 
-    def compare_mtp_copies(self, cfg: ModelConfig, progress: Callable[[int], None] = lambda n: None) -> bool:
+    def compare_mtp_copies(self, cfg: ModelConfig, progress: Callable[[int], None] = lambda n: None,
+                           part: tuple[int, int] = (0, 1)) -> bool:
         """Warns where an MTP copy differs from the main tensor (the model uses the main one),
-        comparing row blocks. Returns whether the folder has copies."""
+        comparing row blocks. `part` = (i, n): only the i-th of n equal row ranges is compared (each
+        of n processes compares its own, so none reads a whole embedding or head). Returns whether
+        the folder has copies."""
         pairs = self.mtp_copies(cfg)
         for copy, main in pairs:
             shape = self.ckpt.header(main)[0]
+            share = -(-shape[0] // part[1])
+            first, last = min(shape[0], part[0] * share), min(shape[0], (part[0] + 1) * share)
             same = True
-            for r0, r1 in row_blocks(shape[0], math.prod(shape[1:]) * 4, COMPARE_BLOCK_BYTES):
+            for r0, r1 in row_blocks(last - first, math.prod(shape[1:]) * 4, COMPARE_BLOCK_BYTES):
+                r0, r1 = first + r0, first + r1
                 a = self.window(copy, slice(r0, r1))
                 b = self.window(main, slice(r0, r1))
                 same = same and np.array_equal(a, b)

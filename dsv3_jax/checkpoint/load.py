@@ -30,7 +30,7 @@ from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3
-from dsv3_jax.model.params import logical_axes
+from dsv3_jax.model.params import RouterBias, logical_axes
 
 FP8_BLOCK = fp8.BLOCK
 dequantize_fp8 = fp8.dequantize
@@ -90,30 +90,58 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
         window = reader.leaf_window(leaf, target)
         var.set_value(build_array(var.shape, target, place(leaf.path, var),
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
-    reader.compare_mtp_copies(cfg)
+    reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
     return model
+
+
+def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[ModelConfig, DeepSeekV3]:
+    """(config, abstract model) of a stored config with the caller's dtype and overrides: `dtype`
+    sets the parameters' dtype (the compute dtype follows unless overridden)."""
+    if dtype is not None:
+        config_overrides = {"compute_dtype": jnp.dtype(dtype).name, **config_overrides,
+                            "param_dtype": jnp.dtype(dtype).name}
+    cfg = cfg.replace(**config_overrides)
+    return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+
+
+def restore_variables(item_dir: str, variables: dict, keys: dict, place) -> None:
+    """Orbax restore of the arrays `keys` names ({variable path: key path in the item at `item_dir`}),
+    each straight into `place(path, var)`'s sharding (a process reads only its devices' shards),
+    set into `variables` (the abstract model's). One path for converted checkpoints and runs."""
+    import orbax.checkpoint as ocp
+
+    target: dict = {}
+    for p, key in keys.items():
+        var = variables[p]
+        node = target
+        for k in key[:-1]:
+            node = node.setdefault(k, {})
+        node[key[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        try:
+            restored = ckptr.restore(item_dir, ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"{item_dir} does not hold this model's parameters ({e})") from None
+    by_key = {tuple(k.key for k in keypath): value
+              for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    for p, key in keys.items():
+        variables[p].set_value(by_key[key])
 
 
 def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
                **config_overrides) -> DeepSeekV3:
     """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`)."""
-    import orbax.checkpoint as ocp
-
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
-    cfg = ModelConfig.from_dict(meta["model"])
-    pdtype = np.dtype(jnp.dtype(dtype if dtype is not None else cfg.param_dtype))
-    if dtype is not None:
-        config_overrides.setdefault("compute_dtype", pdtype.name)
-    cfg = cfg.replace(param_dtype=pdtype.name, **config_overrides)
-    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
     variables = _variables(model)
     place = placement(mesh, rules)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     params_dir = paths.join(path, orbax_layout.PARAMS)
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     stored_keys = orbax_layout.item_keys(path, orbax_layout.PARAMS)
-    target: dict = {}
+    keys = {}
     for p, var in variables.items():
         key = ".".join(p)
         if key in fp8_leaves:
@@ -125,17 +153,20 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
         if shape != tuple(var.shape):
             raise CheckpointError(f"parameter {key} in {params_dir} has shape {shape}, the config needs "
                                   f"{tuple(var.shape)}")
-        node = target
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        restored = ckptr.restore(params_dir, ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-    for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
-        variables[tuple(k.key for k in keypath)].set_value(value)
+        keys[p] = p
+    restore_variables(params_dir, variables, keys, place)
     if fp8_leaves:
         _restore_fp8(path, cfg, variables, fp8_leaves, place)
+    return model
+
+
+def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides) -> DeepSeekV3:
+    """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
+    step's train state (`params/...`, `router_bias/...`) like a converted checkpoint's `params`."""
+    _, model = _abstract_model(run.model_config(), dtype, config_overrides)
+    variables = _variables(model)
+    keys = {p: ("router_bias" if isinstance(var, RouterBias) else "params",) + p for p, var in variables.items()}
+    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules))
     return model
 
 
@@ -174,7 +205,14 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     """
     path = os.fspath(path)
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
-        return run_folder.load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
+        from dsv3_jax.checkpoint import lora_export
+
+        if lora_export.lora_section(run.run_dir) is not None:  # a LoRA run: its base with its adapters
+            if mesh is not None:
+                raise CheckpointError(f"{path} is a LoRA run, which loads on one device; for a mesh export it "
+                                      f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
+            return lora_export.load_adapted(path, dtype, **config_overrides)
+        return load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
         return load_orbax(path, dtype, mesh=mesh, rules=rules, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):

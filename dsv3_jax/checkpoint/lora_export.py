@@ -127,10 +127,11 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
 
 def load_adapted(path, dtype=None, **overrides):
     """A LoRA run's model with its adapters unmerged (the model training ran): the base as
-    `run_folder.load_run` reads it, the run's adapters put on and filled from the step."""
+    `load.load_run` reads it, the run's adapters put on and filled from the step."""
     from flax import nnx
 
-    from dsv3_jax.checkpoint.run_folder import StateParams, find, load_run
+    from dsv3_jax.checkpoint.load import load_run
+    from dsv3_jax.checkpoint.run_folder import StateParams, find
     from dsv3_jax.model import lora
 
     run = find(path)

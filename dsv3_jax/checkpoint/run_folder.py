@@ -5,8 +5,9 @@ Layout written by `python -m experiments.train --workdir=RUN`:
   RUN/model_config.json        the architecture (ModelConfig.to_dict)
   RUN/config.json              the run's config (data.tokenizer: None = the bundled tokenizer)
   RUN/checkpoints/<step>/state the TrainState (params, router_bias, optimizer state, ...)
-`RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. Only the
-parameters and router biases are read, each straight into its target sharding. RUN may be a URL
+`RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. `load.load_run`
+restores its parameters and router biases (the one restore path, `load.restore_variables`), each
+straight into its target sharding; `StateParams` reads slices for the HF export. RUN may be a URL
 (`gs://bucket/run`, dsv3_jax/paths.py), as the trainer writes it.
 """
 
@@ -16,10 +17,7 @@ import json
 import os
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dsv3_jax import paths
 from dsv3_jax.checkpoint import orbax_layout
@@ -83,39 +81,6 @@ def find(path: str | os.PathLike) -> RunStep | None:
         raise CheckpointError(f"{path} is not a complete checkpoint; the run {run_dir} has steps {steps}")
     step = steps[-1] if step is None else step
     return RunStep(run_dir, step, paths.join(run_dir, "checkpoints", str(step)), _tokenizer(run_dir))
-
-
-def load_run(run: RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides):
-    """`DeepSeekV3` with the step's parameters and router biases (see `load_pretrained`)."""
-    import orbax.checkpoint as ocp
-
-    from dsv3_jax.checkpoint.load import _variables, placement
-    from dsv3_jax.model import DeepSeekV3
-    from dsv3_jax.model.params import RouterBias
-
-    cfg = run.model_config()
-    if dtype is not None:
-        config_overrides.setdefault("compute_dtype", jnp.dtype(dtype).name)
-        config_overrides["param_dtype"] = jnp.dtype(dtype).name
-    cfg = cfg.replace(**config_overrides)
-    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    variables, place = _variables(model), placement(mesh, rules)
-    target: dict = {}
-    for p, var in variables.items():
-        node = target.setdefault("router_bias" if isinstance(var, RouterBias) else "params", {})
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        try:
-            restored = ckptr.restore(paths.join(run.step_dir, "state"), ocp.args.PyTreeRestore(
-                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(f"{run.step_dir}/state does not hold this run's parameters ({e})") from None
-    for kind in ("params", "router_bias"):
-        for keypath, value in jax.tree_util.tree_flatten_with_path(restored.get(kind, {}))[0]:
-            variables[tuple(k.key for k in keypath)].set_value(value)
-    return model
 
 
 class StateParams:

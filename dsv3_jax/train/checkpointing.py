@@ -6,8 +6,8 @@ position), so a restore resumes at exactly the next batch. Saves are asynchronou
 continues while the previous checkpoint is written; a crash mid-write leaves only an unfinished
 temporary folder, which Orbax ignores, so the last complete checkpoint is what a restart finds.
 
-`SigtermFlag` turns SIGTERM (pre-emption) into a flag the loop checks after each step, so the
-run saves a final checkpoint and exits cleanly instead of dying mid-step.
+`Preemption` turns SIGTERM (pre-emption) into a step, agreed by all processes, at which the run
+saves a final checkpoint and exits cleanly instead of dying mid-step (or hanging in a collective).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from dsv3_jax import paths
+from sharding import multihost
 from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
 
@@ -56,26 +57,44 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_like(tree):
-    """ShapeDtypeStructs of a pytree of arrays (a restore target that allocates nothing)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+def abstract_like(tree, shardings=None):
+    """ShapeDtypeStructs of a pytree of arrays or ShapeDtypeStructs, each in its sharding from
+    `shardings` (default: the leaf's own): a restore target that allocates nothing, each device
+    reading only its own shards."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-class SigtermFlag:
-    """Context manager: while active, SIGTERM sets `requested` instead of killing the process."""
+class Preemption:
+    """Context manager: SIGTERM (pre-emption) becomes a step at which every process saves and stops.
+
+    `reached(step)`, called by every process after each step, is True at the same step on all of them:
+    - one process: the step after SIGTERM arrived (a Python handler sets a flag);
+    - several (jax.distributed): JAX's preemption sync manager, started by `jax.distributed.initialize`,
+      catches SIGTERM on whichever process gets it; the coordination service tells the others and
+      they agree on the largest step any of them has reached, plus one
+      (`sharding.multihost.reached_preemption`). So hosts signalled at different steps, or only one
+      of them, all enter the collective save at the same step instead of hanging in the next step.
+    """
 
     def __init__(self):
-        self.requested = False
+        self._requested = False
         self._previous = None
+        self._multi = jax.process_count() > 1
 
     def _handler(self, signum, frame):
-        self.requested = True
+        self._requested = True
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGTERM, self._handler)
+        if not self._multi:  # several processes: JAX's own SIGTERM handler feeds the sync manager
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
         return self
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self._previous)
+        if not self._multi:
+            signal.signal(signal.SIGTERM, self._previous)
         return False
+
+    def reached(self, step: int) -> bool:
+        return multihost.reached_preemption(step) if self._multi else self._requested

@@ -25,10 +25,10 @@ def base_of(init_from: str | None) -> str | None:
     return base
 
 
-def adapt(config, model: nnx.Module) -> dict | None:
+def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
     """With a `config.lora` section: LoRA adapters on the model (in place; read from a PEFT
-    `--init_from`) and the mask of the parameters that train (the adapters). Without: None (every
-    parameter trains)."""
+    `--init_from` when `read_peft`, not on an abstract model) and the mask of the parameters that
+    train (the adapters). Without: None (every parameter trains)."""
     if "lora" not in config:
         return None
     fields = {k: v for k, v in config.lora.to_dict().items() if k != "train_router_bias"}
@@ -41,7 +41,7 @@ def adapt(config, model: nnx.Module) -> dict | None:
                                  f"({peft}/adapter_config.json); pass --config.lora.{field}={value}")
     targets = lora.apply(model, lora.LoRAConfig(**fields))
     logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
-    if peft:
+    if peft and read_peft:
         logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))
     return optimizer.trainable_mask(split_model(model)[1], nnx.LoRAParam)
 

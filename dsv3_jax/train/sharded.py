@@ -6,8 +6,9 @@ counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `
 (data x fsdp x expert by default).
 
     mesh = sharding.make_mesh(config.mesh)
-    shardings = train_state_shardings(model, state, mesh, rules)
-    state = jax.device_put(state, shardings)
+    model, graphdef, abstract = state_lib.abstract_train_state(make_model, tx, seed)
+    shardings = train_state_shardings(model, abstract, mesh, rules)
+    state = state_lib.fresh_train_state(make_model, tx, seed, shardings)  # each device: its shards
     step = make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **loss_kwargs)
     state, metrics = step(state, place_batch(batch, mesh, rules))
 """
@@ -111,9 +112,6 @@ class MeshTraining(NamedTuple):
     rules: dict
     shardings: state_lib.TrainState
 
-    def place_state(self, state: state_lib.TrainState) -> state_lib.TrainState:
-        return multihost.put_replicated_source(state, self.shardings)
-
     def place_batch(self, batch: dict) -> dict:
         """This process's rows (config.data.batch_size of them) -> the global batch on the mesh."""
         rows = next(iter(batch.values())).shape[0] * jax.process_count()
@@ -144,7 +142,8 @@ def config_mesh(config) -> jax.sharding.Mesh:
 
 def for_config(config, model: nnx.Module, state: state_lib.TrainState) -> MeshTraining | None:
     """The `mesh` section of a training config (sizes per axis, one may be -1; `rules` preset) on
-    all devices; None when the mesh is a single device (the plain jit step is used then)."""
+    all devices; None when the mesh is a single device (the plain jit step is used then). `model`
+    and `state` may be abstract (`state_lib.abstract_train_state`): only shapes and axes are read."""
     mesh = config_mesh(config)
     if mesh.size == 1:
         return None

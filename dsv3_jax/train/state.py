@@ -4,9 +4,17 @@ The model is split once into a static graph definition and pure dicts of arrays:
 (nnx.Param, seen by the optimizer) and `router_bias` (RouterBias, moved by the balancing rule).
 A step merges them back into a `DeepSeekV3` inside jit, so placing these dicts with shardings is
 all a mesh needs.
+
+A run's state is built abstractly first (`abstract_train_state`: shapes only, nothing allocated),
+its shardings are derived from that (dsv3_jax/train/sharded.py), and only then is it made:
+`fresh_train_state` runs the whole init (model, optimizer) under `jax.jit(out_shardings=...)`, so
+each device computes and holds only its own shard; `train_state_from` does the same for weights
+already loaded shard by shard (`--init_from`); a resume restores into the abstract state.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import flax.struct
 import jax
@@ -38,25 +46,80 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return graphdef, params, biases
 
 
-def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int, trainable: dict | None = None
-                     ) -> tuple[nnx.GraphDef, TrainState]:
-    """`trainable` (`optimizer.trainable_mask`, e.g. LoRA adapters only): the parameters the
-    optimizer holds state for; None: all of them."""
+def _state_of(params: dict, biases: dict, tx: optax.GradientTransformation, seed: int,
+              trainable: dict | None = None) -> TrainState:
+    """Step 0 of a run whose weights are `params` / `biases` (pure dicts). `trainable`
+    (`optimizer.trainable_mask`, e.g. LoRA adapters only): the parameters the optimizer holds state
+    for; None: all of them."""
     from dsv3_jax.train.optimizer import select
 
-    graphdef, params, biases = split_model(model)
-    params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
     zero = jnp.zeros((), jnp.int32)
-    state = TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(select(params, trainable)),
-                       rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)
-    # Fresh buffers for every leaf (the step donates its state and XLA refuses one buffer twice),
-    # committed to the device like a restored state, so both lower to the same program.
-    # Leaves already spread over a mesh (parameters loaded with `load_pretrained(mesh=...)`) stay there.
-    # Under tracing (eval_shape in experiments.plan) there is no placement to keep.
-    def fresh(x):
-        x = jnp.array(x)
-        if isinstance(x, jax.core.Tracer) or len(x.sharding.device_set) > 1:
-            return x
-        return jax.device_put(x, jax.local_devices()[0])
+    return TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(select(params, trainable)),
+                      rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)
 
-    return graphdef, jax.tree.map(fresh, state)
+
+def _pure(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict]:
+    graphdef, params, biases = split_model(model)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+
+
+def abstract_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int,
+                         trainable: dict | None = None) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, TrainState of ShapeDtypeStructs) of a run's step 0 for `model`, which may be
+    abstract (`nnx.eval_shape(make_model)`, whose variables keep their logical-axis metadata for the
+    shardings); allocates nothing."""
+    graphdef, params, biases = _pure(model)
+    return graphdef, jax.eval_shape(lambda p, b: _state_of(p, b, tx, seed, trainable), params, biases)
+
+
+# The init runs once and is random draws and elementwise maths, which XLA:CPU optimises slowly (an
+# N-D threefry takes ~3x a flat one): its cheapest code generation compiles it in a third of the time.
+_CHEAP_CPU_CODE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fresh_init(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, seed: int,
+               trainable: dict | None = None) -> Callable[[], TrainState]:
+    """The function that builds a new run's step 0 (the model from `make_model`, then the optimizer
+    state), to be run under `jax.jit(out_shardings=...)` or lowered (experiments.plan)."""
+    def init():
+        _, params, biases = _pure(make_model())
+        return _state_of(params, biases, tx, seed, trainable)
+
+    return init
+
+
+def fresh_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, seed: int,
+                      shardings: TrainState, trainable: dict | None = None) -> TrainState:
+    """A new run's state, initialised under jit straight into `shardings`: each device computes only
+    its own shard of every parameter and moment (the RNG draws are the same as on one device)."""
+    cheap = _CHEAP_CPU_CODE if jax.default_backend() == "cpu" else None
+    return jax.jit(fresh_init(make_model, tx, seed, trainable), out_shardings=shardings, compiler_options=cheap)()
+
+
+def train_state_from(model: nnx.Module, tx: optax.GradientTransformation, seed: int,
+                     shardings: TrainState, *, donate: bool = False, trainable: dict | None = None) -> TrainState:
+    """Step 0 from a model whose weights are already placed (e.g. `load_pretrained(mesh=...)`): the
+    optimizer state is initialised under jit in `shardings`, every leaf a fresh buffer (the step
+    donates its state). `donate`: the model's weights are consumed (their buffers reused), so the
+    weights are never held twice. A weight not yet where `shardings` puts it (LoRA adapters made
+    after the load) is moved there first, so a donated buffer always has its output's shape."""
+    _, params, biases = _pure(model)
+    if donate:
+        params, biases = jax.device_put((params, biases), (shardings.params, shardings.router_bias))
+    make = jax.jit(lambda p, b: _state_of(p, b, tx, seed, trainable), out_shardings=shardings,
+                   donate_argnums=(0, 1) if donate else ())
+    return make(params, biases)
+
+
+def on_one_device(abstract: TrainState) -> TrainState:
+    """Shardings of a state on this process's first device (a run without a mesh)."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: device, abstract)
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int, trainable: dict | None = None
+                     ) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, step 0) of an already built model, on this process's first device (tests, benches)."""
+    graphdef, params, biases = _pure(model)
+    abstract = jax.eval_shape(lambda p, b: _state_of(p, b, tx, seed, trainable), params, biases)
+    return graphdef, train_state_from(model, tx, seed, on_one_device(abstract), trainable=trainable)

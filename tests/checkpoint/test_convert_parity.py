@@ -105,3 +105,15 @@ def test_mtp_copy_mismatch_warns(hf_folders, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert convert("--hf-dir", folder, "--out", tmp_path / "ckpt") == 0
     assert "model.layers.3.embed_tokens.weight" in caplog.text and "differs" in caplog.text
+    # Per process: each of 2 processes compares half the rows; only the one holding row 0 sees it.
+    from dsv3_jax.checkpoint.hf_reader import HFReader
+
+    whole = HFReader(folder)
+    whole.compare_mtp_copies(whole.config())
+    for part, warns in (((0, 2), True), ((1, 2), False)):
+        caplog.clear()
+        reader = HFReader(folder)
+        with caplog.at_level("WARNING"):
+            reader.compare_mtp_copies(reader.config(), part=part)
+        assert ("differs" in caplog.text) == warns, part
+        assert 2 * reader.bytes_read == whole.bytes_read

@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.request
 
+import openai
 import pytest
 
 from tests.helpers import free_port
@@ -48,3 +49,31 @@ def server(served_checkpoint, tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The official OpenAI client on the shared server."""
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model(server):
+    """The served model's name, as requests give it."""
+    return server[1]
+
+
+@pytest.fixture(scope="session")
+def tok(served_checkpoint):
+    """The served checkpoint's tokenizer."""
+    from dsv3_jax.serving import ChatTokenizer, tokenizer_file
+
+    return ChatTokenizer(tokenizer_file(str(served_checkpoint), None)).tokenizer
+
+
+@pytest.fixture(scope="session")
+def ref(served_checkpoint):
+    """The served checkpoint's own full forward (fp32, no cache): the log-probability reference."""
+    from tests.serving.reference import full_forward
+
+    return full_forward(served_checkpoint, MAX_SEQ_LEN)

@@ -7,13 +7,11 @@ Nothing is downloaded: the hub and datasets run offline with an empty HF_HOME, s
 only be the server's (the model name is no hub id either)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from tests.serving.conftest import MAX_SEQ_LEN
-from tests.serving.reference import full_forward
 
 TOL = 1e-4
 QUESTIONS = [
@@ -80,18 +78,6 @@ def evaluation(server, tmp_path_factory):
             tasks=["served_mc", "served_rolling"], task_manager=TaskManager(include_path=str(folder),
                                                                             include_defaults=False),
             batch_size=4, log_samples=True)
-
-
-@pytest.fixture(scope="module")
-def tok(served_checkpoint):
-    from dsv3_jax.serving import ChatTokenizer, tokenizer_file
-
-    return ChatTokenizer(tokenizer_file(str(served_checkpoint), None)).tokenizer
-
-
-@pytest.fixture(scope="module")
-def ref(served_checkpoint):
-    return full_forward(served_checkpoint, MAX_SEQ_LEN)
 
 
 def test_multiple_choice_loglikelihoods_and_accuracy(evaluation, tok, ref):

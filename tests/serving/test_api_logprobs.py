@@ -5,33 +5,10 @@ import numpy as np
 import openai
 import pytest
 
-from dsv3_jax.serving import ChatTokenizer, tokenizer_file
-from tests.serving.conftest import MAX_SEQ_LEN
-from tests.serving.reference import full_forward
 
 TOL = 1e-4
 PROMPT_IDS = [[17, 300, 5, 999, 42, 7, 1500, 64, 3, 88, 12, 401, 77, 1024, 9, 250, 31, 600, 2000, 11, 5, 8],
               [1, 90, 91, 92]]  # the first longer than a prefill chunk (16), the second starts with BOS
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server[1]
-
-
-@pytest.fixture(scope="module")
-def tok(served_checkpoint):
-    return ChatTokenizer(tokenizer_file(str(served_checkpoint), None)).tokenizer
-
-
-@pytest.fixture(scope="module")
-def ref(served_checkpoint):
-    return full_forward(served_checkpoint, MAX_SEQ_LEN)
 
 
 def _top_values(row: np.ndarray, k: int) -> np.ndarray:

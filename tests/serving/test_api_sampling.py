@@ -9,31 +9,14 @@ import urllib.parse
 
 import jax
 import numpy as np
-import openai
 import pytest
 
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
 from dsv3_jax.inference.sampling import RowSampling, penalized_logits
-from tests.serving.conftest import MAX_SEQ_LEN
-from tests.serving.reference import full_forward, log_softmax
+from tests.serving.reference import log_softmax
 
 TOL = 1e-4
 PROMPT = [5, 17, 300, 5, 999, 42, 7, 5, 64, 3]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server[1]
-
-
-@pytest.fixture(scope="module")
-def ref(served_checkpoint):
-    return full_forward(served_checkpoint, MAX_SEQ_LEN)
 
 
 def numpy_penalties(logits, prompt, output, p: Penalties):

@@ -15,16 +15,6 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server[1]
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer(served_checkpoint):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(served_checkpoint))

@@ -17,16 +17,6 @@ PROMPT = "Once upon a time there was a fox"
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server[1]
-
-
-@pytest.fixture(scope="module")
 def chat_tokenizer(served_checkpoint):
     return ChatTokenizer(tokenizer_file(str(served_checkpoint), None))
 

@@ -17,10 +17,12 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = fake_device_flags(devices, fast_compile=True)
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import sharding  # noqa: E402
 from sharding import multihost  # noqa: E402
-from dsv3_jax.train import sharded  # noqa: E402
+from dsv3_jax import DeepSeekV3  # noqa: E402
+from dsv3_jax.train import sharded, state as state_lib  # noqa: E402
 from tests.sharding import parity_worker as pw  # noqa: E402
 
 MESH = {"data": 2, "fsdp": 2, "expert": 2}
@@ -30,11 +32,17 @@ def main(port: int, num_processes: int, process_id: int):
     if num_processes > 1:
         assert multihost.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 8 // num_processes
-    cfg, model, graphdef, tx, schedule, state = pw.setup()
+    cfg, _, _, tx, schedule, _ = pw.setup()
     batches = pw.make_batches(cfg.vocab_size, pw.STEPS)
     mesh = sharding.make_mesh(MESH)
-    shardings = sharded.train_state_shardings(model, state, mesh)
-    state = multihost.put_replicated_source(state, shardings)
+
+    def make_model():
+        return DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+
+    model = nnx.eval_shape(make_model)
+    graphdef, abstract = state_lib.abstract_train_state(model, tx, 0)
+    shardings = sharded.train_state_shardings(model, abstract, mesh)
+    state = state_lib.fresh_train_state(make_model, tx, 0, shardings)  # each process: its devices' shards
     step = sharded.make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **pw.LOSS_KW)
     row_sharding = sharded.batch_sharding(mesh)
     curve = []

@@ -1,9 +1,11 @@
 """Two `python -m experiments.train` processes (4 fake CPU devices each, jax.distributed on
 127.0.0.1), started with the commands experiments.launch.local gives them, train like one process
-with 8 devices, and resume together after both are killed (issue 12, acceptance 6)."""
+with 8 devices; SIGTERM to one of them, and then to both at different moments, makes both save the
+same step and exit 0, and the restarts continue the single process's loss curve exactly."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from tests.sharding import workers
 from tests.sharding.parity_worker import FAST_COMPILE
 from tests.sharding.test_train_cli import OVERRIDES
 
-STEPS = 4
+STEPS = 8
 MESH = ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=4"]
 COMMON = [f for f in OVERRIDES if not f.startswith(("--steps", "--config.data.batch_size", "--config.train.checkpoint_every"))]
 COMMON += [f"--steps={STEPS}", "--config.train.checkpoint_every=2", *MESH]
@@ -35,13 +37,36 @@ def _curve(workdir) -> list[tuple[int, float]]:
         return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
-def _start_pair(workdir, logs):
+def _start_pair(workdir, tmp_path, tag):
     cmds = local.commands(2, [f"--workdir={workdir}", *COMMON, "--config.data.batch_size=4"], port=free_port())
     assert [c.env["JAX_PROCESS_ID"] for c in cmds] == ["0", "1"]
-    return local.start(cmds, _env(4), cwd=workers.REPO, stdout=subprocess.DEVNULL, stderr=logs)
+    logs = [tmp_path / f"{tag}.{i}.log" for i in range(2)]
+    procs = [local.start([c], _env(4), cwd=workers.REPO, stdout=subprocess.DEVNULL, stderr=open(log, "w"))[0]
+             for c, log in zip(cmds, logs)]
+    return procs, logs
 
 
-def test_two_processes_train_like_eight_devices_and_resume_after_kill(tmp_path):
+def _wait_for_step(workdir, step, procs, logs):
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        assert all(p.poll() is None for p in procs), "".join(log.read_text()[-2000:] for log in logs)
+        if os.path.exists(workdir / "metrics.jsonl") and any(s >= step for s, _ in _curve(workdir)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} within the deadline")
+
+
+def _stopped_at(procs, logs) -> int:
+    """The step both processes saved and stopped at (each says so in its log), after exit code 0."""
+    codes = [p.wait(timeout=900) for p in procs]
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts[0][-2000:] + texts[1][-2000:]
+    steps = [re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", t) for t in texts]
+    assert len(steps[0]) == 1 and steps[0] == steps[1], steps
+    return int(steps[0][0])
+
+
+def test_two_processes_train_like_eight_devices_stop_together_and_resume(tmp_path):
     one = tmp_path / "one"
     run = workers.run([sys.executable, "-m", "experiments.train", f"--workdir={one}", *COMMON,
                        "--config.data.batch_size=8"], _env(8), timeout=900)
@@ -50,24 +75,23 @@ def test_two_processes_train_like_eight_devices_and_resume_after_kill(tmp_path):
     assert [s for s, _ in reference] == list(range(1, STEPS + 1))
 
     two = tmp_path / "two"
-    with open(tmp_path / "first.log", "w") as log:
-        procs = _start_pair(two, log)
-        deadline = time.time() + 900
-        while not os.path.isdir(two / "checkpoints" / "2") and time.time() < deadline:
-            assert all(p.poll() is None for p in procs), (tmp_path / "first.log").read_text()[-3000:]
-            time.sleep(0.2)
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    assert all(p.returncode == -signal.SIGKILL for p in procs)
-    assert max(s for s, _ in _curve(two)) < STEPS, "both processes finished before they were killed"
+    procs, logs = _start_pair(two, tmp_path, "first")  # SIGTERM to process 1 only
+    _wait_for_step(two, 1, procs, logs)
+    procs[1].send_signal(signal.SIGTERM)
+    first = _stopped_at(procs, logs)
+    assert 1 < first < STEPS and os.path.isdir(two / "checkpoints" / str(first))
 
-    with open(tmp_path / "second.log", "w") as log:
-        procs = _start_pair(two, log)
-        codes = [p.wait(timeout=900) for p in procs]
-    text = (tmp_path / "second.log").read_text()
-    assert codes == [0, 0], text[-3000:]
-    assert "resumed from" in text
+    procs, logs = _start_pair(two, tmp_path, "second")  # SIGTERM to both, one after the other
+    _wait_for_step(two, first + 1, procs, logs)
+    procs[0].send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    if procs[1].poll() is None:
+        procs[1].send_signal(signal.SIGTERM)
+    second = _stopped_at(procs, logs)
+    assert "resumed from" in logs[0].read_text() and first < second <= STEPS
+
+    procs, logs = _start_pair(two, tmp_path, "third")
+    assert [p.wait(timeout=900) for p in procs] == [0, 0], logs[0].read_text()[-3000:]
     resumed = _curve(two)
     assert [s for s, _ in resumed] == list(range(1, STEPS + 1))
     assert [v for _, v in resumed] == pytest.approx([v for _, v in reference], rel=1e-5)

@@ -40,6 +40,11 @@ def test_671b_lowers_on_an_abstract_256_device_mesh():
     # tensors (attention, dense layers, embeddings: ~5% of the bytes) cost the rest.
     assert 682.64e9 * 4 / 256 / GiB <= params < 1.5 * 682.64e9 * 4 / 256 / GiB
     assert abs(moments - 2 * params) < 0.01  # mu and nu follow their parameters
+    # The fresh init, lowered with the state's shardings: each device's outputs are its shards of the
+    # parameters and moments (the router biases and counters are a few KiB), not a whole leaf.
+    init = float(re.search(r"train state init lowered \(tpu\) for the abstract 256-device mesh in [0-9.]+s: "
+                           r"its outputs per device ([0-9.]+) GiB", text).group(1))
+    assert abs(init - (params + moments)) < 0.01
 
 
 def test_671b_fits_a_95_gib_chip_with_flash_attention():

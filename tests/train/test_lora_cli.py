@@ -56,13 +56,13 @@ def test_lora_run_trains_the_adapters_and_leaves_the_base(pretrained, lora_run):
     tokens are too few for a margin a test could hold.)"""
     from flax import nnx
 
-    from dsv3_jax.checkpoint import lora_export
+    from dsv3_jax import load_pretrained
     from dsv3_jax.checkpoint.run_folder import StateParams, find
 
     workdir, records, stderr = lora_run
     assert [r["step"] for r in records] == list(range(1, LORA_STEPS + 1))
     assert "LoRA rank 8 on 19 weights" in stderr  # 5 MLA x 2 layers, dense MLP 3, shared 3, routed experts 3
-    model = lora_export.load_adapted(workdir, dtype="float32")
+    model = load_pretrained(workdir, dtype="float32")  # what generate and serve load: base + adapters
     bs = [v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam) and p[-1] == "b"]
     assert len(bs) == 19 and all(np.any(np.asarray(b[...]) != 0) for b in bs)
     before, after = StateParams(find(pretrained)), StateParams(find(workdir))

@@ -1,7 +1,9 @@
 """End-to-end runs of `python -m experiments.train` in subprocesses (tiny model, a few steps)."""
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -102,6 +104,43 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, compile_cache, u
     assert stopped_at < STEPS and "SIGTERM" in stderr
     saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
     assert saved[-1] == stopped_at  # saved at the step it stopped, on the 2-step interval or not
+
+
+def _resumable_copy(uninterrupted, tmp_path, keep_step: int):
+    """The finished run copied, its checkpoints after `keep_step` removed: a run to resume there."""
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted[0], workdir)
+    for step in os.listdir(workdir / "checkpoints"):
+        if step.isdigit() and int(step) > keep_step:
+            shutil.rmtree(workdir / "checkpoints" / step)
+    return workdir
+
+
+def test_resume_with_a_changed_model_field_stops_naming_it(tmp_path, compile_cache, uninterrupted):
+    workdir = _resumable_copy(uninterrupted, tmp_path, 56)
+    before = (workdir / "config.json").read_text()
+    result = run_train(workdir, *RESUME_FLAGS, "--config.model.num_routed_experts=32", cache_dir=compile_cache,
+                       check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config.model.num_routed_experts=32 but the run being resumed has "
+                           "num_routed_experts=16"), last
+    assert (workdir / "config.json").read_text() == before  # the record still says what the run is
+
+
+def test_resume_with_a_changed_run_field_applies_and_logs_it(tmp_path, compile_cache, uninterrupted):
+    """The issue's case: a capacity factor given on the command line of a resumed run (one device
+    has no expert exchange, so the curve continues exactly; the field is in what runs and recorded)."""
+    _, reference, _ = uninterrupted
+    workdir = _resumable_copy(uninterrupted, tmp_path, 56)
+    result = run_train(workdir, *RESUME_FLAGS, "--config.model.expert_capacity_factor=1.5", cache_dir=compile_cache)
+    assert "config.model.expert_capacity_factor=1.5 (was None in the run's model_config.json)" in result.stderr
+    for name in ("model_config.json", "config.json"):
+        record = json.loads((workdir / name).read_text())
+        assert record.get("model", record)["expert_capacity_factor"] == 1.5, name
+    resumed = read_records(workdir)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-6)
 
 
 class _SlowScalar:
