@@ -316,7 +316,8 @@ def train(config) -> list[dict]:
                 state, m = train_step(state, next(train_iter))
                 if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
                     _check_skips(*previous, tc.max_consecutive_skips)
-                previous = (step, state.consecutive_skips, m["loss"], m["grad_norm"])
+                # From the metrics, not the state: the next step donates the state's buffers.
+                previous = (step, m["consecutive_skips"], m["loss"], m["grad_norm"])
                 if step % tc.log_every == 0 or step == tc.steps:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):

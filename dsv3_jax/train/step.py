@@ -46,7 +46,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 
     batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
-    dropped), `dropped_fraction` ((token, expert) pairs past the expert capacity; 0 when dropless), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
+    dropped), `consecutive_skips` (the new state's count, readable after the state is donated to
+    the next step), `dropped_fraction` ((token, expert) pairs past the expert capacity; 0 when dropless), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
 
     `trainable` (`optimizer.trainable_mask`; None: all): only those parameters are differentiated
     and updated (LoRA adapters); the rest enter the step as constants. `tx` and `state.opt_state`
@@ -80,7 +81,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             consecutive_skips=(state.consecutive_skips + 1) * skip)
         metrics = {"loss": loss, "lm_loss": parts.lm, "mtp_loss": parts.mtp, "balance_loss": parts.balance,
                    "grad_norm": grad_norm, "lr": schedule(state.step - state.skipped), "skipped": skip,
-                   "dropped_fraction": dropped}
+                   "consecutive_skips": new_state.consecutive_skips, "dropped_fraction": dropped}
         if main_counts is not None:
             metrics["expert_counts"] = main_counts
         if mtp_counts is not None:
