@@ -2,7 +2,8 @@
 
   python -m experiments.bench_kernels [--iters 3] [--decode_len 1024] [--prefill_len 256] ...
 
-Prints per kernel: kernel and reference time (same run), achieved GB/s and TFLOP/s, and the
+Prints per kernel: its largest difference from the reference relative to the reference's largest
+value (`err`), kernel and reference time (same run), achieved GB/s and TFLOP/s, and the
 fraction of the device's peak (n/a where the device kind is not in the table, e.g. CPU, where
 kernels run through the Pallas interpreter and the figures only show that the script works).
 """
@@ -42,6 +43,20 @@ def timeit(fn, args, iters):
     return (time.perf_counter() - t0) / iters
 
 
+def rel_err(kernel, ref, args) -> float:
+    """max |kernel - ref| / max |ref| over every output leaf, in fp32."""
+    worst = 0.0
+    for got, want in zip(jax.tree.leaves(kernel(*args)), jax.tree.leaves(ref(*args))):
+        got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+        worst = max(worst, float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30)))
+    return worst
+
+
+def compare(name, f, r, args, a, bytes_, flops, fp8, peak):
+    print(f"{name:<22} err {rel_err(f, r, args):9.2e}   ", end="")
+    report(name, timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_, flops, fp8, peak)
+
+
 def report(name, t_kernel, t_ref, bytes_, flops, fp8, peak):
     gbs, tfs = bytes_ / t_kernel / 1e9, flops / t_kernel / 1e12
     if peak is None:
@@ -50,7 +65,7 @@ def report(name, t_kernel, t_ref, bytes_, flops, fp8, peak):
         bf16, f8, hbm = peak
         compute = (f8 or bf16) if fp8 else bf16
         frac = f"{max(tfs / compute, gbs / 1e3 / hbm):.1%} (compute {tfs / compute:.1%}, hbm {gbs / 1e3 / hbm:.1%})"
-    print(f"{name:<22} kernel {t_kernel * 1e3:10.2f} ms   ref {t_ref * 1e3:10.2f} ms   "
+    print(f"kernel {t_kernel * 1e3:10.2f} ms   ref {t_ref * 1e3:10.2f} ms   "
           f"{gbs:9.2f} GB/s   {tfs:8.4f} TFLOP/s   peak {frac}")
 
 
@@ -62,8 +77,7 @@ def bench_fp8(a, peak):
     f = jax.jit(lambda *o: pk.fp8_matmul(*o, out_dtype=jnp.bfloat16))
     r = jax.jit(lambda *o: pk.fp8_matmul_reference(*o, out_dtype=jnp.bfloat16))
     bytes_ = a.m * a.k + a.n * a.k + 2 * a.m * a.n
-    report("fp8_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
-           2 * a.m * a.n * a.k, True, peak)
+    compare("fp8_matmul", f, r, args, a, bytes_, 2 * a.m * a.n * a.k, True, peak)
 
 
 def bench_grouped(a, peak):
@@ -76,8 +90,7 @@ def bench_grouped(a, peak):
     f = jax.jit(lambda *o: pk.fp8_grouped_matmul(*o, out_dtype=jnp.bfloat16))
     r = jax.jit(lambda *o: pk.fp8_grouped_matmul_reference(*o, out_dtype=jnp.bfloat16))
     bytes_ = a.m * a.k + a.groups * a.n * a.k + 2 * a.m * a.n
-    report("fp8_grouped_matmul", timeit(f, args, a.iters), timeit(r, args, a.iters), bytes_,
-           2 * a.m * a.n * a.k, True, peak)
+    compare("fp8_grouped_matmul", f, r, args, a, bytes_, 2 * a.m * a.n * a.k, True, peak)
 
 
 def bench_decode(a, peak):
@@ -89,12 +102,11 @@ def bench_decode(a, peak):
     f = jax.jit(lambda *o: pk.mla_decode(*o, softmax_scale=192 ** -0.5))
     ref = jax.jit(lambda *o: pk.mla_decode_reference(*o, softmax_scale=192 ** -0.5))
     bytes_ = 2 * b * s * (r_ + p)  # the latent cache read once
-    report("mla_decode", timeit(f, args, a.iters), timeit(ref, args, a.iters), bytes_,
-           2 * b * h * s * (2 * r_ + p), False, peak)
+    compare("mla_decode", f, ref, args, a, bytes_, 2 * b * h * s * (2 * r_ + p), False, peak)
 
 
 def bench_prefill(a, peak):
-    b, t, h = a.batch, a.prefill_len, a.heads
+    b, t, h = a.prefill_batch, a.prefill_len, a.heads
     ks = jax.random.split(jax.random.key(3), 3)
     q, k, v = [jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
                for kk, d in zip(ks, (192, 192, 128))]
@@ -102,11 +114,9 @@ def bench_prefill(a, peak):
     ref = jax.jit(lambda *o: pk.mla_prefill_reference(*o, softmax_scale=192 ** -0.5))
     flops = 2 * b * h * t * t * (192 + 128) // 2  # causal half
     bytes_ = 2 * b * t * h * (192 * 2 + 128 * 2)
-    report("mla_prefill fwd", timeit(f, (q, k, v), a.iters), timeit(ref, (q, k, v), a.iters),
-           bytes_, flops, False, peak)
+    compare("mla_prefill fwd", f, ref, (q, k, v), a, bytes_, flops, False, peak)
     loss = lambda fn: jax.jit(jax.grad(lambda *o: jnp.sum(fn(*o).astype(jnp.float32)), (0, 1, 2)))
-    report("mla_prefill fwd+bwd", timeit(loss(f), (q, k, v), a.iters),
-           timeit(loss(ref), (q, k, v), a.iters), 3 * bytes_, 3.5 * flops, False, peak)
+    compare("mla_prefill fwd+bwd", loss(f), loss(ref), (q, k, v), a, 3 * bytes_, 3.5 * flops, False, peak)
 
 
 def main(argv=None):
@@ -116,7 +126,8 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="decode batch")
+    parser.add_argument("--prefill_batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--decode_len", type=int, default=1024)
     parser.add_argument("--prefill_len", type=int, default=256)
