@@ -2,7 +2,7 @@
 
     python -m experiments.generate --checkpoint=RUN_OR_CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
-        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=2048] [--stats] \
+        [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=512] [--stats] \
         [--mesh=fsdp=2,expert=4 [--rules=default]]
 
 --checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps

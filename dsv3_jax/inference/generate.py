@@ -5,10 +5,10 @@ The result is int32 [B, T + max_new_tokens]; row b holds its prompt, then its ge
 index lengths[b], then `pad_id`. A row stops after its first stop token (kept); later slots are
 `pad_id`. Positions are 0 .. lengths[b] - 1 for the prompt, as in training.
 
-Compilation: the cache length is a power-of-two bucket of T + max_new_tokens (+ drafts), so the
-decode step compiles once per (batch, bucket, options) and the prefill once per (batch, bucket,
-chunk shape) (`prefill.plan`), whatever the prompt length; both are reused across tokens and calls.
-`GenerateStats` counts the traces of each call.
+Compilation: the cache length is a power-of-two bucket of T + max_new_tokens (+ drafts), at least
+one prefill chunk, so the decode step compiles once per (batch, bucket, options) and the prefill
+once per (batch, bucket) (its chunks are all one width: `prefill.plan`), whatever the prompt length;
+both are reused across tokens and calls. `GenerateStats` counts the traces of each call.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, t
     `seed`. `lengths` [B] gives ragged (right-padded) prompt lengths. `use_mtp` drafts with the MTP
     modules and verifies in one step (same tokens as without when greedy; same distribution when
     sampling). `cache_dtype` is "float32", "bfloat16", "float8" or "int8" (default: the compute dtype).
-    The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two).
+    The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two; the last one
+    padded, so a prompt shorter than a chunk costs a whole one).
     Returns int32 [B, T + max_new_tokens] (layout in the module docstring) and, with
     `return_stats`, a GenerateStats (acceptance_rate, tokens_per_forward, timings).
     """

@@ -3,10 +3,12 @@ so far plus itself, so that memory grows with the cache, not with the prompt squ
 
 Letters: B batch, W chunk width, M MTP depths (0 without drafting), V vocab.
 
-Chunk shapes: full chunks of `chunk` tokens, then the rest padded to a power of two (at least 16,
-at most `chunk`), so a compiled chunk step serves every prompt length: with a power-of-two `chunk`
-there are at most log2(chunk) - 3 chunk shapes per (batch, cache bucket). Padded tokens write entries past their
-row's length that no later token reads before they are overwritten.
+Chunk shapes: every chunk is `chunk` tokens wide, the last one padded, so a prompt of any length
+is one chunk shape per (batch, cache bucket), and prompts shorter than a chunk share the smallest
+cache bucket (a cache holds at least one padded chunk: `padded_end`). One width rather than a
+power-of-two rest: each extra width is a compile per cache bucket, which costs more than the padded
+tokens (experiments/bench_prefill_shapes.py). Padded tokens write entries past their row's length
+that no later token reads before they are overwritten.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from dsv3_jax.inference.decode import model_step, mtp_draft
 from dsv3_jax.inference.sampling import SamplingConfig, sample
 from dsv3_jax.model import ModelCache
 
-DEFAULT_CHUNK = 2048  # tokens per prefill chunk; a power of two
-MIN_WIDTH = 16
+DEFAULT_CHUNK = 512  # tokens per prefill chunk (a power of two): a short prompt pays one chunk
 
 
 def check_chunk(chunk: int) -> None:
@@ -33,11 +34,7 @@ def check_chunk(chunk: int) -> None:
 def plan(length: int, chunk: int) -> list[tuple[int, int]]:
     """(start, width) of each chunk covering positions 0 .. length - 1."""
     check_chunk(chunk)
-    full, rest = divmod(int(length), chunk)
-    spans = [(i * chunk, chunk) for i in range(full)]
-    if rest:
-        spans.append((full * chunk, min(chunk, max(MIN_WIDTH, 1 << (rest - 1).bit_length()))))
-    return spans
+    return [(start, chunk) for start in range(0, max(int(length), 1), chunk)]
 
 
 def padded_end(length: int, chunk: int) -> int:

@@ -18,8 +18,8 @@ decoding slots, so a lone request costs a batch-1 step, not a max_batch one. The
 slots' rows of the cache (the decoding slots, padded with distinct idle ones), runs them and
 scatters them back; at N = max_batch it runs the whole cache in place.
 
-Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chunk once per width W
-(`prefill.plan`: `chunk`, or a power of two from 16 below it). Every function is pure in
+Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chunk once (`prefill.plan`:
+every chunk `chunk` wide, the last one padded). Every function is pure in
 (state, cache, ...) and donates the cache.
 """
 
@@ -56,7 +56,7 @@ class PrefillResult(NamedTuple):
 
 
 def chunk_buckets(chunk: int) -> tuple[int, ...]:
-    """Chunk widths a prefill compiles for (those `prefill.plan` uses): powers of two from 16 to `chunk`."""
+    """Chunk widths a prefill compiles for: those `prefill.plan` uses (`chunk` alone)."""
     return tuple(sorted({chunking.plan(n, chunk)[-1][1] for n in range(1, chunk + 1)}))
 
 
