@@ -41,14 +41,16 @@ def checkpoint_sizes(step_dir: str) -> dict[str, int]:
     return out
 
 
-def metrics_summary(run_dir: str) -> dict[str, float]:
+def metrics_summary(run_dir: str, skip_first: bool = False) -> dict[str, float]:
+    """Median step time (without the first logged window, which holds the compile, when
+    `skip_first` and there are others) and (first, last) of each held-out loss."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(run_dir, "config.json")) as f:
         data = json.load(f)["data"]
     tokens_per_step = data["batch_size"] * data["seq_len"]
-    out = {"step_s": float(np.median([tokens_per_step / r["tokens_per_sec"] for r in records
-                                      if r.get("tokens_per_sec")]))}
+    windows = [tokens_per_step / r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
+    out = {"step_s": float(np.median(windows[1:] if skip_first and len(windows) > 1 else windows))}
     for key, name in (("eval_loss", "sft_eval"), ("pretrain_eval_loss", "pretrain")):
         points = [r[key] for r in records if key in r]
         if points:

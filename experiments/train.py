@@ -278,7 +278,7 @@ def train(config) -> list[dict]:
     start = int(state.step)
 
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
-                       bias_update_speed=finetune.bias_update_speed(config), trainable=trainable)
+                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable)
     if on_mesh is None:
         train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
     else:

@@ -99,7 +99,7 @@ def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
 def peft_config(section: dict, modules: list[str], base: str | None) -> dict:
     """adapter_config.json: the exact HF modules as a regex (PEFT full-matches a string)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": section["rank"], "lora_alpha": section["alpha"],
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "lora_dropout": section.get("dropout", 0.0), "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base,
             "target_modules": "|".join(re.escape(m) for m in modules), "modules_to_save": None}
 

@@ -12,6 +12,15 @@ leading input axes it contracts); `apply` puts adapters on those whose path ("mo
 "dense_layers/ffn/w1", "moe_layers/ffn/shared_experts/w2", routed experts "moe_layers/ffn/w1")
 fully matches `LoRAConfig.targets`. Leading `layers` and `expert` axes stay batch axes of A and B:
 every layer, and every routed expert, has its own adapter.
+
+Dropout (`LoRAConfig.dropout`, PEFT's `lora_dropout`): in a training step each adapter's input is
+x * m / (1 - p), m Bernoulli(1 - p) per element, the base projection seeing x unchanged. The step
+calls `with_dropout(model, key)` on the model it differentiates, which gives adapter i of layer l
+the key fold_in(key, i) split over the layers (a `DropoutKey`, sliced per layer by the layer scan);
+the key is the train state's `rng`, advanced every step and checkpointed, so a resumed run draws the
+masks an uninterrupted one draws. Without a key (eval, generate, serve, `merge`) no dropout.
+The routed experts' adapters take no dropout: their rows are sorted and exchanged inside the
+grouped matmul, where masks would have to travel with them (`LoRAConfig` refuses the pair).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ _BATCH_AXES = (params.LAYERS, "expert")  # leading axes along which each slice h
 class LoRAConfig:
     rank: int = 8  # r, inner dimension of A [*in, r] and B [r, *out]
     alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # drop rate of the adapter's input in training steps (`with_dropout`)
     targets: str = DEFAULT_TARGETS  # regex fully matching the paths of the weights to adapt
     experts: bool = False  # also adapt the routed experts (per-expert A, B inside the grouped matmul)
     seed: int = 0  # draws of the A matrices
@@ -45,6 +55,11 @@ class LoRAConfig:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must lie in [0, 1), got {self.dropout}")
+        if self.dropout and self.experts:
+            raise ValueError(f"lora.dropout={self.dropout} with lora.experts=True: the routed experts' adapters "
+                             "take no dropout (dsv3_jax/model/lora.py); set lora.dropout=0 or lora.experts=False")
         try:
             re.compile(self.targets)
         except re.error as e:
@@ -66,7 +81,7 @@ class Adapter(nnx.Module):
         a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / cfg.rank
         self.a = nnx.LoRAParam(a.astype(weight.dtype), logical_axes=(*axes[:nb + contract], None))
         self.b = nnx.LoRAParam(jnp.zeros(b_shape, weight.dtype), logical_axes=(*axes[:nb], None, *axes[nb + contract:]))
-        self.scale, self.contract = cfg.scale, contract
+        self.scale, self.contract, self.dropout = cfg.scale, contract, cfg.dropout
 
     def delta(self) -> jax.Array:
         """s A B, the update in the weight's own shape (for merging and the absorbed MLA form).
@@ -94,10 +109,38 @@ def adapter(module: nnx.Module, name: str) -> Adapter | None:
     return getattr(module, f"{name}_lora", None)
 
 
+class DropoutKey(nnx.Variable):
+    """Key data ([*layers, 2] uint32) of an adapter's dropout masks in one training step: put on by
+    `with_dropout` inside the step, so never part of the stored model."""
+
+
 def pair(module: nnx.Module, name: str):
-    """(A, B, scale) of the adapter on `module.<name>`, or None: the `lora` argument of `project`."""
+    """(A, B, scale, dropout) of the adapter on `module.<name>`, or None: the `lora` argument of
+    `project`; dropout is (rate, key data [2]) in a training step (`with_dropout`), else None."""
     ad = adapter(module, name)
-    return None if ad is None else (ad.a[...], ad.b[...], ad.scale)
+    if ad is None:
+        return None
+    key = getattr(ad, "dropout_key", None)
+    return ad.a[...], ad.b[...], ad.scale, None if key is None else (ad.dropout, key[...])
+
+
+def with_dropout(model: nnx.Module, key_data: jax.Array) -> None:
+    """Gives every adapter with dropout > 0 its keys for this step (in place): adapter i (in graph
+    order) gets fold_in(key, i), split over its leading `layers` axes. `key_data` [2] uint32."""
+    key = jax.random.wrap_key_data(key_data)
+    for i, (_, node, name) in enumerate(_adapted(model)):
+        ad = adapter(node, name)
+        if ad.dropout:
+            layers = ad.a.shape[:_layer_rank(params.logical_axes(ad.a))]
+            keys = jax.random.split(jax.random.fold_in(key, i), layers) if layers else jax.random.fold_in(key, i)
+            ad.dropout_key = DropoutKey(jax.random.key_data(keys))
+
+
+def _layer_rank(axes) -> int:
+    n = 0
+    while n < len(axes) and axes[n] == params.LAYERS:
+        n += 1
+    return n
 
 
 def weight(module: nnx.Module, name: str) -> jax.Array:

@@ -91,20 +91,28 @@ def _flatten(x, w, contract: int):
 
 
 def project(x: jax.Array, w: jax.Array, *, contract: int, compute_dtype, fp8: bool = False,
-            lora: tuple[jax.Array, jax.Array, float] | None = None) -> jax.Array:
+            lora: tuple | None = None) -> jax.Array:
     """x [..., *w.shape[:contract]] . w -> [..., *w.shape[contract:]] in `compute_dtype`.
 
     The plain path is one einsum with fp32 accumulation; `fp8` routes through `fp8_matmul`.
-    `lora` (a [*w.shape[:contract], r], b [r, *w.shape[contract:]], scale) adds the low-rank
-    update scale * (x a) b (LoRA, Hu et al. 2021), computed through the same projection in the
-    compute dtype (never FP8: the adapters are small and trained in full precision).
+    `lora` (a [*w.shape[:contract], r], b [r, *w.shape[contract:]], scale[, dropout]) adds the
+    low-rank update scale * (x a) b (LoRA, Hu et al. 2021), computed through the same projection in
+    the compute dtype (never FP8: the adapters are small and trained in full precision); with
+    dropout = (rate, key data), x a becomes `dropout(x, rate, key) a` (the adapter's input only).
     """
     y = _project(x, w, contract, compute_dtype, fp8)
     if lora is None:
         return y
-    a, b, scale = lora
-    u = _project(x, a, contract, compute_dtype, False)
+    a, b, scale, *drop = lora
+    u = _project(x if not drop or drop[0] is None else dropout(x, *drop[0]), a, contract, compute_dtype, False)
     return (y + scale * _project(u, b, 1, compute_dtype, False)).astype(compute_dtype)
+
+
+def dropout(x: jax.Array, rate: float, key_data: jax.Array) -> jax.Array:
+    """Inverted dropout: each element of x zeroed with probability `rate`, the rest divided by
+    1 - rate; the mask is Bernoulli(1 - rate) from the key (`key_data` [2] uint32) over x's shape."""
+    keep = jax.random.bernoulli(jax.random.wrap_key_data(key_data), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def _project(x, w, contract, compute_dtype, fp8):

@@ -31,7 +31,7 @@ def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
     train (the adapters). Without: None (every parameter trains)."""
     if "lora" not in config:
         return None
-    fields = {k: v for k, v in config.lora.to_dict().items() if k != "train_router_bias"}
+    fields = config.lora.to_dict()
     init_from = config.train.init_from
     peft = init_from if init_from and lora_export.is_peft_folder(init_from) else None
     if peft:  # the run's config (and so its export) must say what the adapter is
@@ -45,8 +45,3 @@ def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
         logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))
     return optimizer.trainable_mask(split_model(model)[1], nnx.LoRAParam)
 
-
-def bias_update_speed(config) -> float:
-    """gamma of the router-bias update: 0 in a LoRA run unless `lora.train_router_bias`."""
-    frozen = "lora" in config and not config.lora.train_router_bias
-    return 0.0 if frozen else config.balancing.bias_update_speed

@@ -16,12 +16,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dsv3_jax.model import lora
 from dsv3_jax.train import balancing, losses, optimizer
 from dsv3_jax.train.state import TrainState
 
 
-def _forward(graphdef, params, biases, batch, *, with_mtp: bool):
+def _forward(graphdef, params, biases, batch, *, with_mtp: bool, dropout_key=None):
     model = nnx.merge(graphdef, params, biases)
+    if dropout_key is not None:  # a training step: LoRA adapters with dropout draw this step's masks
+        lora.with_dropout(model, dropout_key)
     inputs, _, _ = losses.inputs_and_targets(batch)
     t = inputs.shape[1]
     return model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
@@ -54,8 +57,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     cover the trainable ones only (`init_train_state(..., trainable)`).
     """
 
-    def loss_fn(train_params, all_params, biases, batch):
-        out = _forward(graphdef, optimizer.combine(all_params, train_params), biases, batch, with_mtp=True)
+    def loss_fn(train_params, all_params, biases, batch, key):
+        out = _forward(graphdef, optimizer.combine(all_params, train_params), biases, batch, with_mtp=True,
+                       dropout_key=key)
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
@@ -64,7 +68,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         train_params = optimizer.select(state.params, trainable)
         (loss, (parts, main_counts, mtp_counts, dropped)), grads = grad_fn(train_params, state.params,
-                                                                           state.router_bias, batch)
+                                                                           state.router_bias, batch, state.rng)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, train_params)

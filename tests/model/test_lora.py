@@ -124,3 +124,70 @@ def test_optimizer_state_holds_only_the_adapters():
     assert moment_bytes == 2 * 4 * _adapter_floats(CFG, RANK)  # mu and nu, fp32
     trainable = sum(a.size for a in jax.tree.leaves(optimizer.select(state.params, mask)))
     assert trainable == _adapter_floats(CFG, RANK)
+
+
+def test_dropout_masks_the_adapter_input_only():
+    """project with dropout (rate, key) = numpy's x W + s ((x * m / (1 - rate)) A) B, m the op's
+    Bernoulli mask: elements kept or zeroed, kept ones scaled, about `rate` of them zeroed; the
+    base projection sees x whole. No dropout: x W + s (x A) B."""
+    from dsv3_jax.ops import linear
+
+    rate, s = 0.25, 2.0
+    rng = np.random.default_rng(0)
+    x, w, a, b = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 64, 32), (32, 24), (32, 4), (4, 24)))
+    key = jax.random.key_data(jax.random.key(7))
+    dropped = np.asarray(linear.dropout(x, rate, key))
+    m = dropped != 0
+    np.testing.assert_allclose(dropped[m], x[m] / (1 - rate), rtol=1e-6)
+    assert abs((~m).mean() - rate) < 0.02  # 8192 draws: 4 standard deviations of a Bernoulli(0.25) mean
+    want = x @ w + s * ((x * m / (1 - rate)) @ a) @ b
+    got = linear.project(x, w, contract=1, compute_dtype=jnp.float32, lora=(a, b, s, (rate, key)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for plain in ((a, b, s), (a, b, s, None)):
+        np.testing.assert_allclose(linear.project(x, w, contract=1, compute_dtype=jnp.float32, lora=plain),
+                                   x @ w + s * (x @ a) @ b, rtol=1e-5, atol=1e-4)
+    other = np.asarray(linear.dropout(x, rate, jax.random.key_data(jax.random.key(8)))) != 0
+    assert (other != m).mean() > 0.2  # another key, another mask
+
+
+def _dropout_logits(model, tokens, keys):
+    """Main-head logits with each key of `keys` (None: no dropout) given to a copy of the model."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def logits(state, key):  # as the train step: the state an argument, the model merged inside
+        m = nnx.merge(graphdef, state)
+        if key is not None:
+            lora.with_dropout(m, key)
+        return m.forward(tokens, with_mtp=False).logits
+
+    return [np.asarray(logits(state, None if k is None else jax.random.key_data(jax.random.key(k)))) for k in keys]
+
+
+def test_dropout_applies_with_a_step_key_only_and_dropout_0_is_none():
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, CFG.vocab_size)
+    models = {}
+    for rate in (0.0, 0.5):
+        models[rate] = DeepSeekV3(CFG, rngs=nnx.Rngs(0))
+        lora.apply(models[rate], lora.LoRAConfig(rank=RANK, dropout=rate))
+        _randomize_b(models[rate])
+    plain, plain_keyed = _dropout_logits(models[0.0], tokens, (None, 1))
+    np.testing.assert_array_equal(plain_keyed, plain)  # dropout 0: a key changes nothing
+    evaluated, k1, k1_again, k2 = _dropout_logits(models[0.5], tokens, (None, 1, 1, 2))
+    np.testing.assert_array_equal(evaluated, plain)  # no key (eval, generate): the adapters whole
+    assert helpers.rel_err(k1, plain) > 1e-3 and helpers.rel_err(k2, k1) > 1e-3
+    np.testing.assert_array_equal(k1_again, k1)  # the masks are a function of the key
+
+    keyed = nnx.merge(*nnx.split(models[0.5]))
+    lora.with_dropout(keyed, jax.random.key_data(jax.random.key(1)))
+    keys = [np.asarray(v[...]) for _, v in nnx.iter_graph(keyed) if isinstance(v, lora.DropoutKey)]
+    assert len(keys) == 16  # every adapter: 5 MLA x 2 stacks, dense MLP 3, shared expert 3
+    rows = np.concatenate([k.reshape(-1, 2) for k in keys])
+    assert len({tuple(r) for r in rows}) == len(rows)  # one key per adapter and layer
+
+
+def test_dropout_with_routed_expert_adapters_is_refused():
+    with pytest.raises(ValueError, match="lora.dropout=0.1 with lora.experts=True"):
+        lora.LoRAConfig(dropout=0.1, experts=True)
+    with pytest.raises(ValueError, match=r"lora.dropout must lie in \[0, 1\)"):
+        lora.LoRAConfig(dropout=1.0)

@@ -57,3 +57,9 @@ def uninterrupted(tmp_path_factory, compile_cache):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     result = run_train(workdir, *RESUME_FLAGS, cache_dir=compile_cache)
     return workdir, read_records(workdir), result.stderr
+
+
+@pytest.fixture(scope="session")
+def pretrained(uninterrupted):
+    """The folder of that run: the model the fine-tuning CLI tests (SFT, LoRA) start from."""
+    return uninterrupted[0]

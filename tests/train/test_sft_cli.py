@@ -1,5 +1,5 @@
-"""Chat fine-tuning through the command line, as a user runs it: a pretrained run -> SFT on the bundled
-chat set with experiments/configs/sft.py -> generate from the SFT run; a template that cannot mark
+"""Chat fine-tuning through the command line, as a user runs it: a pretrained run (tests/train/conftest.py,
+shared with the LoRA and pretraining CLI tests) -> SFT on the bundled chat set with experiments/configs/sft.py -> generate from the SFT run; a template that cannot mark
 assistant turns exits 2 naming it."""
 
 import json
@@ -21,9 +21,9 @@ SFT = ["--config.data.seq_len=112", "--steps=4"]  # after TEST_OVERRIDES: rows t
 
 
 @pytest.fixture(scope="module")
-def sft_run(trained_run, tmp_path_factory, compile_cache):
+def sft_run(pretrained, tmp_path_factory, compile_cache):
     workdir = tmp_path_factory.mktemp("sft")
-    result = run_train(workdir, *SFT, f"--init_from={trained_run}", cache_dir=compile_cache, config=CONFIG)
+    result = run_train(workdir, *SFT, f"--init_from={pretrained}", cache_dir=compile_cache, config=CONFIG)
     assert "pretrain-eval" in result.stderr, result.stderr[-3000:]
     return workdir
 
@@ -36,8 +36,8 @@ def test_sft_reports_both_held_out_losses_from_step_0(sft_run):
     assert records[-1]["eval_loss"] < records[0]["eval_loss"]  # 4 steps on the chat set lower its held-out loss
 
 
-def test_router_biases_are_frozen_and_the_weights_move(sft_run, trained_run):
-    before, after = load_pretrained(trained_run), load_pretrained(sft_run)
+def test_router_biases_are_frozen_and_the_weights_move(sft_run, pretrained):
+    before, after = load_pretrained(pretrained), load_pretrained(sft_run)
     biases = [jax.tree.leaves(nnx.state(m, RouterBias)) for m in (before, after)]
     params = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (before, after)]
     assert biases[0] and any(np.abs(b).max() > 0 for b in biases[0])  # pretraining moved them
