@@ -91,8 +91,9 @@ def run(state, step, batches, place):
 
 
 def main(args: list[str]) -> None:
-    """args: meshes like `data=2,expert=4`, and `--name=value` model overrides (e.g. --num_layers=4)."""
-    overrides = {k[2:]: int(v) for k, v in (a.split("=", 1) for a in args if a.startswith("--"))}
+    """args: meshes like `data=2,expert=4`, and `--name=value` model overrides (e.g. --num_layers=4,
+    --pipeline_schedule=1f1b)."""
+    overrides = {k[2:]: int(v) if v.isdigit() else v for k, v in (a.split("=", 1) for a in args if a.startswith("--"))}
     meshes = [a for a in args if not a.startswith("--")]
     cfg, model, graphdef, tx, schedule, state = setup(overrides)
     batches = make_batches(cfg.vocab_size, STEPS)
