@@ -1,17 +1,24 @@
 """Pipeline schedules measured against theory: peak temporary memory and step time of a training
-step (forward and backward) for M microbatches on S stages, GPipe beside 1F1B.
+step (forward and backward) for M microbatches on S stages, GPipe beside 1F1B and DualPipeV.
 
 Memory: the compiled step's `memory_analysis().temp_size_in_bytes` per device for each M at a fixed
 microbatch size. GPipe keeps every microbatch's residuals until its backward starts, so its
 temporaries grow by one microbatch's residuals per M; 1F1B (sharding/pipeline.py) keeps at most S,
-so it grows only by the [M, rows, dim] stack input/output and its cotangent ("boundary" below).
+and DualPipeV (sharding/dualpipev.py) at most 2S + 1 half-stage chunks plus the deferred weight
+gradients, so theirs grow only by [M, rows, dim] buffers (the stack's input, output and their
+cotangents; "x one microbatch's stack input" below).
 
 Time: step times t(M) are fitted as t(M) = a * M + b: a is the cost of one more microbatch, b the
 cost that does not shrink with M. Both schedules idle S - 1 of every M + S - 1 stage-ticks (GPipe:
 the fill and drain of its forward and of its backward; 1F1B: 2 (S - 1) of 2 (M + S - 1) units), so
-theory says b / a = S - 1 and the bubble is
+theory says b / a = S - 1 (the circular schedule, `--schedules circular --rounds R`: (S - 1) / R,
+bubble (S - 1) / (R M + S - 1)) and the bubble is
 
     measured = 1 - a * M / t(M)        theory = (S - 1) / (M + S - 1)
+
+DualPipeV's theory column is its table's own count: the idle share of the forward table's F slots
+and the backward table's F, B and W slots (sharding/dualpipev.py:schedule_table), each slot a
+half-stage chunk; its b / a theory is that of the units (U(M) = a' M + b': b' / a').
 
 All runs happen side by side in one process (the machine is shared and noisy), median of several
 repeats. Stages are fake CPU devices here, which share the host's cores; that scales a and b
@@ -32,8 +39,10 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--layers", type=int, default=8, help="layers of the stack (need not divide by --stages)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "dualpipev"],
+                   choices=["gpipe", "circular", "1f1b", "dualpipev"])
+    p.add_argument("--rounds", type=int, default=2, help="rounds R of the circular schedule (needs M >= S)")
     p.add_argument("--rows", type=int, default=64, help="rows per microbatch")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=1024)
@@ -50,7 +59,21 @@ def main() -> None:
     import numpy as np
 
     import sharding
-    from sharding import pipeline
+    from sharding import dualpipev, pipeline
+
+    def theory(schedule, m):
+        if schedule != "dualpipev":
+            return pipeline.bubble_fraction(s, m, args.rounds if schedule == "circular" else 1)
+        f, b = dualpipev.schedule_table(s, m, backward=False), dualpipev.schedule_table(s, m)
+        return 1 - (f.busy * f.units + 3 * b.busy * b.units) / (f.units + 3 * b.units)
+
+    def theory_ratio(schedule):
+        if schedule != "dualpipev":
+            return (s - 1) / (args.rounds if schedule == "circular" else 1)
+        units = [dualpipev.schedule_table(s, m, backward=False).units + dualpipev.schedule_table(s, m).units
+                 for m in args.microbatches]
+        a_u, b_u = np.polyfit(ms, units, 1)
+        return b_u / a_u
 
     def layer(p, x, side):
         return x + jnp.tanh(x @ p["w1"]) @ p["w2"], None
@@ -78,7 +101,8 @@ def main() -> None:
 
     def make_step(schedule):
         def loss(st, x):
-            y, _ = pipeline.pipeline_apply(layer, st, x, mesh=mesh, schedule=schedule)
+            r = args.rounds if schedule == "circular" else 1
+            y, _ = pipeline.pipeline_apply(layer, st, x, mesh=mesh, schedule=schedule, repeats=r)
             return jnp.sum(jnp.sin(y))
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
@@ -96,9 +120,9 @@ def main() -> None:
         slope = np.polyfit(ms, temps, 1)[0]
         for m, mem, t in zip(args.microbatches, temps, times):
             print(f"{schedule:>9} {m:>4} {mem:>9.2f} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
-                  f"{pipeline.bubble_fraction(s, m):>7.3f}", flush=True)
+                  f"{theory(schedule, m):>7.3f}", flush=True)
         print(f"{schedule:>9} fit t(M) = {a * 1e3:.2f} ms * M + {b * 1e3:.2f} ms: b / a = {b / a:.2f} microbatches "
-              f"(theory S - 1 = {s - 1}); temporaries grow {slope:.3f} MiB per microbatch "
+              f"(theory {theory_ratio(schedule):.2f}); temporaries grow {slope:.3f} MiB per microbatch "
               f"= {slope / boundary:.1f} x one microbatch's stack input", flush=True)
 
 

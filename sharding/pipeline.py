@@ -27,8 +27,16 @@ it runs. Idle (stage, tick) slots are the bubble, (S - 1) / (R * M + S - 1) of a
 `bubble_fraction` gives and the schedule also counts as it runs (`return_activity=True`). Idle
 slots compute on stale data and their results are discarded (SPMD: every stage runs the same
 program). The backward pass is the same schedule reversed (jax differentiates through scan and
-ppermute). Rounds cut the bubble by R at the same M, at the price of R times the hand-offs.
-DualPipe's bidirectional schedule is not implemented.
+ppermute), so every microbatch's residuals live until the backward starts: memory grows with M.
+Rounds cut the bubble by R at the same M, at the price of R times the hand-offs.
+
+Schedules whose backward runs by hand (a custom_vjp around the stack: the forward is GPipe's and
+keeps only its inputs; the backward re-runs each stage's forward under `jax.vjp` in its own order):
+- 1f1b (`_one_f_one_b_backward`): forwards and backwards alternate on each stage, at most S
+  microbatches' residuals in flight, weight gradients accumulated as produced;
+- dualpipev (sharding/dualpipev.py): 2S chunks in a V over the stages, forward and backward chunks
+  of different microbatches in one unit, the weight-gradient half of each backward deferred.
+Their price is one more forward of the stack (as `remat` pays per layer); side inputs get no gradient.
 """
 
 from __future__ import annotations
