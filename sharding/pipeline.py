@@ -127,8 +127,9 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     (None for none); both replicated over `axis` (other mesh axes stay automatic). `schedule`
     (default: gpipe, or circular when `repeats` R > 1) is one of SCHEDULES: circular makes each
     microbatch go round the ring of stages R times, stage s holding chunks s, S + s, ... (needs
-    M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`; side inputs
-    get no gradient there). Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second
+    M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`); dualpipev
+    lays the stack out as a V of 2S chunks with a forward and backward of its own
+    (sharding/dualpipev.py). Side inputs get no gradient under those two. Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second
     output per layer and microbatch, and with `return_activity` also the fraction of stage-ticks of
     the forward that did work.
     """
@@ -145,7 +146,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
                          f"stages: {m} < {s}")
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
-        from sharding import dualpipev
+        from sharding import dualpipev  # here: dualpipev builds on this module
         out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
         return (out, aux, busy) if return_activity else (out, aux)
@@ -155,7 +156,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     else:
         even = num_layers % s == 0
         run = _hand_backward(layer_fn, np.ones(num_layers, bool) if even else layer_slots(num_layers, s)[1],
-                             mesh=mesh, axis=axis, schedule=schedule)
+                             mesh=mesh, axis=axis)
         out, aux = run(params, x_MxB_, side_M_)
         activity = m / (m + s - 1)  # the forward runs as GPipe's
     aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
@@ -221,9 +222,9 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
                          check_vma=False)(params, valid, x_MxB_, side_M_)
 
 
-def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, schedule: str):
+def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
     """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
-    inputs) and whose backward runs `schedule` by hand (`_one_f_one_b_backward`)."""
+    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`)."""
 
     @jax.custom_vjp
     def run(params, xs, side):
