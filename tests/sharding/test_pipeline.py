@@ -113,3 +113,16 @@ def test_dualpipev_memory_does_not_grow_with_microbatches():
     # 1F1B's bound on 2S virtual stages: chunk c holds at most 2S - c microbatches, rank r
     # (chunks r and 2S-1-r) 2S + 1, plus the deferred weight gradients, plus the dump slot.
     assert sizes[64].stash <= 2 * 4 + 1 + 3 + 1
+
+
+def test_pipeline_schedule_field_is_checked_and_repeats_mean_circular():
+    from dsv3_jax.config import ConfigError, ModelConfig
+
+    assert ModelConfig().pipeline_schedule == "gpipe"
+    assert ModelConfig(pipeline_repeats=2).pipeline_schedule == "circular"  # the older spelling
+    with pytest.raises(ConfigError, match="pipeline_schedule must be one of"):
+        ModelConfig(pipeline_schedule="zb-h1")
+    with pytest.raises(ConfigError, match="pipeline_schedule='circular' takes pipeline_repeats >= 2"):
+        ModelConfig(pipeline_schedule="circular")
+    with pytest.raises(ConfigError, match="pipeline_schedule='1f1b' takes pipeline_repeats=1"):
+        ModelConfig(pipeline_schedule="1f1b", pipeline_repeats=2)
