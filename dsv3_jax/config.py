@@ -16,6 +16,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
 EXPERT_EXCHANGES = ("auto", "ragged", "padded")
 ATTENTION_IMPLS = ("xla", "pallas")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
 
 class ConfigError(ValueError):
@@ -107,8 +108,14 @@ class ModelConfig:
     # Layer chunks per stage: 1 = GPipe; R > 1 = circular schedule (stage s runs chunks s, S + s, ...;
     # bubble (S - 1) / (R * M + S - 1); needs M >= S microbatches).
     pipeline_repeats: int = 1
+    # How microbatches move through the stages (sharding/pipeline.py): gpipe (all forwards, then all
+    # backwards), circular (needs pipeline_repeats >= 2; pipeline_repeats > 1 with gpipe means it),
+    # 1f1b (backward by hand, at most S microbatches in flight), dualpipev (V placement, split backward).
+    pipeline_schedule: str = "gpipe"
 
     def __post_init__(self):
+        if self.pipeline_schedule == "gpipe" and isinstance(self.pipeline_repeats, int) and self.pipeline_repeats > 1:
+            object.__setattr__(self, "pipeline_schedule", "circular")  # the older spelling of circular
         self._validate()
 
     # ------------------------------------------------------------------ presets
@@ -235,6 +242,12 @@ class ModelConfig:
             raise ConfigError(f"expert_capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}")
+        if (self.pipeline_schedule == "circular") != (self.pipeline_repeats > 1):
+            raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r} takes "
+                              + ("pipeline_repeats >= 2" if self.pipeline_schedule == "circular" else "pipeline_repeats=1")
+                              + f", got pipeline_repeats={self.pipeline_repeats}")
 
     # ---------------------------------------------------------- derived sizes
     @property

@@ -1,17 +1,28 @@
-"""Pipeline bubble, measured against theory: GPipe step time for M microbatches on S stages.
+"""Pipeline schedules measured against theory: peak temporary memory and step time of a training
+step (forward and backward) for M microbatches on S stages, GPipe beside 1F1B and DualPipeV.
 
-The bubble is the share of a step that does no useful work. Step times t(M) for several M are
-fitted as t(M) = a * M + b: a is the cost of one more microbatch (one tick of every stage), b the
-cost that does not shrink with M. Theory says b = (S - 1) / R * a (the S - 1 fill/drain ticks,
-each 1 / R of a microbatch's work when the stack goes round the ring R times: `--rounds`, the
-circular schedule), so the fit's b / a is checked against (S - 1) / R, and each M's bubble is
+Memory: the compiled step's `memory_analysis().temp_size_in_bytes` per device for each M at a fixed
+microbatch size. GPipe keeps every microbatch's residuals until its backward starts, so its
+temporaries grow by one microbatch's residuals per M; 1F1B (sharding/pipeline.py) keeps at most S,
+and DualPipeV (sharding/dualpipev.py) at most 2S + 1 half-stage chunks plus the deferred weight
+gradients, so theirs grow only by [M, rows, dim] buffers (the stack's input, output and their
+cotangents; "x one microbatch's stack input" below).
 
-    measured = 1 - a * M / t(M)        theory = (S - 1) / (R * M + S - 1)
+Time: step times t(M) are fitted as t(M) = a * M + b: a is the cost of one more microbatch, b the
+cost that does not shrink with M. Both schedules idle S - 1 of every M + S - 1 stage-ticks (GPipe:
+the fill and drain of its forward and of its backward; 1F1B: 2 (S - 1) of 2 (M + S - 1) units), so
+theory says b / a = S - 1 (the circular schedule, `--schedules circular --rounds R`: (S - 1) / R,
+bubble (S - 1) / (R M + S - 1)) and the bubble is
+
+    measured = 1 - a * M / t(M)        theory = (S - 1) / (M + S - 1)
+
+DualPipeV's theory column is its table's own count: the idle share of the forward table's F slots
+and the backward table's F, B and W slots (sharding/dualpipev.py:schedule_table), each slot a
+half-stage chunk; its b / a theory is that of the units (U(M) = a' M + b': b' / a').
 
 All runs happen side by side in one process (the machine is shared and noisy), median of several
 repeats. Stages are fake CPU devices here, which share the host's cores; that scales a and b
-alike, so the ratios hold even though absolute times are not those of real chips. "counted" is
-the idle share of stage-ticks that the schedule itself counts as it runs.
+alike, so the ratios hold even though absolute times are not those of real chips.
 
     python -m experiments.bench_pipeline [--stages 4 --layers 8 --microbatches 1 2 4 8 16]
 """
@@ -28,11 +39,13 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--layers", type=int, default=8, help="layers of the stack (need not divide by --stages)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--rows", type=int, default=256, help="rows per microbatch")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=1, help="1: GPipe; R > 1: circular schedule (needs M >= S)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "dualpipev"],
+                   choices=["gpipe", "circular", "1f1b", "dualpipev"])
+    p.add_argument("--rounds", type=int, default=2, help="rounds R of the circular schedule (needs M >= S)")
+    p.add_argument("--rows", type=int, default=64, help="rows per microbatch")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per M (median)")
     return p.parse_args()
 
@@ -46,13 +59,27 @@ def main() -> None:
     import numpy as np
 
     import sharding
-    from sharding import pipeline
+    from sharding import dualpipev, pipeline
+
+    def theory(schedule, m):
+        if schedule != "dualpipev":
+            return pipeline.bubble_fraction(s, m, args.rounds if schedule == "circular" else 1)
+        f, b = dualpipev.schedule_table(s, m, backward=False), dualpipev.schedule_table(s, m)
+        return 1 - (f.busy * f.units + 3 * b.busy * b.units) / (f.units + 3 * b.units)
+
+    def theory_ratio(schedule):
+        if schedule != "dualpipev":
+            return (s - 1) / (args.rounds if schedule == "circular" else 1)
+        units = [dualpipev.schedule_table(s, m, backward=False).units + dualpipev.schedule_table(s, m).units
+                 for m in args.microbatches]
+        a_u, b_u = np.polyfit(ms, units, 1)
+        return b_u / a_u
 
     def layer(p, x, side):
         return x + jnp.tanh(x @ p["w1"]) @ p["w2"], None
 
     def timed(fn, *a) -> float:
-        jax.block_until_ready(fn(*a))  # compile
+        jax.block_until_ready(fn(*a))  # warm
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -67,27 +94,36 @@ def main() -> None:
                                  jnp.float32),
                "w2": jnp.asarray(rng.standard_normal((args.layers, args.hidden, args.dim)) / args.hidden ** 0.5,
                                  jnp.float32)}
-    print(f"{s} stages x {args.rounds} round(s), {args.layers} layers "
-          f"({pipeline.stage_layers(args.layers, s * args.rounds)} per chunk), "
-          f"{args.rows} rows x {args.dim} per microbatch, median of {args.repeats}", flush=True)
-    r = args.rounds
-    step = jax.jit(lambda st, x: pipeline.pipeline_apply(layer, st, x, mesh=mesh, repeats=r, return_activity=True))
-    micro = [m for m in args.microbatches if r == 1 or m >= s]
-    times, counted = [], []
-    for m in micro:
-        xs = jnp.asarray(rng.standard_normal((m, args.rows, args.dim)), jnp.float32)
-        times.append(timed(step, stacked, xs))
-        counted.append(1.0 - float(step(stacked, xs)[2]))
-    ms = np.asarray(micro, np.float64)
-    a, b = np.polyfit(ms, times, 1)
-    fit = a * ms + b
-    r2 = 1 - np.sum((np.asarray(times) - fit) ** 2) / np.sum((np.asarray(times) - np.mean(times)) ** 2)
-    print(f"fit t(M) = {a * 1e3:.2f} ms * M + {b * 1e3:.2f} ms (R^2 {r2:.4f}); "
-          f"b / a = {b / a:.2f} microbatches, theory (S - 1) / R = {(s - 1) / r:.2f}", flush=True)
-    print(f"{'M':>4} {'ticks':>6} {'step ms':>9} {'bubble measured':>16} {'theory':>7} {'counted':>8}")
-    for m, t, c in zip(micro, times, counted):
-        print(f"{m:>4} {r * m + s - 1:>6} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
-              f"{pipeline.bubble_fraction(s, m, r):>7.3f} {c:>8.3f}", flush=True)
+    boundary = args.rows * args.dim * 4 / 2 ** 20
+    print(f"{s} stages, {args.layers} layers ({pipeline.stage_layers(args.layers, s)} per stage), "
+          f"{args.rows} rows x {args.dim} (hidden {args.hidden}) per microbatch, median of {args.repeats}; "
+          f"one microbatch's stack input is {boundary:.3f} MiB", flush=True)
+
+    def make_step(schedule):
+        def loss(st, x):
+            r = args.rounds if schedule == "circular" else 1
+            y, _ = pipeline.pipeline_apply(layer, st, x, mesh=mesh, schedule=schedule, repeats=r)
+            return jnp.sum(jnp.sin(y))
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    ms = np.asarray(args.microbatches, np.float64)
+    print(f"{'schedule':>9} {'M':>4} {'temp MiB':>9} {'step ms':>9} {'bubble measured':>16} {'theory':>7}")
+    for schedule in args.schedules:
+        step = make_step(schedule)
+        temps, times = [], []
+        for m in args.microbatches:
+            xs = jnp.asarray(rng.standard_normal((m, args.rows, args.dim)), jnp.float32)
+            compiled = step.lower(stacked, xs).compile()
+            temps.append(compiled.memory_analysis().temp_size_in_bytes / 2 ** 20)
+            times.append(timed(compiled, stacked, xs))
+        a, b = np.polyfit(ms, times, 1)
+        slope = np.polyfit(ms, temps, 1)[0]
+        for m, mem, t in zip(args.microbatches, temps, times):
+            print(f"{schedule:>9} {m:>4} {mem:>9.2f} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
+                  f"{theory(schedule, m):>7.3f}", flush=True)
+        print(f"{schedule:>9} fit t(M) = {a * 1e3:.2f} ms * M + {b * 1e3:.2f} ms: b / a = {b / a:.2f} microbatches "
+              f"(theory {theory_ratio(schedule):.2f}); temporaries grow {slope:.3f} MiB per microbatch "
+              f"= {slope / boundary:.1f} x one microbatch's stack input", flush=True)
 
 
 if __name__ == "__main__":

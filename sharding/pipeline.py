@@ -27,8 +27,16 @@ it runs. Idle (stage, tick) slots are the bubble, (S - 1) / (R * M + S - 1) of a
 `bubble_fraction` gives and the schedule also counts as it runs (`return_activity=True`). Idle
 slots compute on stale data and their results are discarded (SPMD: every stage runs the same
 program). The backward pass is the same schedule reversed (jax differentiates through scan and
-ppermute). Rounds cut the bubble by R at the same M, at the price of R times the hand-offs.
-DualPipe's bidirectional schedule is not implemented.
+ppermute), so every microbatch's residuals live until the backward starts: memory grows with M.
+Rounds cut the bubble by R at the same M, at the price of R times the hand-offs.
+
+Schedules whose backward runs by hand (a custom_vjp around the stack: the forward is GPipe's and
+keeps only its inputs; the backward re-runs each stage's forward under `jax.vjp` in its own order):
+- 1f1b (`_one_f_one_b_backward`): forwards and backwards alternate on each stage, at most S
+  microbatches' residuals in flight, weight gradients accumulated as produced;
+- dualpipev (sharding/dualpipev.py): 2S chunks in a V over the stages, forward and backward chunks
+  of different microbatches in one unit, the weight-gradient half of each backward deferred.
+Their price is one more forward of the stack (as `remat` pays per layer); side inputs get no gradient.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from sharding.rules import STAGE_BATCH_AXES
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
 
 def is_active(mesh, axis: str = "pipeline") -> bool:
@@ -109,33 +119,67 @@ def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray
 
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
-                   axis: str = "pipeline", repeats: int = 1, return_activity: bool = False):
+                   axis: str = "pipeline", repeats: int = 1, schedule: str | None = None,
+                   return_activity: bool = False):
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
-    (None for none); both replicated over `axis` (other mesh axes stay automatic). `repeats` R > 1
-    runs the circular schedule (each microbatch goes round the ring of stages R times, stage s
-    holding chunks s, S + s, ...; needs M >= S). Returns (y [M, ...], aux [L, M, ...]) where aux
-    stacks layer_fn's second output per layer and microbatch, and with `return_activity` also the
-    fraction of stage-ticks that did work.
+    (None for none); both replicated over `axis` (other mesh axes stay automatic). `schedule`
+    (default: gpipe, or circular when `repeats` R > 1) is one of SCHEDULES: circular makes each
+    microbatch go round the ring of stages R times, stage s holding chunks s, S + s, ... (needs
+    M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`); dualpipev
+    lays the stack out as a V of 2S chunks with a forward and backward of its own
+    (sharding/dualpipev.py). Side inputs get no gradient under those two. Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second
+    output per layer and microbatch, and with `return_activity` also the fraction of stage-ticks of
+    the forward that did work.
     """
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
+    schedule = schedule or ("circular" if repeats > 1 else "gpipe")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if (schedule == "circular") != (repeats > 1):
+        raise ValueError(f"the {schedule} schedule takes " + ("repeats >= 2" if schedule == "circular" else "repeats=1")
+                         + f", got repeats={repeats}")
     if repeats > 1 and m < s:
         raise ValueError(f"the circular schedule (repeats={repeats}) needs at least as many microbatches as "
                          f"stages: {m} < {s}")
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
+        from sharding import dualpipev  # here: dualpipev builds on this module
+        out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis)
+        busy = dualpipev.schedule_table(s, m, backward=False).busy
+        return (out, aux, busy) if return_activity else (out, aux)
     params, valid = pad_layers(stacked, s, repeats)
+    if schedule == "gpipe" or schedule == "circular":
+        out, aux, activity = _gpipe(layer_fn, params, valid, x_MxB_, side_M_, mesh=mesh, axis=axis, repeats=repeats)
+    else:
+        even = num_layers % s == 0
+        run = _hand_backward(layer_fn, np.ones(num_layers, bool) if even else layer_slots(num_layers, s)[1],
+                             mesh=mesh, axis=axis)
+        out, aux = run(params, x_MxB_, side_M_)
+        activity = m / (m + s - 1)  # the forward runs as GPipe's
+    aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
+    return (out, aux, activity) if return_activity else (out, aux)
+
+
+def _run_chunk(layer_fn: LayerFn, chunk_params, chunk_valid, x, side):
+    """x through the K slots of one chunk (padding slots pass x on): (y, aux [K, ...])."""
+    def body(h, layer):
+        p, ok = layer
+        y, aux = layer_fn(p, h, side)
+        return jnp.where(ok, y, h), aux
+
+    return jax.lax.scan(body, x, (chunk_params, chunk_valid))
+
+
+def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int):
+    """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
+    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes."""
+    s = mesh.shape[axis]
+    m = x_MxB_.shape[0]
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     ticks = repeats * m + s - 1
-
-    def run_chunk(chunk_params, chunk_valid, x, side):
-        def body(h, layer):
-            p, ok = layer
-            y, aux = layer_fn(p, h, side)
-            return jnp.where(ok, y, h), aux
-
-        return jax.lax.scan(body, x, (chunk_params, chunk_valid))  # (x, aux [K, ...])
 
     def body(local_params, local_valid, xs, side):
         stage = jax.lax.axis_index(axis)
@@ -155,7 +199,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
                 first = xs[jnp.minimum(t, m - 1)]
             inp = jnp.where(stage == 0, first, buf)
             chunk = jax.tree.map(lambda a: a[rnd], by_round)
-            y, aux = run_chunk(*chunk, inp, jax.tree.map(lambda a: a[micro], side))
+            y, aux = _run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
             return (jax.lax.ppermute(y, axis, perm), loop), (y, aux)
 
         loop0 = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
@@ -173,11 +217,134 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
         activity = jax.lax.psum(busy, axis) / (s * ticks)
         return outs, auxs, activity
 
-    out, aux, activity = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P()),
-                                       out_specs=(P(), P(axis), P()), axis_names={axis},
-                                       check_vma=False)(params, valid, x_MxB_, side_M_)
-    aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
-    return (out, aux, activity) if return_activity else (out, aux)
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P()),
+                         out_specs=(P(), P(axis), P()), axis_names={axis},
+                         check_vma=False)(params, valid, x_MxB_, side_M_)
+
+
+def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
+    """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
+    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`)."""
+
+    @jax.custom_vjp
+    def run(params, xs, side):
+        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1)
+        return out, aux
+
+    def fwd(params, xs, side):
+        return run(params, xs, side), (params, xs, side)
+
+    def bwd(res, ct):
+        params, xs, side = res
+        ct_y, ct_aux = ct
+        ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]  # integer outputs: none
+        grads, dxs = _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux,
+                                           mesh=mesh, axis=axis)
+        return grads, dxs, jax.tree.map(_zero_cotangent, side)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _float_leaves(tree) -> list:
+    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+
+def one_f_one_b_units(num_stages: int, num_microbatches: int) -> int:
+    """Units of the 1F1B backward: each stage runs M forwards and M backwards, one per unit, and
+    the last of them (stage 0's backward of microbatch M - 1) ends unit 2 (M + S - 1)."""
+    return 2 * (num_microbatches + num_stages - 1)
+
+
+def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str):
+    """Gradients (slot params [S * K, ...], x [M, ...]) of sum(y * ct_y) + sum(aux * ct_aux), run by
+    the 1F1B schedule in one shard_map over `axis`.
+
+    Stage s runs the forward of microbatch m at unit s + 2m and its backward at unit 2S - 1 - s + 2m
+    (never the same unit: the parities differ), handing activations to s + 1 and input gradients to
+    s - 1 with one ppermute each per unit. The forward keeps the residuals of the stage's `jax.vjp`
+    (its parameters excepted: they are read again) in slot m mod S until the backward reads them;
+    at most S - s microbatches are in flight on stage s, so this buffer does not grow with M. Weight
+    gradients are added up as each backward produces them. An idle (stage, unit) runs neither branch
+    (`lax.switch` on the stage's own op).
+    """
+    s = mesh.shape[axis]
+    m = xs.shape[0]
+    param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    aux_specs = [P(axis)] * len(ct_aux)
+
+    def body(local_params, local_valid, xs, side, ct_y, ct_aux):
+        stage = jax.lax.axis_index(axis)
+        side_of = lambda i: jax.tree.map(lambda a: a[i], side)  # noqa: E731
+        param_leaves = jax.tree.leaves(local_params)
+
+        def stage_vjp(p, h, e):
+            def f(p_, h_):
+                y, aux = _run_chunk(layer_fn, p_, local_valid, h_, e)
+                return y, _float_leaves(aux)
+            return jax.vjp(f, p, h)
+
+        layout = {}
+
+        def stash_of(p, h, e):  # the vjp's residuals, less the parameters (found by identity)
+            out, vjp_fn = stage_vjp(p, h, e)
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            owners = [next((i for i, q in enumerate(jax.tree.leaves(p)) if leaf is q), -1) for leaf in leaves]
+            layout.update(treedef=treedef, owners=owners)
+            return out[0], [leaf for leaf, i in zip(leaves, owners) if i < 0]
+
+        _, res_shapes = jax.eval_shape(stash_of, local_params, xs[0], side_of(0))
+        stash0 = [jnp.zeros((s, *r.shape), r.dtype) for r in res_shapes]
+        grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), local_params)
+
+        def forward(carry, recv_act, recv_grad, fm, bm):
+            stash, grads, dxs = carry
+            h = jnp.where(stage == 0, xs[fm], recv_act)
+            y, res = stash_of(local_params, h, side_of(fm))
+            stash = [jax.lax.dynamic_update_index_in_dim(b, r, fm % s, 0) for b, r in zip(stash, res)]
+            return (stash, grads, dxs), y, jnp.zeros_like(recv_grad)
+
+        def backward(carry, recv_act, recv_grad, fm, bm):
+            stash, grads, dxs = carry
+            saved = iter([b[bm % s] for b in stash])
+            leaves = [param_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
+            vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
+            g = jnp.where(stage == s - 1, ct_y[bm], recv_grad)
+            dp, dh = vjp_fn((g, [a[:, bm] for a in ct_aux]))
+            grads = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dp)
+            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dh, bm, 0)
+            return (stash, grads, dxs), jnp.zeros_like(recv_act), dh
+
+        def idle(carry, recv_act, recv_grad, fm, bm):
+            return carry, jnp.zeros_like(recv_act), jnp.zeros_like(recv_grad)
+
+        def unit(state, u):
+            carry, recv_act, recv_grad = state
+            fm, bm = (u - stage) // 2, (u - (2 * s - 1 - stage)) // 2
+            does_f = ((u - stage) % 2 == 0) & (fm >= 0) & (fm < m)
+            does_b = ((u - stage) % 2 == 1) & (bm >= 0) & (bm < m)
+            op = jnp.where(does_f, 1, jnp.where(does_b, 2, 0))
+            fm, bm = jnp.clip(fm, 0, m - 1), jnp.clip(bm, 0, m - 1)
+            carry, send_act, send_grad = jax.lax.switch(op, (idle, forward, backward), carry, recv_act, recv_grad,
+                                                        fm, bm)
+            recv_act = jax.lax.ppermute(send_act, axis, [(i, i + 1) for i in range(s - 1)])
+            recv_grad = jax.lax.ppermute(send_grad, axis, [(i + 1, i) for i in range(s - 1)])
+            return (carry, recv_act, recv_grad), None
+
+        init = ((stash0, grads0, jnp.zeros_like(xs)), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
+        ((_, grads, dxs), _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, local_params)
+        return grads, jax.lax.psum(jnp.where(stage == 0, dxs, 0), axis)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P(), P(), aux_specs),
+                         out_specs=(param_specs, P()), axis_names={axis},
+                         check_vma=False)(params, valid, xs, side, ct_y, ct_aux)
 
 
 def split_microbatches(x_Bx_: jax.Array, m: int) -> jax.Array:

@@ -95,10 +95,10 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,
-                        microbatches: int = 0, repeats: int = 1):
+                        microbatches: int = 0, repeats: int = 1, schedule: str | None = None):
     """`run_stack` for MoE blocks on a mesh with a `pipeline` axis: the layers split into stages,
-    the batch into microbatches, run by the GPipe (repeats=1) or circular schedule of
-    sharding/pipeline.py.
+    the batch into microbatches, run by `schedule` of sharding/pipeline.py (default GPipe, or
+    circular when repeats > 1).
 
     Same results as `run_stack`: stats are summed (expert counts) or averaged (the sequence-wise
     balance loss and the dropped fraction, means over equal-sized microbatches) over the microbatches.
@@ -115,7 +115,7 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
         layer = jax.checkpoint(layer)
     side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
     y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh,
-                                       repeats=repeats)
+                                       repeats=repeats, schedule=schedule)
     stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1),
                         jnp.mean(stats.dropped_fraction, axis=1))
     return pipeline.merge_microbatches(y), stats

@@ -121,7 +121,8 @@ class DeepSeekV3(nnx.Module):
             mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
             if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
                 x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
-                                               microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats)
+                                               microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats,
+                                               schedule=cfg.pipeline_schedule)
             else:
                 x, stats, moe = run_stack(self.moe_layers, x, ctx, remat=cfg.remat, cache=moe)
         h = self.norm(x)

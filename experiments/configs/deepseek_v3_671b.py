@@ -49,6 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
         remat=True,  # recompute activations in the backward pass, as the paper does
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)
+        pipeline_schedule="gpipe",  # gpipe | circular (repeats > 1) | 1f1b | dualpipev (sharding/pipeline.py)
     ))
     c.data.seq_len = 4096  # T
     c.data.batch_size = 15360  # the paper's final global batch (it ramps up from 3072); per process

@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
         remat=False,  # no rematerialisation needed at this size
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)
+        pipeline_schedule="gpipe",  # gpipe | circular (repeats > 1) | 1f1b | dualpipev (sharding/pipeline.py)
     ))
     c.data.seq_len = 128  # T
     c.data.batch_size = 16  # rows per step: 2048 tokens

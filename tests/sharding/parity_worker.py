@@ -91,7 +91,8 @@ def run(state, step, batches, place):
 
 
 def main(args: list[str]) -> None:
-    """args: meshes like `data=2,expert=4`, and `--name=value` model overrides (e.g. --num_layers=4)."""
+    """args: meshes like `data=2,expert=4` (`pipeline=4,data=2:1f1b`: under that pipeline schedule),
+    and `--name=value` model overrides (e.g. --num_layers=4)."""
     overrides = {k[2:]: int(v) for k, v in (a.split("=", 1) for a in args if a.startswith("--"))}
     meshes = [a for a in args if not a.startswith("--")]
     cfg, model, graphdef, tx, schedule, state = setup(overrides)
@@ -101,7 +102,12 @@ def main(args: list[str]) -> None:
     ref_step = step_lib.make_train_step(graphdef, tx, schedule, **LOSS_KW)
     ref_state, ref_curve = run(state, ref_step, batches, lambda b: b)
     for text in meshes:
-        mesh = sharding.make_mesh(parse_mesh(text))
+        mesh_text, _, pipe_schedule = text.partition(":")  # `pipeline=4,data=2:1f1b`: under that schedule
+        if pipe_schedule:
+            graphdef = state_lib.init_train_state(DeepSeekV3(cfg.replace(pipeline_schedule=pipe_schedule),
+                                                             rngs=nnx.Rngs(0)), tx, 0)[0]
+            grads = grad_fn(graphdef)
+        mesh = sharding.make_mesh(parse_mesh(mesh_text))
         shardings = sharded.train_state_shardings(model, state, mesh)
         placed = jax.device_put(state, shardings)
         with jax.set_mesh(mesh):  # as the sharded step runs: expert-parallel MoE where the mesh has `expert`

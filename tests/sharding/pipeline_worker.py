@@ -73,9 +73,12 @@ def executed(hlo: str, opcode: str) -> int:
 
 def main():
     rng = np.random.default_rng(0)
-    # (stages, layers, microbatches, repeats): GPipe even / uneven / one microbatch, then circular.
-    for stages, layers, micro, repeats in ((4, 6, 8, 1), (2, 5, 4, 1), (4, 4, 1, 1), (4, 8, 4, 2), (2, 5, 3, 2),
-                                           (4, 6, 8, 2)):
+    # (stages, layers, microbatches, repeats, schedule): GPipe even / uneven / one microbatch, circular,
+    # then the hand-run backwards: 1F1B uneven / even, DualPipeV (2S chunks) even / uneven.
+    for stages, layers, micro, repeats, schedule in (
+            (4, 6, 8, 1, "gpipe"), (2, 5, 4, 1, "gpipe"), (4, 4, 1, 1, "gpipe"), (4, 8, 4, 2, "circular"),
+            (2, 5, 3, 2, "circular"), (4, 6, 8, 2, "circular"), (4, 6, 8, 1, "1f1b"), (2, 4, 3, 1, "1f1b"),
+            (2, 8, 5, 1, "dualpipev"), (4, 6, 8, 1, "dualpipev")):
         mesh = sharding.make_mesh({"pipeline": stages, "data": -1})
         stacked = {"w1": jnp.asarray(rng.standard_normal((layers, D, H)) * 0.3, jnp.float32),
                    "w2": jnp.asarray(rng.standard_normal((layers, H, D)) * 0.3, jnp.float32)}
@@ -83,7 +86,7 @@ def main():
         side = jnp.asarray(rng.standard_normal((micro, 1, D)), jnp.float32)
 
         def piped(stacked, xs, side):
-            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, repeats=repeats)
+            return pipeline.pipeline_apply(layer, stacked, xs, side, mesh=mesh, repeats=repeats, schedule=schedule)
 
         def loss(f):
             def total(s, x, e):
@@ -94,17 +97,22 @@ def main():
         compiled = jax.jit(piped).lower(stacked, xs, side).compile()
         out, aux = compiled(stacked, xs, side)
         ref, aux_ref = jax.jit(sequential)(stacked, xs, side)
-        g = jax.jit(jax.grad(loss(piped), argnums=(0, 1, 2)))(stacked, xs, side)
-        g_ref = jax.jit(jax.grad(loss(sequential), argnums=(0, 1, 2)))(stacked, xs, side)
+        wrt = (0, 1, 2) if repeats > 1 or schedule == "gpipe" else (0, 1)  # hand-run backwards: side is constant
+        grad = jax.jit(jax.grad(loss(piped), argnums=wrt))
+        g = grad(stacked, xs, side)
+        g_ref = jax.jit(jax.grad(loss(sequential), argnums=wrt))(stacked, xs, side)
         grad_rel = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
                        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
         hlo = compiled.as_text()
         matmuls = executed(hlo, "dot")  # two per layer application, padding slots and idle ticks included
+        grad_hlo = grad.lower(stacked, xs, side).compile().as_text()
         print(json.dumps({"stages": stages, "layers": layers, "microbatches": micro, "repeats": repeats,
+                          "schedule": schedule, "grad_handoffs": executed(grad_hlo, "collective-permute"),
                           "out_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
                           "aux_rel": float(np.linalg.norm(aux - aux_ref) / np.linalg.norm(aux_ref)), "grad_rel": grad_rel,
                           "ticks": executed(hlo, "collective-permute"),
-                          "bubble_measured": 1.0 - 2 * layers * micro / stages / matmuls,
+                          # (None when the layers run in conditionals, DualPipeV's: not counted here)
+                          "bubble_measured": 1.0 - 2 * layers * micro / stages / matmuls if matmuls else None,
                           "bubble_theory": pipeline.bubble_fraction(stages, micro, repeats),
                           "ppermute": "collective-permute" in hlo}), flush=True)
 

@@ -4,7 +4,8 @@ Each mesh: loss and every gradient of one step within 1e-5 (relative, 2-norm per
 single-device step, the loss curve and all parameters after 3 steps likewise, and the state keeps
 the shardings the rules give it. On the pipeline meshes the MoE layers run in stages under the GPipe
 schedule of sharding/pipeline.py (the step's HLO hands activations on with collective_permute),
-with 4 MoE layers (even stages) and 3 on 2 stages under the circular schedule (uneven chunks).
+with 4 MoE layers (even stages) and 3 on 2 stages under the circular schedule (uneven chunks);
+the 1F1B and DualPipeV schedules, whose backward runs by hand, with 6 MoE layers on 4 stages.
 """
 
 import pytest
@@ -45,3 +46,13 @@ def test_pipeline_meshes_match_one_device():
         check(row)
         assert row["stage_handoff"], row
         assert row["expert_all_to_all"] == ("expert" in row["mesh"]), row
+
+
+def test_hand_run_backward_schedules_match_one_device():
+    # 6 MoE layers on 4 stages: 1F1B splits them 2, 2, 1, 1 and DualPipeV's V of 8 chunks holds two
+    # empty ones, so both run padding slots; even splits are held in tests/sharding/test_pipeline.py.
+    rows = run_worker("--num_layers=7", "pipeline=4,data=2:1f1b", "pipeline=4,data=2:dualpipev")
+    assert [r["moe_layers"] for r in rows] == [6, 6]
+    for row in rows:
+        check(row)
+        assert row["stage_handoff"], row

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding import pipeline
+from sharding import dualpipev, pipeline
 from tests.sharding.workers import run_worker
 
 
@@ -25,11 +25,18 @@ def test_microbatch_choice_meets_the_target_bubble():
 
 def test_pipeline_matches_sequential_layers_on_eight_devices():
     rows = run_worker("tests.sharding.pipeline_worker")
-    assert [(r["stages"], r["layers"], r["microbatches"], r["repeats"]) for r in rows] == [
-        (4, 6, 8, 1), (2, 5, 4, 1), (4, 4, 1, 1), (4, 8, 4, 2), (2, 5, 3, 2), (4, 6, 8, 2)]
+    assert [(r["stages"], r["layers"], r["microbatches"], r["repeats"], r["schedule"]) for r in rows] == [
+        (4, 6, 8, 1, "gpipe"), (2, 5, 4, 1, "gpipe"), (4, 4, 1, 1, "gpipe"), (4, 8, 4, 2, "circular"),
+        (2, 5, 3, 2, "circular"), (4, 6, 8, 2, "circular"), (4, 6, 8, 1, "1f1b"), (2, 4, 3, 1, "1f1b"),
+        (2, 8, 5, 1, "dualpipev"), (4, 6, 8, 1, "dualpipev")]
     for r in rows:
         assert r["out_rel"] < 1e-6 and r["aux_rel"] < 1e-6 and r["grad_rel"] < 1e-5, r
         assert r["ppermute"], r
+        if r["schedule"] == "dualpipev":  # its own forward program; its table is checked below
+            continue
+        if r["schedule"] == "1f1b":  # GPipe's forward, then F and B alternating: 2 (M + S - 1) units of
+            # one hand-off each way, the classic 1F1B length (M + S - 1) (F + B)
+            assert r["grad_handoffs"] == 5 * (r["microbatches"] + r["stages"] - 1), r
         # The compiled program runs R*M + S - 1 ticks, and its idle share of matmuls is the theory's
         # bubble when the stages split the layers evenly; uneven stages also run padding slots.
         assert r["ticks"] == r["repeats"] * r["microbatches"] + r["stages"] - 1, r
@@ -74,3 +81,48 @@ def test_circular_slots_bubble_and_microbatches():
     with pytest.raises(ValueError, match="fewer than the 4 stages"):
         pipeline.resolve_microbatches(16, 4, batch_shards=1, requested=2, repeats=2)
     assert pipeline.resolve_microbatches(64, 4, batch_shards=2, repeats=2) == 8  # 3/19 <= 0.2 < 3/11
+
+
+@pytest.mark.parametrize("stages, micro", [(4, 8), (4, 32), (2, 5), (3, 1)])
+def test_dualpipev_table_runs_every_chunk_once_in_dependency_order(stages, micro):
+    table = dualpipev.schedule_table(stages, micro)
+    t = table.rows
+    chunks = 2 * stages
+    ran = {}  # (kind, chunk, microbatch) -> unit
+    for u in range(table.units):
+        for r in range(stages):
+            for kind in "fbw":
+                if t[f"{kind}_on"][u, r]:
+                    v, j = t[f"{kind}_v"][u, r], t[f"{kind}_m"][u, r]
+                    c = r if v == 0 else chunks - 1 - r  # the V: rank r holds chunks r and 2S-1-r
+                    assert (kind, c, j) not in ran
+                    ran[kind, c, j] = u
+            if t["f_on"][u, r] and t["b_on"][u, r]:  # F and B in one unit are different microbatches
+                assert t["f_m"][u, r] != t["b_m"][u, r] or t["f_v"][u, r] != t["b_v"][u, r]
+    assert len(ran) == 3 * chunks * micro
+    for c in range(chunks):
+        for j in range(micro):
+            assert c == 0 or ran["f", c - 1, j] < ran["f", c, j]  # input came from the chunk before
+            assert ran["f", c, j] < ran["b", c, j] < ran["w", c, j]  # B before its deferred W
+            assert c == chunks - 1 or ran["b", c + 1, j] < ran["b", c, j]
+
+
+def test_dualpipev_memory_does_not_grow_with_microbatches():
+    sizes = {m: dualpipev.schedule_table(4, m) for m in (8, 16, 64)}
+    assert len({(t.stash, t.inbox_a, t.inbox_g, t.wait_w) for t in sizes.values()}) == 1
+    # 1F1B's bound on 2S virtual stages: chunk c holds at most 2S - c microbatches, rank r
+    # (chunks r and 2S-1-r) 2S + 1, plus the deferred weight gradients, plus the dump slot.
+    assert sizes[64].stash <= 2 * 4 + 1 + 3 + 1
+
+
+def test_pipeline_schedule_field_is_checked_and_repeats_mean_circular():
+    from dsv3_jax.config import ConfigError, ModelConfig
+
+    assert ModelConfig().pipeline_schedule == "gpipe"
+    assert ModelConfig(pipeline_repeats=2).pipeline_schedule == "circular"  # the older spelling
+    with pytest.raises(ConfigError, match="pipeline_schedule must be one of"):
+        ModelConfig(pipeline_schedule="zb-h1")
+    with pytest.raises(ConfigError, match="pipeline_schedule='circular' takes pipeline_repeats >= 2"):
+        ModelConfig(pipeline_schedule="circular")
+    with pytest.raises(ConfigError, match="pipeline_schedule='1f1b' takes pipeline_repeats=1"):
+        ModelConfig(pipeline_schedule="1f1b", pipeline_repeats=2)

@@ -1,0 +1,326 @@
+"""DualPipeV: the stack cut into 2S chunks laid out as a V over S stages, run by a static table.
+
+Letters: S stages (ranks), C = 2S chunks of K = ceil(L / C) layer slots, M microbatches, U units.
+
+Placement: rank r holds chunks r and 2S - 1 - r (its local chunks v = 0 and v = 1), so a microbatch
+goes down the ranks 0 .. S-1 through chunks 0 .. S-1 and back up S-1 .. 0 through chunks S .. 2S-1:
+both ends of the model sit on rank 0, the middle on rank S-1 (one copy of the weights, unlike
+DualPipe's two). Activations of chunks < S travel to r + 1 and of chunks >= S to r - 1; their input
+gradients the other way; at the V's tip (rank S-1) the hand-off is local.
+
+Schedule: `schedule_table` simulates the ranks unit by unit and writes what each does. In one unit
+a rank may run a forward chunk (F), the input-gradient half of a backward chunk (B) of another
+microbatch, and a deferred weight-gradient half (W). B comes first whenever its cotangent has
+arrived (the deepest chunk first); F runs while its chunk has fewer than 2S - c microbatches
+between F and B in flight (1F1B's bound on the 2S virtual stages, so stash memory does not grow
+with M); W runs in units where the rank does not run both F and B, or when more than `w_lag` are
+waiting. Every buffer slot (inboxes for arriving activations and gradients, residual stash, the
+cotangents W needs) is assigned in the table, so the program only indexes.
+
+The program (`_run`): a scan over units inside shard_map over `axis`; each unit runs W, B, F under
+`lax.cond` on this rank's row of the table, then four ppermutes (activations and gradients, to
+r + 1 and to r - 1) whose results land in the slots the table names. B and W both call the chunk's
+`jax.vjp` function rebuilt from the stashed residuals: B keeps only the input gradient, W only the
+weight gradient (XLA drops the unused half of each; W re-runs the input-gradient chain inside the
+chunk that its weight gradients need). Cond boundaries keep XLA from overlapping one chunk's MoE
+exchange with the other's compute: the overlap is in the schedule, not yet in the compiled program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sharding import pipeline as pl
+
+
+def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(layer index, validity) of the S * 2 * K slots, rank-major: rank r holds chunk r's K slots then
+    chunk 2S - 1 - r's. Chunks are balanced like `stage_layers`; padding slots point at layer 0."""
+    chunks = 2 * num_stages
+    k = -(-num_layers // chunks)
+    starts = np.cumsum([0] + pl.stage_layers(num_layers, chunks))
+    index, valid = [], []
+    for r in range(num_stages):
+        for c in (r, chunks - 1 - r):
+            count = starts[c + 1] - starts[c]
+            index += [starts[c] + j if j < count else 0 for j in range(k)]
+            valid += [j < count for j in range(k)]
+    return np.asarray(index, np.int32), np.asarray(valid)
+
+
+_FIELDS = ("f_on", "f_v", "f_m", "f_in", "f_res", "f_loc", "b_on", "b_v", "b_m", "b_in", "b_res", "b_w", "b_loc",
+           "w_on", "w_v", "w_m", "w_res", "w_slot", "a_below", "a_above", "g_below", "g_above")
+
+
+@dataclass(frozen=True)
+class Table:
+    """What every rank does in every unit: each field an int array [U, S] (see `_FIELDS`; -1 for
+    in-slots means the step's own input: x for chunk 0's F, the output cotangent for chunk 2S-1's B;
+    writes that go nowhere name the dump slot, the buffer's last). Sizes count slots, dump included."""
+
+    rows: dict
+    units: int
+    inbox_a: int  # arriving activations
+    inbox_g: int  # arriving input gradients
+    stash: int  # residuals held from F until W
+    wait_w: int  # cotangents held from B until W
+    busy: float  # share of (rank, unit, kind) slots that run an op, F + B + W kinds
+
+
+class _Slots:
+    def __init__(self):
+        self.free, self.size = [], 0
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.size += 1
+        return self.size - 1
+
+    def give(self, i: int) -> None:
+        self.free.append(i)
+
+
+def schedule_table(num_stages: int, num_microbatches: int, *, backward: bool = True, w_lag: int = 2) -> Table:
+    """Simulates the DualPipeV ranks (see the module docstring) and returns their table. With
+    `backward=False`, forwards only (the custom_vjp's forward pass)."""
+    s, m, chunks = num_stages, num_microbatches, 2 * num_stages
+    rank = lambda c: c if c < s else chunks - 1 - c  # noqa: E731
+    f_done = np.full((chunks, m), -1)  # the unit each op ran in
+    b_done = np.full((chunks, m), -1)
+    next_f, next_b = [0] * chunks, [0] * chunks
+    w_queue = [[] for _ in range(s)]  # (c, m, res slot, w slot, unit of its B)
+    a_slots, g_slots, r_slots, w_slots = ([_Slots() for _ in range(s)] for _ in range(4))
+    a_of, g_of, res_of = {}, {}, {}  # (c, m) -> slot on the consuming rank
+    rows, busy, u = [], 0, 0
+    while (min(next_b) if backward else min(next_f)) < m or any(w_queue):
+        if u > 8 * (m + chunks) + 64:
+            raise RuntimeError(f"DualPipeV table for S={s}, M={m} does not finish")  # a bug, not an input error
+        row = {f: [-1] * s for f in _FIELDS}
+        for f in ("f_on", "b_on", "w_on"):
+            row[f] = [0] * s
+        sent_f, sent_b = [], []
+        for r in range(s):
+            mine = (r, chunks - 1 - r)
+            did = 0
+            # B: the chunk nearest the loss whose cotangent has arrived
+            for v, c in sorted(enumerate(mine), key=lambda vc: -vc[1]):
+                j = next_b[c]
+                if not backward or j >= m or f_done[c, j] < 0 or f_done[c, j] >= u:
+                    continue
+                if c < chunks - 1 and not (0 <= b_done[c + 1, j] < u):
+                    continue
+                slot_w = w_slots[r].take()
+                for f, val in (("b_on", 1), ("b_v", v), ("b_m", j), ("b_res", res_of[c, j]), ("b_w", slot_w),
+                               ("b_in", g_of.pop((c, j)) if c < chunks - 1 else -1)):
+                    row[f][r] = val
+                if row["b_in"][r] >= 0:
+                    g_slots[r].give(row["b_in"][r])
+                w_queue[r].append((c, j, res_of.pop((c, j)), slot_w, u))
+                b_done[c, j], next_b[c], did = u, j + 1, did + 1
+                sent_b.append((r, c, j))
+                break
+            # F: the deepest chunk whose input has arrived, within 1F1B's in-flight bound
+            for v, c in sorted(enumerate(mine), key=lambda vc: -vc[1]):
+                j = next_f[c]
+                if j >= m or (c > 0 and not (0 <= f_done[c - 1, j] < u)):
+                    continue
+                if backward and j - next_b[c] >= chunks - c:
+                    continue
+                for f, val in (("f_on", 1), ("f_v", v), ("f_m", j), ("f_in", a_of.pop((c, j)) if c > 0 else -1)):
+                    row[f][r] = val
+                if row["f_in"][r] >= 0:
+                    a_slots[r].give(row["f_in"][r])
+                if backward:
+                    res_of[c, j] = row["f_res"][r] = r_slots[r].take()
+                f_done[c, j], next_f[c], did = u, j + 1, did + 1
+                sent_f.append((r, c, j))
+                break
+            # W: deferred weight gradients fill units without both F and B
+            # (not one whose B runs in this unit: the program runs W before B)
+            ready_w = [w for w in w_queue[r] if w[4] < u]
+            if ready_w and (did < 2 or len(w_queue[r]) > w_lag or min(next_b) >= m):
+                c, j, res, slot_w, _ = ready_w[0]
+                w_queue[r].remove(ready_w[0])
+                for f, val in (("w_on", 1), ("w_v", int(c >= s)), ("w_m", j), ("w_res", res), ("w_slot", slot_w)):
+                    row[f][r] = val
+                # freed at the end of the unit: W runs first in the program, but the table's F
+                # above may have taken a slot this unit before this W released its own
+                r_slots[r].give(res)
+                w_slots[r].give(slot_w)
+                did += 1
+            busy += did
+        for r, c, j in sent_f:  # outputs land in the next chunk's inbox at the end of the unit
+            if c == chunks - 1:
+                continue
+            dest = rank(c + 1)
+            a_of[c + 1, j] = slot = a_slots[dest].take()
+            row["f_loc" if dest == r else ("a_below" if dest == r + 1 else "a_above")][dest] = slot
+        for r, c, j in sent_b:
+            if c == 0:
+                continue
+            dest = rank(c - 1)
+            g_of[c - 1, j] = slot = g_slots[dest].take()
+            row["b_loc" if dest == r else ("g_below" if dest == r + 1 else "g_above")][dest] = slot
+        rows.append(row)
+        u += 1
+    sizes = [max(b.size for b in slots) + 1 for slots in (a_slots, g_slots, r_slots, w_slots)]  # + dump
+    table = {f: np.asarray([row[f] for row in rows], np.int32) for f in _FIELDS}
+    for f, size in (("f_loc", sizes[0]), ("a_below", sizes[0]), ("a_above", sizes[0]), ("b_loc", sizes[1]),
+                    ("g_below", sizes[1]), ("g_above", sizes[1]), ("f_res", sizes[2]), ("b_w", sizes[3])):
+        table[f] = np.where(table[f] < 0, size - 1, table[f])  # writes to nowhere go to the dump slot
+    kinds = 3 if backward else 1
+    return Table(table, len(rows), *sizes, busy=busy / (kinds * s * len(rows)))
+
+
+def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline"):
+    """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
+    forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient."""
+    s, m = mesh.shape[axis], x_MxB_.shape[0]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    index, valid = v_layer_slots(num_layers, s)
+    params = jax.tree.map(lambda a: a[index], stacked)
+    fwd_table, bwd_table = schedule_table(s, m, backward=False), schedule_table(s, m)
+
+    @jax.custom_vjp
+    def run(params, xs, side):
+        return _run(layer_fn, fwd_table, params, valid, xs, side, None, None, mesh=mesh, axis=axis)
+
+    def fwd(params, xs, side):
+        return run(params, xs, side), (params, xs, side)
+
+    def bwd(res, ct):
+        params, xs, side = res
+        ct_y, ct_aux = ct
+        ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]
+        grads, dxs = _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis)
+        return grads, dxs, jax.tree.map(pl._zero_cotangent, side)
+
+    run.defvjp(fwd, bwd)
+    out, aux = run(params, x_MxB_, side_M_)
+    slot_of_layer = np.argsort(np.where(valid, index, num_layers), kind="stable")[:num_layers]
+    return out, jax.tree.map(lambda a: a[slot_of_layer], aux)
+
+
+def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh, axis):
+    """The table's program. Forward-only (ct_y None): (y [M, ...], aux slots [S * 2K, M, ...]);
+    otherwise (slot param grads, x grads [M, ...])."""
+    s, m = mesh.shape[axis], xs.shape[0]
+    backward = ct_y is not None
+    param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    rows = {f: jnp.asarray(a) for f, a in table.rows.items()}
+
+    def body(local_params, local_valid, xs, side, ct_y, ct_aux):
+        stage = jax.lax.axis_index(axis)
+        by_chunk = jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), (local_params, local_valid))
+        chunk = lambda v: jax.tree.map(lambda a: a[v], by_chunk)  # noqa: E731
+        side_of = lambda i: jax.tree.map(lambda a: a[i], side)  # noqa: E731
+        zero = jnp.zeros_like(xs[0])
+        buffer = lambda n: jnp.zeros((n, *xs.shape[1:]), xs.dtype)  # noqa: E731
+        put = jax.lax.dynamic_update_index_in_dim
+
+        def f_chunk(p, ok, h, e):
+            y, aux = pl._run_chunk(layer_fn, p, ok, h, e)
+            return y, pl._float_leaves(aux)
+
+        layout = {}
+
+        def stash_of(p, ok, h, e):
+            out, vjp_fn = jax.vjp(lambda p_, h_: f_chunk(p_, ok, h_, e), p, h)
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            owners = [next((i for i, q in enumerate(jax.tree.leaves(p)) if leaf is q), -1) for leaf in leaves]
+            layout.update(treedef=treedef, owners=owners)
+            return out[0], [leaf for leaf, i in zip(leaves, owners) if i < 0]
+
+        def vjp_of(stash, slot, v):
+            p, _ = chunk(v)
+            saved = iter([b[slot] for b in stash])
+            params_leaves = jax.tree.leaves(p)
+            leaves = [params_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
+            return jax.tree.unflatten(layout["treedef"], leaves)
+
+        def cot_aux(v, j):  # this chunk's aux cotangents for microbatch j: [K, ...] each
+            return [a.reshape(2, -1, *a.shape[1:])[v][:, j] for a in ct_aux]
+
+        if backward:
+            _, res_shapes = jax.eval_shape(stash_of, *chunk(0), xs[0], side_of(0))
+            stash0 = [jnp.zeros((table.stash, *r.shape), r.dtype) for r in res_shapes]
+            acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), by_chunk[0])
+            extra0 = (stash0, buffer(table.wait_w), acc0, jnp.zeros_like(xs))
+        else:
+            _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: pl._run_chunk(layer_fn, p, ok, h, e), *chunk(0),
+                                           xs[0], side_of(0))
+            aux0 = jax.tree.map(lambda a: jnp.zeros((2, m, *a.shape), a.dtype), aux_shapes)
+            extra0 = (jnp.zeros_like(xs), aux0)
+
+        def unit(carry, row_u):
+            inbox_a, inbox_g, extra = carry
+            r = {f: a[stage] for f, a in row_u.items()}
+            if backward:
+                def do_w(extra):
+                    stash, wait, acc, dxs = extra
+                    vjp_fn = vjp_of(stash, r["w_res"], r["w_v"])
+                    dp, _ = vjp_fn((wait[r["w_slot"]], cot_aux(r["w_v"], r["w_m"])))
+                    acc = jax.tree.map(lambda g, d: put(g, g[r["w_v"]] + d.astype(g.dtype), r["w_v"], 0), acc, dp)
+                    return stash, wait, acc, dxs
+
+                def do_b(extra):
+                    stash, wait, acc, dxs = extra
+                    g = jnp.where(r["b_in"] < 0, ct_y[r["b_m"]], inbox_g[jnp.maximum(r["b_in"], 0)])
+                    _, dh = vjp_of(stash, r["b_res"], r["b_v"])((g, cot_aux(r["b_v"], r["b_m"])))
+                    first = (stage == 0) & (r["b_v"] == 0)  # chunk 0: the stack's input gradient
+                    dxs = put(dxs, jnp.where(first, dh, dxs[r["b_m"]]), r["b_m"], 0)
+                    return (stash, put(wait, g, r["b_w"], 0), acc, dxs), dh
+
+                def do_f(extra):
+                    stash, wait, acc, dxs = extra
+                    h = jnp.where(r["f_in"] < 0, xs[r["f_m"]], inbox_a[jnp.maximum(r["f_in"], 0)])
+                    y, res = stash_of(*chunk(r["f_v"]), h, side_of(r["f_m"]))
+                    stash = [put(b, x, r["f_res"], 0) for b, x in zip(stash, res)]
+                    return (stash, wait, acc, dxs), y
+
+                extra = jax.lax.cond(r["w_on"] > 0, do_w, lambda e: e, extra)
+                extra, dh = jax.lax.cond(r["b_on"] > 0, do_b, lambda e: (e, zero), extra)
+            else:
+                def do_f(extra):
+                    outs, aux = extra
+                    h = jnp.where(r["f_in"] < 0, xs[r["f_m"]], inbox_a[jnp.maximum(r["f_in"], 0)])
+                    y, a = pl._run_chunk(layer_fn, *chunk(r["f_v"]), h, side_of(r["f_m"]))
+                    last = (stage == 0) & (r["f_v"] == 1)  # chunk 2S - 1: the stack's output
+                    outs = put(outs, jnp.where(last, y, outs[r["f_m"]]), r["f_m"], 0)
+                    aux = jax.tree.map(lambda b, x: b.at[r["f_v"], r["f_m"]].set(x), aux, a)
+                    return (outs, aux), y
+
+                dh = zero
+            extra, y = jax.lax.cond(r["f_on"] > 0, do_f, lambda e: (e, zero), extra)
+            inbox_a = put(inbox_a, y, r["f_loc"], 0)
+            inbox_g = put(inbox_g, dh, r["b_loc"], 0)
+            up, down = [(i, i + 1) for i in range(s - 1)], [(i + 1, i) for i in range(s - 1)]
+            inbox_a = put(inbox_a, jax.lax.ppermute(y, axis, up), r["a_below"], 0)
+            inbox_a = put(inbox_a, jax.lax.ppermute(y, axis, down), r["a_above"], 0)
+            inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, up), r["g_below"], 0)
+            inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, down), r["g_above"], 0)
+            return (inbox_a, inbox_g, extra), None
+
+        init = (buffer(table.inbox_a), buffer(table.inbox_g), extra0)
+        (_, _, extra), _ = jax.lax.scan(unit, init, rows)
+        if backward:
+            _, _, acc, dxs = extra
+            grads = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), acc, local_params)
+            return grads, jax.lax.psum(jnp.where(stage == 0, dxs, 0), axis)
+        outs, aux = extra
+        aux = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, m, *a.shape[3:]), aux)  # [2K, M, ...]
+        return jax.lax.psum(jnp.where(stage == 0, outs, 0), axis), aux
+
+    if backward:
+        out_specs = (param_specs, P())
+        in_specs = (param_specs, P(axis), P(), P(), P(), [P(axis)] * len(ct_aux))
+    else:
+        out_specs, in_specs = (P(), P(axis)), (param_specs, P(axis), P(), P(), P(), P())
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis},
+                         check_vma=False)(params, jnp.asarray(valid), xs, side, ct_y, ct_aux)
