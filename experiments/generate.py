@@ -13,7 +13,7 @@ eos_token_id(s) to the stop tokens and gives the defaults of the sampling flags 
 errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the
 shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host;
-the cache's rows are split over `data` and the steps run under the mesh (jax.set_mesh), the MoE
+the cache's rows are split as a batch (data x fsdp x expert) and the steps run under the mesh (jax.set_mesh), the MoE
 layers expert-parallel. Expert parallelism splits the rows over data x fsdp x expert, so a batch of
 prompts that those devices do not divide is padded with copies of its last prompt, decoded and dropped.
 
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
                          top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
-                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts)))
+                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules))
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,7 @@ a compile after that (a shape warm-up missed: a stall of seconds) is logged as a
 
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the shards
 its devices hold (load_pretrained(mesh=...), the rules table sharding/rules.py: MLA heads on `tensor`,
-routed experts on `expert`), the cache's slots are split over `data`, and every step runs under the
+routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every step runs under the
 mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process drives all the mesh's
 devices (a multi-host server would need every process to run the same steps).
 """
@@ -69,7 +69,7 @@ def build(args: argparse.Namespace):
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
-                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh)
+                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules)
     start = time.perf_counter()
     runner.warm_up()
     logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunk widths %s, decode "

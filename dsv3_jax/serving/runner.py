@@ -23,7 +23,8 @@ Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chu
 (state, cache, ...) and donates the cache.
 
 On a mesh (`mesh=`, the one the weights were loaded onto, `load_pretrained(mesh=...)`): the cache's
-slots (its B axis) are split over `data`, every step is traced and run under `jax.set_mesh(mesh)`, so
+slots (its B axis) are split as the rules table splits a batch (`data` x `fsdp` x `expert`:
+each device keeps its own requests' rows and attends over them), every step is traced and run under `jax.set_mesh(mesh)`, so
 the MoE layers exchange tokens with their experts' devices (`sharding/expert_parallel.py`) and XLA
 splits MLA's heads as the weights are split (`tensor`), and every step returns the cache in the
 sharding it came in (one compile per shape, as on one device). Expert parallelism splits a step's
@@ -49,6 +50,7 @@ from dsv3_jax.inference.cache import CACHE_DTYPES
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
 from dsv3_jax.inference.speculative import accept_slots
 from dsv3_jax.serving.penalties import table_width
+import sharding
 from sharding import expert_parallel
 
 
@@ -86,27 +88,19 @@ def token_shards(mesh) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in expert_parallel.TOKEN_AXES)
 
 
-def cache_sharding(mesh, max_batch: int):
-    """The cache's placement on `mesh`: every array [L, B, S, ...] with its slots B split over `data`
-    (None without a mesh)."""
+def cache_sharding(mesh, max_batch: int, rules=None):
+    """The cache's placement on `mesh` (None without one): every array [L, B, S, ...] with its slots B
+    split as the rules table splits a batch (`batch`: data x fsdp x expert), so each device holds the
+    rows of its own requests, whose attention it computes."""
     if mesh is None:
         return None
-    data = mesh.shape.get("data", 1)
-    if max_batch % data:
-        raise ValueError(f"max_batch={max_batch} is not divisible by the mesh's data={data}: the cache's "
-                         f"slots are split over data")
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data") if data > 1
-                                      else jax.sharding.PartitionSpec())
-
-
-def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
-    """int32 [N]: the slots a decode step runs, the active ones first, padded with idle ones to the
-    smallest bucket N that holds them (distinct, so the scatter back writes each slot once)."""
-    active = np.flatnonzero(active_B)
-    n = next(b for b in buckets if b >= len(active))
-    if n == len(active_B):
-        return np.arange(n, dtype=np.int32)
-    return np.concatenate([active, np.flatnonzero(~active_B)[:n - len(active)]]).astype(np.int32)
+    shards = token_shards(mesh)
+    if max_batch % shards:
+        raise ValueError(f"max_batch={max_batch} is not divisible by the {shards} devices the mesh splits a batch "
+                         f"over (data x fsdp x expert): the cache's slots are split over them")
+    spec = sharding.logical_to_spec((None, "batch"), (1, max_batch), mesh, sharding.get_rules(rules),
+                                    name="cache slots")
+    return jax.sharding.NamedSharding(mesh, spec if any(spec) else jax.sharding.PartitionSpec())
 
 
 def _rows(cache, slot):
@@ -145,7 +139,7 @@ class Runner:
     """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
-                 chunk: int = 64, use_mtp: bool = False, mesh=None):
+                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None):
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
@@ -160,7 +154,7 @@ class Runner:
         chunking.check_chunk(chunk)
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
-        self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch)
+        self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
         shards = token_shards(mesh)
         if max_batch % shards or self.buckets[0] % shards:
             raise ValueError(f"on this mesh a step's tokens are split over {shards} devices (data x fsdp x expert): "

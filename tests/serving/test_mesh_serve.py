@@ -40,3 +40,20 @@ def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
         assert got == want, (flags, text[-3000:])
         assert "on the mesh {'pipeline': 1, 'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}" in text, text[-3000:]
         assert "compiled after warm-up" not in text, (flags, text[-3000:])
+
+
+def _generate(checkpoint, *flags) -> list[str]:
+    """experiments.generate's continuations of three prompts (a batch the 4 token shards of the mesh
+    do not divide: padded), greedy."""
+    res = helpers.run_module("experiments.generate", f"--checkpoint={checkpoint}", "--prompt=a fox", "--prompt=the",
+                             "--prompt=over the lazy dog and", "--max_new_tokens=8", *flags,
+                             env=helpers.fake_device_env(8), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [line for line in res.stdout.splitlines() if not line.startswith(("prefill", "MTP"))]
+
+
+def test_mesh_generate_answers_as_one_device(served_checkpoint):
+    want = _generate(served_checkpoint)
+    assert sum(line.startswith("--- ") for line in want) == 3, want
+    assert _generate(served_checkpoint, MESH) == want
+    assert _generate(served_checkpoint, MESH, "--use_mtp") == want
