@@ -32,8 +32,10 @@ Per device (GB = 1e9 bytes):
 A plan fits a chip when the total stays under `--headroom` (default 0.9) of its HBM. The largest
 batch for each context is the largest multiple of the token shards that fits.
 
-`--check_compiled` compiles the decode step for this host's devices instead (e.g. 8 fake CPU
-devices, bf16/fp32 weights only) and prints XLA's per-device memory_analysis() beside the plan.
+`--check_compiled` also compiles the decode step for this host's devices (the mesh must use them
+all, e.g. 8 fake CPU devices; fp32/bf16 weights, since the quantized forward is not in the model)
+and prints XLA's per-device memory_analysis() beside the plan. Use fp32 there: XLA:CPU computes
+bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program does.
 """
 
 from __future__ import annotations
@@ -325,7 +327,8 @@ def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tup
         print(f"  {name:<48}{value / GB:>9.2f}", file=out)
     print(f"  {'total':<48}{p.total / GB:>9.2f}  ({'fits' if p.fits else 'does not fit'} in "
           f"{headroom:.0%} of {chip.hbm_bytes / GB:.0f} GB)", file=out)
-    largest = {c: largest_batch(cfg, dep, c, headroom=headroom, model=model) for c in CONTEXTS}
+    largest = {c: largest_batch(cfg, dep, c, headroom=headroom, model=model) for c in CONTEXTS
+               if c <= cfg.max_position_embeddings}
     print("  largest batch that fits: " + ", ".join(f"{b} x {c}" for c, b in largest.items()), file=out)
     lowered = {}
     for platform in platforms:
@@ -353,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.add_argument("--group", type=int, default=128, help="int8/int4 scale group along the contraction axis")
     a.add_argument("--headroom", type=float, default=0.9, help="share of HBM the plan may use")
     a.add_argument("--platforms", default=None, help="lower for these (default: the chip's), e.g. tpu,cuda")
+    a.add_argument("--check_compiled", action="store_true", help="compile the step on this host's devices and "
+                   "compare memory_analysis() with the plan")
     a.add_argument("--table", action="store_true", help="the README's 671B deployments, each on its best "
                    "candidate mesh (--chip, --mesh, --weights ignored)")
     return a.parse_args(argv)
@@ -362,7 +367,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = ModelConfig.deepseek_v3() if args.model == "deepseek_v3" else ModelConfig.tiny()
-        cfg = cfg.replace(compute_dtype="bfloat16", param_dtype="bfloat16")
+        dtype = "float32" if args.weights == "fp32" else "bfloat16"
+        cfg = cfg.replace(compute_dtype=dtype, param_dtype=dtype)
         deps = [Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
                            args.use_mtp, args.rules, args.group)]
         if args.table:
@@ -375,6 +381,12 @@ def main(argv=None) -> int:
         for dep in deps:
             platforms = tuple(args.platforms.split(",")) if args.platforms else (CHIPS[dep.chip.lower()].platform,)
             report(cfg, dep, headroom=args.headroom, platforms=platforms)
+            if args.check_compiled:
+                p, m = plan(cfg, dep, headroom=args.headroom), compiled_memory(cfg, abstract_model(cfg), dep)
+                print(f"  compiled on this host, memory_analysis() per device: {compiled_total(m) / GB:.4f} GB = "
+                      f"arguments {m.argument_size_in_bytes / GB:.4f} + outputs {m.output_size_in_bytes / GB:.4f} - "
+                      f"aliased {m.alias_size_in_bytes / GB:.4f} + temporaries {m.temp_size_in_bytes / GB:.4f}; "
+                      f"plan / compiled = {p.total / compiled_total(m):.3f}")
     except ValueError as e:  # MeshError, ShardingRuleError and a bad flag value are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

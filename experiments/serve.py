@@ -11,9 +11,9 @@ a compile after that (a shape warm-up missed: a stall of seconds) is logged as a
 
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the shards
 its devices hold (load_pretrained(mesh=...), the rules table sharding/rules.py: MLA heads on `tensor`,
-routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every step runs under the
-mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process drives all the mesh's
-devices (a multi-host server would need every process to run the same steps).
+routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every
+step runs under the mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process
+drives all the mesh's devices (a multi-host server would need every process to run the same steps).
 """
 
 from __future__ import annotations
