@@ -103,6 +103,16 @@ def cache_sharding(mesh, max_batch: int, rules=None):
     return jax.sharding.NamedSharding(mesh, spec if any(spec) else jax.sharding.PartitionSpec())
 
 
+def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
+    """int32 [N]: the slots a decode step runs, the active ones first, padded with idle ones to the
+    smallest bucket N that holds them (distinct, so the scatter back writes each slot once)."""
+    active = np.flatnonzero(active_B)
+    n = next(b for b in buckets if b >= len(active))
+    if n == len(active_B):
+        return np.arange(n, dtype=np.int32)
+    return np.concatenate([active, np.flatnonzero(~active_B)[:n - len(active)]]).astype(np.int32)
+
+
 def _rows(cache, slot):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
 
