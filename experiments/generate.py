@@ -12,7 +12,10 @@ generation_config.json (an HF export, or the source a converted checkpoint came 
 eos_token_id(s) to the stop tokens and gives the defaults of the sampling flags it sets. Expected
 errors (bad path, prompt ids outside the vocabulary) print one line, exit code 2.
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the
-shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host.
+shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never whole on the host;
+the cache's rows are split as a batch (data x fsdp x expert) and the steps run under the mesh (jax.set_mesh), the MoE
+layers expert-parallel. Expert parallelism splits the rows over data x fsdp x expert, so a batch of
+prompts that those devices do not divide is padded with copies of its last prompt, decoded and dropped.
 
 One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
 printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
@@ -26,6 +29,7 @@ import argparse
 import os
 import sys
 
+import jax
 import numpy as np
 
 import sharding
@@ -36,6 +40,7 @@ from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
 from dsv3_jax.inference.prefill import DEFAULT_CHUNK
+from dsv3_jax.serving.runner import cache_sharding, token_shards
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,13 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")
     p.add_argument("--stats", action="store_true", help="print expert activation frequencies of the prompts")
-    p.add_argument("--mesh", default=None, type=_mesh_sizes,
+    p.add_argument("--mesh", default=None, type=mesh_sizes,
                    help="device mesh to load onto, e.g. fsdp=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
     p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
     return p.parse_args(argv)
 
 
-def _mesh_sizes(text: str) -> dict[str, int]:
+def mesh_sizes(text: str) -> dict[str, int]:
+    """--mesh's AXIS=N,... -> {axis: size} (experiments.serve's too)."""
     try:
         sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
     except ValueError:
@@ -84,6 +90,27 @@ def encode_prompts(tokenizer, prompts: list[str], bos: bool) -> tuple[np.ndarray
     for row, i in enumerate(ids):
         out[row, :len(i)] = i
     return out, lengths
+
+
+def pad_rows(prompts_BxT: np.ndarray, lengths_B: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch padded to a multiple of `multiple` rows with copies of its last row."""
+    extra = -len(prompts_BxT) % multiple
+    return (np.concatenate([prompts_BxT, np.repeat(prompts_BxT[-1:], extra, 0)]),
+            np.concatenate([lengths_B, np.repeat(lengths_B[-1:], extra)]))
+
+
+def _on_mesh(steps, mesh):
+    """Iterates `steps` with `mesh` as the context mesh (traced and run expert-parallel)."""
+    if mesh is None:
+        yield from steps
+        return
+    it = iter(steps)
+    while True:
+        with jax.set_mesh(mesh):
+            step = next(it, None)
+        if step is None:
+            return
+        yield step
 
 
 def print_expert_frequencies(counts_LxE: np.ndarray, first_moe_layer: int, top_k: int, out=sys.stdout) -> None:
@@ -113,14 +140,14 @@ def main(argv=None) -> None:
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)
-        prompts, lengths = encode_prompts(tokenizer, args.prompt, bos=not args.no_bos)
+        prompts, lengths = pad_rows(*encode_prompts(tokenizer, args.prompt, bos=not args.no_bos), token_shards(mesh))
         stop = tuple(dict.fromkeys((tokenizer.eos_id, *defaults.eos_ids)))
         gen = Generation(model, prompts, _pick(args.max_new_tokens, defaults.max_new_tokens, 64),
                          temperature=_pick(args.temperature, defaults.temperature, 0.0),
                          top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules))
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -131,8 +158,8 @@ def main(argv=None) -> None:
     if stream:
         print(args.prompt[0], end="", flush=True)
     shown = ""
-    for step in gen:
-        for row, n in enumerate(step.counts):
+    for step in _on_mesh(gen, mesh):
+        for row, n in enumerate(step.counts[:len(args.prompt)]):  # not the padding rows
             generated[row].extend(int(t) for t in step.tokens[row, :n])
         if stream:  # decode the whole continuation: byte-level pieces only become text together
             text = tokenizer.decode(generated[0], skip_special_tokens=True)

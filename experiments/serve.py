@@ -2,11 +2,18 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
-        [--cache_dtype=bfloat16]
+        [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
-else --tokenizer, else a training run's own, else the bundled BPE. All compiles run before the port opens. See docs/serving.md.
+else --tokenizer, else a training run's own, else the bundled BPE. All compiles run before the port opens;
+a compile after that (a shape warm-up missed: a stall of seconds) is logged as a warning. See docs/serving.md.
+
+With --mesh the weights are loaded straight onto the device mesh, each parameter built from the shards
+its devices hold (load_pretrained(mesh=...), the rules table sharding/rules.py: MLA heads on `tensor`,
+routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every
+step runs under the mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process
+drives all the mesh's devices (a multi-host server would need every process to run the same steps).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import logging
 import os
 import sys
 import time
+
+import sharding
+from experiments.generate import mesh_sizes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
     p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
     p.add_argument("--served_model_name", default=None, help="model id clients send (default: checkpoint folder name)")
+    p.add_argument("--mesh", default=None, type=mesh_sizes,
+                   help="device mesh to serve on, e.g. tensor=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
+    p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
     return p.parse_args(argv)
 
 
@@ -48,18 +61,21 @@ def build(args: argparse.Namespace):
     from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
 
     run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
-    model = load_pretrained(args.checkpoint, dtype=args.dtype)
+    mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules)
     chat = ChatTokenizer(tokenizer_file(args.checkpoint, args.tokenizer or (run.tokenizer if run else None)))
     if chat.tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
-                    chunk=args.chunk, use_mtp=args.use_mtp)
+                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules)
     start = time.perf_counter()
     runner.warm_up()
     logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunk widths %s, decode "
-                 "buckets of %s rows", time.perf_counter() - start, runner.buckets, runner.decode_buckets)
+                 "buckets of %s rows%s", time.perf_counter() - start, runner.buckets, runner.decode_buckets,
+                 f", on the mesh {dict(mesh.shape)}" if mesh is not None else "")
+    _warn_on_compiles()
     prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
     if args.use_mtp and args.prefix_cache_blocks:
         logging.info("prefix caching is off with --use_mtp")
@@ -70,15 +86,27 @@ def build(args: argparse.Namespace):
     return make_app(engine, chat, name), engine
 
 
+def _warn_on_compiles() -> None:
+    """From now on, every backend compile is logged as a warning: warm-up should have made them all."""
+    import jax
+
+    def listener(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            logging.warning("compiled after warm-up (%.2fs): a shape the warm-up missed", seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # force: an imported library may have put a handler on the root logger already
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
     from dsv3_jax.checkpoint import CheckpointError
     from dsv3_jax.config import ConfigError
 
     try:
         app, engine = build(args)
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:  # MeshError is one
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn

@@ -21,11 +21,22 @@ scatters them back; at N = max_batch it runs the whole cache in place.
 Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chunk once (`prefill.plan`:
 every chunk `chunk` wide, the last one padded). Every function is pure in
 (state, cache, ...) and donates the cache.
+
+On a mesh (`mesh=`, the one the weights were loaded onto, `load_pretrained(mesh=...)`): the cache's
+slots (its B axis) are split as the rules table splits a batch (`data` x `fsdp` x `expert`:
+each device keeps its own requests' rows and attends over them), every step is traced and run under `jax.set_mesh(mesh)`, so
+the MoE layers exchange tokens with their experts' devices (`sharding/expert_parallel.py`) and XLA
+splits MLA's heads as the weights are split (`tensor`), and every step returns the cache in the
+sharding it came in (one compile per shape, as on one device). Expert parallelism splits a step's
+tokens over the token axes (data x fsdp x expert), so decode buckets are multiples of that product
+and a prefill chunk's width must be one too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -39,6 +50,8 @@ from dsv3_jax.inference.cache import CACHE_DTYPES
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
 from dsv3_jax.inference.speculative import accept_slots
 from dsv3_jax.serving.penalties import table_width
+import sharding
+from sharding import expert_parallel
 
 
 class StepResult(NamedTuple):
@@ -60,9 +73,34 @@ def chunk_buckets(chunk: int) -> tuple[int, ...]:
     return tuple(sorted({chunking.plan(n, chunk)[-1][1] for n in range(1, chunk + 1)}))
 
 
-def decode_buckets(max_batch: int) -> tuple[int, ...]:
-    """Row counts a decode step compiles for: powers of two below `max_batch`, then `max_batch`."""
-    return tuple(1 << i for i in range((max_batch - 1).bit_length()) if 1 << i < max_batch) + (max_batch,)
+def decode_buckets(max_batch: int, multiple: int = 1) -> tuple[int, ...]:
+    """Row counts a decode step compiles for: `multiple` times the powers of two below `max_batch`,
+    then `max_batch` (a multiple of `multiple`)."""
+    sizes = (multiple << i for i in range(max(max_batch // multiple - 1, 0).bit_length()))
+    return tuple(n for n in sizes if n < max_batch) + (max_batch,)
+
+
+def token_shards(mesh) -> int:
+    """Devices holding different tokens on `mesh` (1 without one): a step's token count must be a
+    multiple of it once the MoE layers run expert-parallel."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape.get(a, 1) for a in expert_parallel.TOKEN_AXES)
+
+
+def cache_sharding(mesh, max_batch: int, rules=None):
+    """The cache's placement on `mesh` (None without one): every array [L, B, S, ...] with its slots B
+    split as the rules table splits a batch (`batch`: data x fsdp x expert), so each device holds the
+    rows of its own requests, whose attention it computes."""
+    if mesh is None:
+        return None
+    shards = token_shards(mesh)
+    if max_batch % shards:
+        raise ValueError(f"max_batch={max_batch} is not divisible by the {shards} devices the mesh splits a batch "
+                         f"over (data x fsdp x expert): the cache's slots are split over them")
+    spec = sharding.logical_to_spec((None, "batch"), (1, max_batch), mesh, sharding.get_rules(rules),
+                                    name="cache slots")
+    return jax.sharding.NamedSharding(mesh, spec if any(spec) else jax.sharding.PartitionSpec())
 
 
 def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
@@ -89,11 +127,18 @@ def _read_block(cache, slot, start, *, width):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(_rows_of(a, slot), start, width, axis=2), cache)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_block(cache, block, slot, start):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="sharding")
+def _write_block(cache, block, slot, start, *, sharding=None):
     def put(a, b):
         return jax.lax.dynamic_update_slice(a, b, (0, slot, start) + (0,) * (a.ndim - 3))
-    return jax.tree.map(put, cache, block)
+    return _constrain(jax.tree.map(put, cache, block), sharding)
+
+
+def _constrain(cache, sharding):
+    """The cache in `sharding` (on a mesh): what a step returns is what the next one takes."""
+    if sharding is None:
+        return cache
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache)
 
 
 def _rows_of(a, slot):
@@ -104,7 +149,7 @@ class Runner:
     """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
-                 chunk: int = 64, use_mtp: bool = False):
+                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None):
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
@@ -119,20 +164,30 @@ class Runner:
         chunking.check_chunk(chunk)
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
-        self.decode_buckets = decode_buckets(max_batch)
+        self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
+        shards = token_shards(mesh)
+        if max_batch % shards or self.buckets[0] % shards:
+            raise ValueError(f"on this mesh a step's tokens are split over {shards} devices (data x fsdp x expert): "
+                             f"max_batch={max_batch} and the smallest prefill width {self.buckets[0]} (chunk={chunk}) "
+                             f"must be multiples of {shards}")
+        self.decode_buckets = decode_buckets(max_batch, shards)
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
         self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
         self.penalty_width = table_width(self.context)  # columns of RowSampling's penalty tables
         graphdef, self.state = nnx.split(model)
         self.reset()
-        self._prefill, self._decode = _compiled(graphdef, max_seq_len, use_mtp)
+        self._prefill, self._decode = _compiled(graphdef, max_seq_len, use_mtp, self.cache_sharding)
+
+    def _on_mesh(self):
+        """The context every step is traced and run in: the mesh (expert parallelism), if any."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         """A new zero cache: after a failed step, whose donated cache may be gone."""
         cache = init_cache(self.config, self.max_batch, self.max_seq_len, self.cache_dtype,
                            with_mtp=self.drafts > 0)
-        # committed to a device, as every step's output is: one compiled step for both
-        self.cache = jax.device_put(cache, jax.devices()[0])
+        # committed to a device (or placed on the mesh), as every step's output is: one compiled step for both
+        self.cache = jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
@@ -147,18 +202,21 @@ class Runner:
         padded[0, :len(tokens)] = tokens
         padded[1, :len(tokens) - 1] = tokens[1:]
         row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
-        out, self.cache = self._prefill(self.state, self.cache, jnp.asarray(padded[:, :width]), np.int32(slot),
-                                        np.int32(start), np.int32(len(tokens)), np.int32(following), row)
+        with self._on_mesh():
+            out, self.cache = self._prefill(self.state, self.cache, padded[:, :width], np.int32(slot),
+                                            np.int32(start), np.int32(len(tokens)), np.int32(following), row)
         nxt, logprobs = jax.device_get(out)
         return PrefillResult(nxt, TokenLogprobs(*logprobs))
 
     def read_block(self, slot: int, start: int):
         """A copy of the slot's cache rows at positions start .. start + chunk - 1 (a prefix block)."""
-        return _read_block(self.cache, np.int32(slot), np.int32(start), width=self.chunk)
+        with self._on_mesh():
+            return _read_block(self.cache, np.int32(slot), np.int32(start), width=self.chunk)
 
     def write_block(self, slot: int, start: int, block) -> None:
         """Puts a `read_block` copy back at positions start .. start + chunk - 1 of the slot."""
-        self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start))
+        with self._on_mesh():
+            self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start), sharding=self.cache_sharding)
 
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling) -> StepResult:
@@ -175,7 +233,9 @@ class Runner:
 
     def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
         """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
-        out, self.cache = self._decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N, sampling)
+        with self._on_mesh():
+            out, self.cache = self._decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N,
+                                           sampling)
         return out
 
     def warm_up(self) -> None:
@@ -199,7 +259,7 @@ def _scatter_rows(a_NxX: np.ndarray, rows_N: np.ndarray, batch: int) -> np.ndarr
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
+def _compiled(graphdef, max_seq_len: int, use_mtp: bool, cache_sharding=None):
     def prefill(state, cache, tokens_2xW, slot, start, valid, following, sampling):
         model = nnx.merge(graphdef, state)
         tokens, shifted = tokens_2xW[:1], tokens_2xW[1:]
@@ -222,13 +282,14 @@ def _compiled(graphdef, max_seq_len: int, use_mtp: bool):
             next_1xN = jnp.pad(next_1xW, ((0, 0), (0, depths)))
             drafts, rows = mtp_draft(model, rows, out.hidden, next_1xN, positions, (valid - 1)[None])
             nxt = jnp.concatenate([nxt, drafts], axis=1)
-        return (nxt[0], logprobs), _put_rows(cache, rows, slot)
+        return (nxt[0], logprobs), _constrain(_put_rows(cache, rows, slot), cache_sharding)
 
     def decode(state, cache, rows_N, tokens_NxK, positions_N, active_N, sampling):
         whole = rows_N.shape[0] == jax.tree.leaves(cache)[0].shape[1]  # then rows_N is every slot, in order
         picked = cache if whole else jax.tree.map(lambda a: jnp.take(a, rows_N, axis=1), cache)
         out, picked = _decode_rows(nnx.merge(graphdef, state), picked, tokens_NxK, positions_N, active_N, sampling)
-        return out, picked if whole else jax.tree.map(lambda a, r: a.at[:, rows_N].set(r), cache, picked)
+        cache = picked if whole else jax.tree.map(lambda a, r: a.at[:, rows_N].set(r), cache, picked)
+        return out, _constrain(cache, cache_sharding)
 
     def _decode_rows(model, cache, tokens_BxK, positions_B, active_B, sampling):
         b, k = tokens_BxK.shape

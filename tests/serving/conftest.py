@@ -1,6 +1,7 @@
 """One server subprocess (`python -m experiments.serve` on 127.0.0.1, a free port) shared by the
 HTTP tests, started from a converted test checkpoint."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,14 +23,15 @@ def served_checkpoint(tmp_path_factory):
     return make_served_checkpoint(tmp_path_factory.mktemp("serve"))
 
 
-@pytest.fixture(scope="session")
-def server(served_checkpoint, tmp_path_factory):
-    """(base url, model name) of a running server; stopped at the end of the session."""
+@contextlib.contextmanager
+def serve_process(checkpoint, log_path, *flags, env=None):
+    """`python -m experiments.serve` on `checkpoint` with the shared sizes and `flags`, on a free port;
+    yields its base url once /health answers, stops it after the block."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={served_checkpoint}", f"--port={port}",
-           f"--max_batch={MAX_BATCH}", f"--max_seq_len={MAX_SEQ_LEN}", "--chunk=16", f"--max_queue={MAX_QUEUE}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_path, "w+")
+    cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={checkpoint}", f"--port={port}",
+           f"--max_batch={MAX_BATCH}", f"--max_seq_len={MAX_SEQ_LEN}", "--chunk=16", f"--max_queue={MAX_QUEUE}", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while True:
@@ -42,13 +44,22 @@ def server(served_checkpoint, tmp_path_factory):
                 log.seek(0)
                 pytest.fail("the server did not start:\n" + log.read()[-3000:])
             time.sleep(0.5)
-    yield url, served_checkpoint.name
-    proc.terminate()
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def server(served_checkpoint, tmp_path_factory):
+    """(base url, model name) of a running server; stopped at the end of the session."""
+    with serve_process(served_checkpoint, tmp_path_factory.mktemp("serve_log") / "server.log") as url:
+        yield url, served_checkpoint.name
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,397 @@
+"""Plans a serving deployment before booking it: bytes per device, whether it fits a chip, and
+the decode step lowered for the mesh.
+
+    python -m experiments.plan_serving --model=deepseek_v3 --weights=fp8 --cache_dtype=bfloat16 \
+        --chip=h200 --mesh=expert=8 --max_batch=64 --context=32768 [--platforms=cuda,tpu] [--use_mtp]
+    python -m experiments.plan_serving --table      # the README's 671B deployments
+
+Nothing is allocated: the model is its shapes (`nnx.eval_shape`), the mesh a
+`jax.sharding.AbstractMesh`, and the server's own decode step (`dsv3_jax/serving/runner.py`, the
+step `experiments.serve --mesh` runs) is traced and lowered for each platform, which checks every
+sharding and shape on that mesh.
+
+Per device (GB = 1e9 bytes):
+- weights: each parameter's shard (`sharding/rules.py`, the table `load_pretrained(mesh=...)`
+  places by) in the weight format. Formats: `fp32` (the CPU checks), `bf16`; `fp8` (every linear weight e4m3 with one fp32
+  scale per 128 x 128 block, as DeepSeek's release; embedding, head, norms and router in bf16);
+  `int8` / `int4` (every linear weight, one fp32 scale per group of `--group` weights along the
+  contraction axis, int4 two per byte); `int8_experts` / `int4_experts` (the routed experts only,
+  the rest bf16). These are formulas on the parameter shapes, not read from a quantized model.
+- latent cache: `dsv3_jax/inference/cache.py`'s bytes per token and layer x layers (+ the MTP
+  depths with --use_mtp) x the device's slots (max_batch over data x fsdp x expert, the runner's
+  split) x context. MLA's latent is shared by all heads, so `tensor` does not split it.
+- working set of the largest decode step (every slot, K = 1 + drafts tokens each): fp32 logits of
+  the device's rows over the vocabulary shard, x 3 (logits, penalised, log-softmax); attention
+  scores and probabilities in fp32 over the device's heads and the context; one MoE layer's local
+  routed experts in the compute dtype, whole along `mlp` (`expert_parallel` takes them so; counted
+  in the compute dtype whatever the stored format: a dequantising kernel needs less); the
+  expert-parallel exchange (`experiments/plan_memory.py`'s dropless receive rows, 6 x [R, D] and
+  3 x [R, F]). Not counted: a smaller bucket's copy of its slots' cache rows (the runner gathers
+  them; at most the largest bucket below max_batch over max_batch of the cache).
+
+A plan fits a chip when the total stays under `--headroom` (default 0.9) of its HBM. The largest
+batch for each context is the largest multiple of the token shards that fits.
+
+`--check_compiled` also compiles the decode step for this host's devices (the mesh must use them
+all, e.g. 8 fake CPU devices; fp32/bf16 weights, since the quantized forward is not in the model)
+and prints XLA's per-device memory_analysis() beside the plan. Use fp32 there: XLA:CPU computes
+bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import sharding
+from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax.inference.cache import CACHE_DTYPES, cache_bytes_per_token, init_cache
+from dsv3_jax.inference.sampling import RowSampling
+from dsv3_jax.model.params import logical_axes
+from sharding.rules import key_name
+from dsv3_jax.serving import runner as runner_lib
+from dsv3_jax.serving.penalties import table_width
+from experiments import plan_memory
+
+GB = 1e9
+WEIGHTS = ("fp32", "bf16", "fp8", "int8", "int8_experts", "int4", "int4_experts")
+CONTEXTS = (8192, 32768, 131072)
+
+
+class Chip(NamedTuple):
+    name: str
+    hbm_bytes: float
+    platform: str  # what its programs are lowered for
+    source: str
+
+
+CHIPS = {c.name.lower(): c for c in (
+    Chip("H100", 80e9, "cuda", "NVIDIA H100 Tensor Core GPU data sheet: SXM5, 80 GB HBM3"),
+    Chip("H200", 141e9, "cuda", "NVIDIA H200 Tensor Core GPU data sheet: 141 GB HBM3e"),
+    Chip("B200", 180e9, "cuda", "NVIDIA DGX B200 data sheet: 1,440 GB HBM3e over 8 GPUs"),
+    Chip("v5e", 16e9, "tpu", "Google Cloud TPU v5e documentation: 16 GB HBM2 per chip"),
+    Chip("v5p", 95e9, "tpu", "Google Cloud TPU v5p documentation: 95 GB HBM2e per chip"),
+    Chip("v6e", 32e9, "tpu", "Google Cloud TPU v6e (Trillium) documentation: 32 GB HBM per chip"),
+    Chip("v7x", 192e9, "tpu", "Google Cloud TPU7x (Ironwood) documentation: 192 GB HBM3e per chip"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """One serving plan: the model, its formats, the mesh and the slots."""
+
+    chip: str
+    mesh: dict  # axis -> size (sharding.AXES)
+    weights: str = "bf16"
+    cache_dtype: str = "bfloat16"
+    max_batch: int = 16
+    context: int = 4096
+    use_mtp: bool = False
+    rules: str = "default"
+    group: int = 128  # int8/int4 group along the contraction axis
+
+    def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"--cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
+        if self.chip.lower() not in CHIPS:
+            raise ValueError(f"--chip {self.chip!r} is not in the table: {', '.join(c.name for c in CHIPS.values())}")
+
+
+def _matrix_split(path: tuple[str, ...], axes: tuple) -> tuple[int, int] | None:
+    """(first, last) dims of a linear weight's contraction axes, or None for what no format quantizes
+    (embedding, head, norms, router). Stacked leading dims (`layers`, `expert`) come first."""
+    name = ".".join(path)
+    if len(axes) < 2 or name in ("embed", "head") or ".gate." in name or name.endswith(".weight"):
+        return None
+    first = sum(a in ("layers", "expert") for a in axes[:2])
+    if len(axes) - first < 2:
+        return None
+    return first, first + (2 if axes[first] == "heads" else 1)  # wo contracts heads x head_dim
+
+
+def quantized_bytes(shape: tuple[int, ...], split: tuple[int, int] | None, routed: bool, weights: str,
+                    group: int) -> float:
+    """Bytes of one (per-device) block of a parameter in the weight format (module docstring);
+    `routed`: a routed experts' stack."""
+    n = math.prod(shape)
+    if weights == "fp32":
+        return 4.0 * n
+    if split is None or weights == "bf16" or (weights.endswith("_experts") and not routed):
+        return 2.0 * n
+    first, last = split
+    contract = math.prod(shape[first:last])
+    rows = n // contract
+    if weights == "fp8":
+        out = n // math.prod(shape[:last])  # the 128 x 128 block grid over (contraction, output)
+        return n + 4.0 * math.prod(shape[:first]) * math.ceil(contract / 128) * math.ceil(out / 128)
+    bits = 8 if weights.startswith("int8") else 4
+    return n * bits / 8 + 4.0 * rows * math.ceil(contract / group)
+
+
+def abstract_model(cfg: ModelConfig):
+    return nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+
+
+def weight_bytes(model, mesh, dep: Deployment) -> float:
+    """Bytes of the weights on the device holding the most."""
+    table = sharding.get_rules(dep.rules)
+    total = 0.0
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        path = tuple(str(p) for p in path)
+        axes = logical_axes(var)
+        spec = sharding.logical_to_spec(axes, var.shape, mesh, table, name=".".join(path))
+        shard = jax.sharding.NamedSharding(mesh, spec).shard_shape(tuple(var.shape))
+        if var.dtype == jnp.float32 and len(shard) <= 2 and "bias" in path[-1]:
+            total += 4.0 * math.prod(shard)  # the router's fp32 bias
+        else:
+            routed = "expert" in axes and _matrix_split(path, axes) is not None
+            total += quantized_bytes(shard, _matrix_split(path, axes), routed, dep.weights, dep.group)
+    return total
+
+
+def cache_bytes(cfg: ModelConfig, mesh, dep: Deployment, batch: int, context: int) -> float:
+    layers = cfg.num_layers + (cfg.num_mtp_layers if dep.use_mtp else 0)
+    slots = batch // runner_lib.token_shards(mesh)
+    return float(cache_bytes_per_token(cfg, dep.cache_dtype) * layers * slots * context)
+
+
+def working_bytes(cfg: ModelConfig, mesh, dep: Deployment, batch: int, context: int, platform: str) -> dict:
+    """The largest decode step's temporaries per device (module docstring), by part."""
+    shape = {a: mesh.shape.get(a, 1) for a in sharding.AXES}
+    k = 1 + (cfg.num_mtp_layers if dep.use_mtp else 0)
+    rows = batch // runner_lib.token_shards(mesh) * k  # this device's tokens
+    t, p = shape["tensor"], shape["expert"]
+    cb = jnp.dtype(cfg.compute_dtype).itemsize
+    heads = cfg.num_heads // t if cfg.num_heads % t == 0 else cfg.num_heads
+    vocab = cfg.vocab_size // t if cfg.vocab_size % t == 0 else cfg.vocab_size
+    local = cfg.num_routed_experts // p
+    received = plan_memory.received_rows(cfg, rows, p, cfg.expert_capacity_factor)
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    parts = {"logits (fp32, x 3)": 3.0 * 4 * rows * vocab,
+             "attention scores (fp32, x 2)": 2.0 * 4 * rows * heads * context}
+    if cfg.num_moe_layers:
+        parts["one MoE layer's local experts (compute dtype)"] = 3.0 * cb * local * d * f
+        parts["expert exchange and hidden rows"] = float(cb * received * (6 * d + 3 * f))
+    return parts
+
+
+class Plan(NamedTuple):
+    weights: float
+    cache: float
+    working: dict
+    hbm: float
+    headroom: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache + sum(self.working.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.headroom * self.hbm
+
+
+def plan(cfg: ModelConfig, dep: Deployment, *, headroom: float = 0.9, mesh=None, model=None,
+         batch: int | None = None, context: int | None = None) -> Plan:
+    mesh = mesh if mesh is not None else sharding.abstract_mesh(dep.mesh, math.prod(dep.mesh.values()))
+    model = model if model is not None else abstract_model(cfg)
+    chip = CHIPS[dep.chip.lower()]
+    batch, context = batch or dep.max_batch, context or dep.context
+    return Plan(weight_bytes(model, mesh, dep), cache_bytes(cfg, mesh, dep, batch, context),
+                working_bytes(cfg, mesh, dep, batch, context, chip.platform), chip.hbm_bytes, headroom)
+
+
+def largest_batch(cfg: ModelConfig, dep: Deployment, context: int, *, headroom: float = 0.9, mesh=None,
+                  model=None) -> int:
+    """The largest multiple of the token shards whose plan at `context` fits (0 if none)."""
+    mesh = mesh if mesh is not None else sharding.abstract_mesh(dep.mesh, math.prod(dep.mesh.values()))
+    model = model if model is not None else abstract_model(cfg)
+    step = runner_lib.token_shards(mesh)
+    fits = lambda b: plan(cfg, dep, headroom=headroom, mesh=mesh, model=model, batch=b, context=context).fits
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * step) and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo * step), not fits(hi * step)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def decode_step_args(cfg: ModelConfig, model, mesh, dep: Deployment, rules=None):
+    """(jitted decode step of the runner, its arguments as ShapeDtypeStructs on `mesh`): every slot."""
+    graphdef, state = nnx.split(model)
+    table = sharding.get_rules(rules or dep.rules)
+    where = {tuple(str(p) for p in path): sharding.named_sharding(logical_axes(var), var.shape, mesh, table)
+             for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Variable)}
+    state_sds = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where[_path(path)]), state)
+    drafts = cfg.num_mtp_layers if dep.use_mtp else 0
+    cache_sh = runner_lib.cache_sharding(mesh, dep.max_batch, table)
+    cache = jax.eval_shape(lambda: init_cache(cfg, dep.max_batch, dep.context, dep.cache_dtype, with_mtp=drafts > 0))
+    cache_sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sh), cache)
+    b = dep.max_batch
+    host = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
+                                          sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    sampling = jax.tree.map(host, RowSampling.greedy(b, table_width(dep.context - drafts)))
+    args = (state_sds, cache_sds, host(np.arange(b, dtype=np.int32)), host(np.zeros((b, 1 + drafts), np.int32)),
+            host(np.zeros(b, np.int32)), host(np.zeros(b, bool)), sampling)
+    _, decode = runner_lib._compiled(graphdef, dep.context, dep.use_mtp, cache_sh)
+    return decode, args
+
+
+def _path(keypath) -> tuple[str, ...]:
+    return tuple(str(key_name(k)) for k in keypath if key_name(k) != "value")
+
+
+def lower_decode(cfg: ModelConfig, model, dep: Deployment, platform: str):
+    """The runner's decode step traced and lowered for `platform` on the abstract mesh."""
+    mesh = sharding.abstract_mesh(dep.mesh, math.prod(dep.mesh.values()))
+    decode, args = decode_step_args(cfg, model, mesh, dep)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return decode.trace(*args).lower(lowering_platforms=(platform,))
+
+
+def compiled_memory(cfg: ModelConfig, model, dep: Deployment):
+    """memory_analysis() per device of the decode step compiled for this host's devices."""
+    mesh = sharding.make_mesh(dep.mesh)
+    decode, args = decode_step_args(cfg, model, mesh, dep)
+    with jax.set_mesh(mesh):
+        return decode.trace(*args).lower().compile().memory_analysis()
+
+
+def compiled_total(m) -> int:
+    """Arguments + outputs - aliased (the donated cache, counted once) + temporaries."""
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+# The README's 671B deployments: (label, chip, devices, weights). Each is planned on the meshes of
+# `candidate_meshes` and the table keeps the one with the largest batch at 32k tokens.
+TABLE = (
+    ("8 x H200, FP8", "h200", 8, "fp8"),
+    ("16 x H100, FP8", "h100", 16, "fp8"),
+    ("8 x H100, int4 experts", "h100", 8, "int4_experts"),
+    ("TPU v5p-16 (8 chips), int4 experts", "v5p", 8, "int4_experts"),
+    ("TPU v6e-64, FP8", "v6e", 64, "fp8"),
+)
+
+
+def candidate_meshes(devices: int) -> list[dict]:
+    """Experts over `expert` (the cache's slots follow), with `tensor` x 1, 2, 4, 8 splitting heads,
+    expert widths and the vocabulary (the cache is then repeated on the tensor ranks)."""
+    return [{"tensor": t, "expert": devices // t} if t < devices else {"tensor": t}
+            for t in (1, 2, 4, 8) if devices % t == 0]
+
+
+def best_mesh(cfg: ModelConfig, dep: Deployment, devices: int, context: int, headroom: float) -> tuple[dict, dict]:
+    """(the candidate mesh with the largest batch at `context`, {mesh text: that batch} for all)."""
+    model = abstract_model(cfg)
+    found = {}
+    for mesh in candidate_meshes(devices):
+        mesh = {a: s for a, s in mesh.items() if s > 1} or {"expert": 1}
+        found[_mesh_text(mesh)] = (largest_batch(cfg, dataclasses.replace(dep, mesh=mesh), context,
+                                                 headroom=headroom, model=model), mesh)
+    text = max(found, key=lambda k: found[k][0])
+    return found[text][1], {k: b for k, (b, _) in found.items()}
+
+
+def _mesh_text(mesh: dict) -> str:
+    return ",".join(f"{a}={s}" for a, s in mesh.items())
+
+
+def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tuple[str, ...], out=sys.stdout) -> dict:
+    """Prints one deployment's plan, its largest batch per context and its lowered decode steps."""
+    model = abstract_model(cfg)
+    p = plan(cfg, dep, headroom=headroom, model=model)
+    chip = CHIPS[dep.chip.lower()]
+    n = math.prod(dep.mesh.values())
+    print(f"{n} x {chip.name} ({chip.hbm_bytes / GB:.0f} GB, {chip.source}); mesh {_mesh_text(dep.mesh)}; weights "
+          f"{dep.weights}, cache {dep.cache_dtype}{', MTP' if dep.use_mtp else ''}; {dep.max_batch} slots x "
+          f"{dep.context} tokens", file=out)
+    print(f"  {'per device':<48}{'GB':>9}", file=out)
+    for name, value in [("weights", p.weights), ("latent cache", p.cache), *p.working.items()]:
+        print(f"  {name:<48}{value / GB:>9.2f}", file=out)
+    print(f"  {'total':<48}{p.total / GB:>9.2f}  ({'fits' if p.fits else 'does not fit'} in "
+          f"{headroom:.0%} of {chip.hbm_bytes / GB:.0f} GB)", file=out)
+    largest = {c: largest_batch(cfg, dep, c, headroom=headroom, model=model) for c in CONTEXTS
+               if c <= cfg.max_position_embeddings}
+    print("  largest batch that fits: " + ", ".join(f"{b} x {c}" for c, b in largest.items()), file=out)
+    lowered = {}
+    for platform in platforms:
+        t0 = time.perf_counter()
+        text = lower_decode(cfg, model, dataclasses.replace(dep, max_batch=max(dep.max_batch, 1)), platform).as_text()
+        lowered[platform] = time.perf_counter() - t0
+        print(f"  decode step lowered for {platform} on the abstract {n}-device mesh in {lowered[platform]:.1f}s: "
+              f"{text.count('all_to_all')} all-to-alls ({text.count('ragged_all_to_all')} ragged)", file=out)
+    return {"plan": p, "largest": largest, "lowered": lowered}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from experiments.generate import mesh_sizes
+
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a.add_argument("--model", default="deepseek_v3", choices=["deepseek_v3", "tiny"], help="ModelConfig preset")
+    a.add_argument("--weights", default="fp8", choices=WEIGHTS)
+    a.add_argument("--cache_dtype", default="bfloat16", choices=CACHE_DTYPES)
+    a.add_argument("--chip", default="h200", help="one of " + ", ".join(c.name for c in CHIPS.values()))
+    a.add_argument("--mesh", default={"expert": 8}, type=mesh_sizes, help="e.g. expert=8 or tensor=2,expert=4")
+    a.add_argument("--rules", default="default", help="sharding/rules.py preset")
+    a.add_argument("--max_batch", type=int, default=64, help="decode slots")
+    a.add_argument("--context", type=int, default=32768, help="tokens per slot (max_seq_len)")
+    a.add_argument("--use_mtp", action="store_true", help="MTP speculation: its cache and K = 2 tokens per slot")
+    a.add_argument("--group", type=int, default=128, help="int8/int4 scale group along the contraction axis")
+    a.add_argument("--headroom", type=float, default=0.9, help="share of HBM the plan may use")
+    a.add_argument("--platforms", default=None, help="lower for these (default: the chip's), e.g. tpu,cuda")
+    a.add_argument("--check_compiled", action="store_true", help="compile the step on this host's devices and "
+                   "compare memory_analysis() with the plan")
+    a.add_argument("--table", action="store_true", help="the README's 671B deployments, each on its best "
+                   "candidate mesh (--chip, --mesh, --weights ignored)")
+    return a.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = ModelConfig.deepseek_v3() if args.model == "deepseek_v3" else ModelConfig.tiny()
+        dtype = "float32" if args.weights == "fp32" else "bfloat16"
+        cfg = cfg.replace(compute_dtype=dtype, param_dtype=dtype)
+        deps = [Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
+                           args.use_mtp, args.rules, args.group)]
+        if args.table:
+            deps = []
+            for label, chip, devices, weights in TABLE:
+                dep = Deployment(chip, {}, weights, args.cache_dtype, args.max_batch, args.context, args.use_mtp)
+                mesh, tried = best_mesh(cfg, dep, devices, 32768, args.headroom)
+                print(f"== {label}: largest batch at 32768 tokens per mesh: {tried}; planned on {_mesh_text(mesh)}")
+                deps.append(dataclasses.replace(dep, mesh=mesh))
+        for dep in deps:
+            platforms = tuple(args.platforms.split(",")) if args.platforms else (CHIPS[dep.chip.lower()].platform,)
+            report(cfg, dep, headroom=args.headroom, platforms=platforms)
+            if args.check_compiled:
+                p, m = plan(cfg, dep, headroom=args.headroom), compiled_memory(cfg, abstract_model(cfg), dep)
+                print(f"  compiled on this host, memory_analysis() per device: {compiled_total(m) / GB:.4f} GB = "
+                      f"arguments {m.argument_size_in_bytes / GB:.4f} + outputs {m.output_size_in_bytes / GB:.4f} - "
+                      f"aliased {m.alias_size_in_bytes / GB:.4f} + temporaries {m.temp_size_in_bytes / GB:.4f}; "
+                      f"plan / compiled = {p.total / compiled_total(m):.3f}")
+    except ValueError as e:  # MeshError, ShardingRuleError and a bad flag value are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

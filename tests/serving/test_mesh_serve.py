@@ -1,0 +1,59 @@
+"""`python -m experiments.serve --mesh=tensor=2,expert=4` on 8 fake CPU devices (MLA heads on
+`tensor`, experts on `expert`, run expert-parallel) answers 8 concurrent greedy requests with the
+tokens of the single-device server (the shared one), with and without MTP speculation, and compiles
+nothing after its warm-up."""
+
+import concurrent.futures
+
+import numpy as np
+import openai
+
+from tests import helpers
+from tests.serving.conftest import serve_process
+
+MESH = "--mesh=tensor=2,expert=4"
+
+
+def _answers(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy token ids of the prompts, all sent at once."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def ask(i):
+        out = client.completions.create(model=model, prompt=prompts[i], max_tokens=6 + i, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, range(len(prompts))))
+
+
+def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
+    rng = np.random.RandomState(24)
+    prompts = [rng.randint(3, 2000, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 8)]
+    want = _answers(server[0], server[1], prompts)
+    env = helpers.fake_device_env(8)
+    for flags in ([MESH], [MESH, "--use_mtp"]):
+        log = tmp_path / "mesh.log"
+        with serve_process(served_checkpoint, log, *flags, "--max_batch=8", env=env) as url:
+            got = _answers(url, server[1], prompts)
+        text = log.read_text()
+        assert got == want, (flags, text[-3000:])
+        assert "on the mesh {'pipeline': 1, 'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}" in text, text[-3000:]
+        assert "compiled after warm-up" not in text, (flags, text[-3000:])
+
+
+def _generate(checkpoint, *flags) -> list[str]:
+    """experiments.generate's continuations of three prompts (a batch the 4 token shards of the mesh
+    do not divide: padded), greedy."""
+    res = helpers.run_module("experiments.generate", f"--checkpoint={checkpoint}", "--prompt=a fox", "--prompt=the",
+                             "--prompt=over the lazy dog and", "--max_new_tokens=8", *flags,
+                             env=helpers.fake_device_env(8), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [line for line in res.stdout.splitlines() if not line.startswith(("prefill", "MTP"))]
+
+
+def test_mesh_generate_answers_as_one_device(served_checkpoint):
+    want = _generate(served_checkpoint)
+    assert sum(line.startswith("--- ") for line in want) == 3, want
+    assert _generate(served_checkpoint, MESH) == want
+    assert _generate(served_checkpoint, MESH, "--use_mtp") == want

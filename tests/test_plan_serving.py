@@ -1,0 +1,71 @@
+"""experiments/plan_serving.py: weight bytes against the config's own parameter count, the serving
+decode step lowered for TPU and CUDA on an abstract mesh, and the plan within 25% of XLA's
+memory_analysis() of the same step compiled on 8 fake CPU devices."""
+
+import sys
+
+import pytest
+
+from dsv3_jax import ModelConfig
+from experiments import plan_serving as ps
+from tests import helpers
+
+CHECK = r'''
+import os
+from tests.helpers import fake_device_flags
+os.environ["XLA_FLAGS"] = fake_device_flags(8)
+from dsv3_jax import ModelConfig
+from experiments import plan_serving as ps
+cfg = ModelConfig.tiny(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_heads=4, num_layers=3,
+                       num_dense_layers=1, num_routed_experts=16, vocab_size=4096, kv_lora_rank=128,
+                       max_position_embeddings=4096, param_dtype="float32", compute_dtype="float32")
+model = ps.abstract_model(cfg)
+# fp32: XLA:CPU runs bf16 arithmetic in fp32 (whole-stack fp32 copies of a bf16 cache), no TPU or GPU does
+for mesh, cache, mtp in (({"tensor": 2, "expert": 4}, "float32", False), ({"data": 2, "expert": 4}, "int8", True)):
+    dep = ps.Deployment("h100", mesh, "fp32", cache, max_batch=16, context=2048, use_mtp=mtp)
+    plan = ps.plan(cfg, dep, model=model)
+    compiled = ps.compiled_total(ps.compiled_memory(cfg, model, dep))
+    print("RATIO", mesh, cache, plan.total / compiled, plan.cache / plan.total)
+'''
+
+
+def test_plan_within_a_quarter_of_the_compiled_step():
+    res = helpers.run([sys.executable, "-c", CHECK], helpers.fake_device_env(), timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ratios = [line.split() for line in res.stdout.splitlines() if line.startswith("RATIO")]
+    assert len(ratios) == 2, res.stdout
+    for line in ratios:
+        assert 0.75 <= float(line[-2]) <= 1.25, line
+
+
+def test_weight_bytes_follow_the_parameter_count():
+    """One device: bf16 is 2 bytes per parameter of the config's own count; fp8 about half (block
+    scales are 4 bytes per 16384 weights, embedding, head, norms and router stay bf16); int4 experts
+    save 1.5 bytes per routed-expert weight less their group scales (4 bytes per started group of 128)."""
+    cfg = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
+    model = ps.abstract_model(cfg)
+    mesh = ps.sharding.abstract_mesh({}, 1)
+    counts = cfg.param_counts()
+    total = counts["total"] + counts["mtp"]  # the server loads the MTP modules too
+    size = {w: ps.weight_bytes(model, mesh, ps.Deployment("h100", {}, w)) for w in ps.WEIGHTS}
+    routers = cfg.num_routed_experts * (cfg.num_moe_layers + cfg.num_mtp_layers)  # the biases, fp32 in bf16
+    assert size["bf16"] == pytest.approx(2 * total + 2 * routers, rel=1e-6)
+    assert size["fp32"] == pytest.approx(4 * total, rel=1e-6)
+    stacks = cfg.num_routed_experts * (cfg.num_moe_layers + cfg.num_mtp_layers)
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    routed = 3 * stacks * d * f
+    # w1, w3 contract over d (f rows each), w2 over f (d rows): one fp32 scale per started group of 128
+    scales = 4 * stacks * (2 * f * -(-d // 128) + d * -(-f // 128))
+    assert size["bf16"] - size["int4_experts"] == pytest.approx(routed * 1.5 - scales, rel=1e-6)
+    assert size["int4"] < size["int4_experts"] < size["int8_experts"] < size["bf16"]
+    assert 0.5 * size["bf16"] < size["fp8"] < 0.6 * size["bf16"]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_decode_step_lowers_expert_parallel(platform):
+    """The server's decode step on an abstract 8-device mesh: the routed experts exchange tokens by
+    the ragged all-to-all (the collective TPU and GPU run)."""
+    cfg = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
+    dep = ps.Deployment("v5p", {"tensor": 2, "expert": 4}, "bf16", max_batch=8, context=256, use_mtp=True)
+    text = ps.lower_decode(cfg, ps.abstract_model(cfg), dep, platform).as_text()
+    assert "ragged_all_to_all" in text
