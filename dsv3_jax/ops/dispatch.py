@@ -276,6 +276,22 @@ def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
     return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
 
 
+def _pallas_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    """int8/int4 experts through the Pallas grouped kernel that dequantises one weight tile at a time
+    (pallas_kernels/quant_grouped_matmul.py): the tiled path's numerics, one kernel per projection."""
+    from pallas_kernels.quant_grouped_matmul import quant_grouped_matmul
+
+    def mm(lhs, w: QArray):
+        return quant_grouped_matmul(lhs, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs.dtype)
+
+    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+
+
+def kernel_ready(weights) -> bool:
+    """Whether int-quantized experts fit the Pallas kernel (groups of a multiple of 32 rows)."""
+    return all(isinstance(w, QArray) and w.fmt in ("int8", "int4") and w.group % 32 == 0 for w in weights)
+
+
 def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
     def mm(eq, lhs, w):  # the reference: a quantized stack is dequantised whole
         return jnp.einsum(eq, lhs, quant.as_dense(w, lhs.dtype), preferred_element_type=jnp.float32).astype(lhs.dtype)
@@ -297,12 +313,15 @@ def layer_weights(stacks, layer, dtype):
 
 def _impl_for(weights, impl: str) -> str:
     """Quantized experts choose their kernel: stored FP8 runs the block-scaled grouped kernel
-    (unless the dense reference or the tile loop is asked for); int weights run the int paths."""
+    (unless the dense reference or the tile loop is asked for); int weights run the int paths, with
+    `auto` the Pallas kernel off CPU where their groups fit it (`kernel_ready`)."""
     fmt = next((w.fmt for w in weights if isinstance(w, QArray)), None)
     if fmt == "fp8" and impl not in ("dense", "tiled"):
         return "fp8"
-    if fmt in ("int8", "int4") and impl == "fp8":
-        return "auto"
+    if fmt in ("int8", "int4") and impl in ("fp8", "auto"):
+        return "auto_quantized" if kernel_ready(weights) else "auto"
+    if impl == "pallas" and not kernel_ready(weights):
+        raise ValueError("impl='pallas' runs int8/int4 experts whose quantization group is a multiple of 32")
     return impl
 
 
@@ -338,8 +357,15 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     def ragged():
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), **lora)
 
+    def pallas():
+        return _pallas_mlp(x_MxD, rows.group_sizes_E, *one_layer())
+
     if impl == "auto":
         return jax.lax.platform_dependent(cpu=tiled, default=ragged)
+    if impl == "auto_quantized":
+        return jax.lax.platform_dependent(cpu=tiled, default=pallas)
+    if impl == "pallas":
+        return pallas()
     if impl == "tiled":
         return tiled()
     if impl == "ragged":
@@ -348,7 +374,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _dense_mlp(x_MxD, rows, *one_layer(), **lora)
     if impl == "fp8":
         return _fp8_mlp(x_MxD, rows.group_sizes_E, *one_layer())
-    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense or fp8")
+    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense, fp8 or pallas")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,
@@ -389,6 +415,10 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
 
     if impl == "auto":
         y_MxD = jax.lax.platform_dependent(cpu=tiled, default=ragged)
+    elif impl == "auto_quantized":
+        y_MxD = jax.lax.platform_dependent(cpu=tiled, default=lambda: _pallas_mlp(x_MxD, rows.group_sizes_E, *weights))
+    elif impl == "pallas":
+        y_MxD = _pallas_mlp(x_MxD, rows.group_sizes_E, *weights)
     elif impl == "tiled":
         y_MxD = tiled()
     elif impl == "ragged":
