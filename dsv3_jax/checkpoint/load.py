@@ -200,11 +200,11 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     params_dir = paths.join(path, orbax_layout.PARAMS)
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     stored_keys = orbax_layout.item_keys(path, orbax_layout.PARAMS)
-    plan = quantization.plan(model) if quantization is not None else {}
+    quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
     keys = {}
     for p, var in variables.items():
         key = ".".join(p)
-        if key in fp8_leaves:
+        if key in fp8_leaves or key in int_leaves:
             continue
         if p not in stored_keys:
             raise CheckpointError(f"parameter {key} is missing from {params_dir} (the config in "
@@ -222,6 +222,13 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     for p, entry in plan.items():
         _, _, contract = entry
         var = variables[p]
+        if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
+            module, name, _ = entry
+            qa = quantized.restore_quantized(var, contract, quantization.fmt, quantization.group, ".".join(p),
+                                             placement_of_axes(mesh, rules), build_array, stored.array(p + ("q",)),
+                                             stored.array(p + ("scale",)))
+            setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
+            continue
         if ".".join(p) in fp8_leaves:  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
             fp8_item = orbax_layout.ItemReader(path, orbax_layout.FP8)
             raw = _fp8_item_raw(fp8_item, p) if quantization.fmt == "fp8" else None
@@ -233,6 +240,27 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
                                          contract), None
         quantization.build(entry, var, p, mesh, rules, src, raw)
     return model
+
+
+def _stored_quantization(path: str, meta: dict, model, quantization: Quantization | None):
+    """(quantization, plan, int leaves stored as q/scale) for a checkpoint that may have been written
+    with `convert --quantize`: loaded in its stored format by default; another int format or group
+    than the stored one is an error (the values are not there to requantize)."""
+    stored = meta.get("quant")
+    if stored is None:
+        return quantization, (quantization.plan(model) if quantization is not None else {}), set()
+    fmt, group, leaves = stored["format"], int(stored["group"]), set(stored["leaves"])
+    if quantization is None:
+        quantization = Quantization(fmt, "all", group)
+        return quantization, {p: e for p, e in quantization.plan(model).items() if ".".join(p) in leaves}, (
+            leaves if fmt != "fp8" else set())
+    if fmt != "fp8" and (quantization.fmt != fmt or quantization.group != group):
+        raise CheckpointError(f"{path} holds {fmt} weights (group {group}, written by convert --quantize); load it "
+                              f"with weights={fmt!r}, quant_group={group} or convert the source again")
+    plan = quantization.plan(model)
+    plan.update({p: e for p, e in Quantization(quantization.fmt, "all", quantization.group).plan(model).items()
+                 if ".".join(p) in leaves})  # every stored leaf stays quantized
+    return quantization, plan, (leaves if fmt != "fp8" else set())
 
 
 def _fp8_item_raw(reader: orbax_layout.ItemReader, p: tuple[str, ...]):

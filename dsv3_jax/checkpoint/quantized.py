@@ -98,6 +98,27 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
     return QArray(q, s, fmt, slice_shape, contract, g)
 
 
+def restore_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, q_store,
+                      s_store) -> QArray:
+    """The QArray of parameter `var` from its stored q and scale arrays (`convert --quantize`),
+    each device's shard read from the stores as it is (tensorstore windows)."""
+    axes = logical_axes(var)
+    st = stack_dims(axes)
+    slice_shape = tuple(var.shape[st:])
+    k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
+    g = quant.group_for(k, group, fmt, name)
+    (q_shape, q_dtype), (s_shape, s_dtype) = quant.physical_shapes(fmt, tuple(var.shape[:st]), k, n, g)
+    for what, store, shape in (("q", q_store, q_shape), ("scale", s_store, s_shape)):
+        if tuple(store.shape) != tuple(shape):
+            raise ValueError(f"{name}.{what} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs {shape}")
+    q_axes, s_axes = physical_axes(axes, fmt, contract)
+    q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"),
+                    lambda index: q_store[tuple(index)].read().result())
+    s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"),
+                    lambda index: s_store[tuple(index)].read().result())
+    return QArray(q, s, fmt, slice_shape, contract, g)
+
+
 def ours_2d(read: Callable[[tuple], np.ndarray], slice_shape: tuple[int, ...], contract: int) -> Source:
     """A `Source` over an array stored in our layout [*stack, *slice_shape]: `read(index)` reads a
     window of it. K rows map to the covering range of the first contraction axis (whole trailing
@@ -118,4 +139,4 @@ def hf_2d(window: Callable) -> Source:
     return lambda stack, rows, cols: window(stack, cols, rows).T
 
 
-__all__ = ["build_quantized", "ours_2d", "hf_2d"]
+__all__ = ["build_quantized", "restore_quantized", "ours_2d", "hf_2d"]

@@ -74,3 +74,29 @@ def test_bad_weights_argument_names_it(hf_folders):
         load_pretrained(hf_folders["fp32"], weights="int3")
     with pytest.raises(ValueError, match="quantize='some'"):
         load_pretrained(hf_folders["fp32"], weights="int8", quantize="some")
+
+
+@pytest.mark.parametrize("fmt, source", [("int4", "fp32"), ("fp8", "bf16")])
+def test_convert_quantize_writes_what_load_quantizes(hf_folders, tmp_path, fmt, source):
+    """`convert --quantize` stores per block what `load_pretrained(weights=...)` builds per shard
+    from the HF folder (bf16 quantized to FP8 blocks; int4 packed with its group scales); the
+    checkpoint loads quantized by default, and another int format is refused by name."""
+    from tests.checkpoint.conftest import convert
+
+    out = tmp_path / "ckpt"
+    assert convert("--hf-dir", hf_folders[source], "--out", out, f"--quantize={fmt}", "--quant-targets=all",
+                   "--quant-group=16") == 0
+    direct = load_pretrained(hf_folders[source], weights=fmt, quantize="all", quant_group=16)
+    stored = load_pretrained(out)
+    assert model_quant.format_of(stored) == fmt
+    for path, module, name, _ in model_quant.targets(direct, "all"):
+        want = getattr(module, name)[...]
+        got = stored
+        for p in path:
+            got = getattr(got, p)
+        got = got[...]
+        np.testing.assert_array_equal(np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    if fmt == "int4":
+        with pytest.raises(Exception, match="holds int4 weights"):
+            load_pretrained(out, weights="int8")
