@@ -100,3 +100,15 @@ def test_convert_quantize_writes_what_load_quantizes(hf_folders, tmp_path, fmt, 
     if fmt == "int4":
         with pytest.raises(Exception, match="holds int4 weights"):
             load_pretrained(out, weights="int8")
+
+
+def test_quantized_loads_on_a_mesh(hf_folders):
+    """8 fake devices, fsdp=2 x expert=4: each shard of q and scale built where it lives; logits as
+    on one device (tests/checkpoint/_quant_mesh.py)."""
+    from tests.helpers import run_module
+    from tests.sharding import workers
+
+    res = run_module("tests.checkpoint._quant_mesh", hf_folders["fp8"], hf_folders["fp32"],
+                     env=workers.fake_device_env(), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("rel err") == 2, res.stdout
