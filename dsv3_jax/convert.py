@@ -1,6 +1,8 @@
 """HF DeepSeek-V3 safetensors <-> our Orbax checkpoint.
 
     python -m dsv3_jax.convert --hf-dir HF --out CKPT [--dtype bfloat16|float32] [--keep-fp8] [--verify [N]]
+    python -m dsv3_jax.convert --hf-dir HF --out CKPT --quantize fp8|int8|int4 [--quant-targets experts|all] \
+        [--quant-group 128]
     python -m dsv3_jax.convert --to-hf --ckpt CKPT --out HF [--fp8] [--dtype ...] [--shard-size 5GB]
     python -m dsv3_jax.convert --to-hf --ckpt LORA_RUN --out PEFT --adapter_only [--base HF]
 
@@ -35,6 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="parameter dtype (default: as stored; bfloat16 for FP8 sources)")
     p.add_argument("--keep-fp8", action="store_true",
                    help="store FP8 projections as e4m3 + block scales (the `fp8` item) instead of dequantising")
+    p.add_argument("--quantize", choices=["fp8", "int8", "int4"], default=None,
+                   help="store projections quantized (fp8: e4m3 + 128x128 scales; int8/int4: a scale per "
+                        "--quant-group rows); load_pretrained then loads them quantized")
+    p.add_argument("--quant-targets", choices=["experts", "all"], default=None,
+                   help="with --quantize: the routed experts or every projection (default: all for fp8, else experts)")
+    p.add_argument("--quant-group", type=int, default=128, help="with --quantize=int8|int4: contraction rows per scale")
     p.add_argument("--verify", nargs="?", type=int, const=16, default=0, metavar="N",
                    help="re-read N sampled slices (default 16) and compare them with the source before committing")
     p.add_argument("--to-hf", action="store_true", help="export an Orbax checkpoint to an HF folder")
@@ -55,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--keep-fp8 and --verify apply to HF -> Orbax only")
     if args.adapter_only and not args.to_hf:
         p.error("--adapter_only applies to --to-hf --ckpt LORA_RUN")
+    if args.to_hf and args.quantize:
+        p.error("--quantize applies to HF -> Orbax only")
+    if args.quant_group <= 0:
+        p.error(f"--quant-group={args.quant_group} must be positive")
     if not args.to_hf and args.fp8:
         p.error("--fp8 applies to --to-hf; for HF -> Orbax use --keep-fp8")
     return args
@@ -88,8 +100,9 @@ def main(argv=None) -> int:
 
             summary = convert_hf_to_orbax(args.hf_dir, args.out, dtype=args.dtype, keep_fp8=args.keep_fp8,
                                           verify=args.verify, progress=not args.no_progress,
-                                          overwrite=args.overwrite)
-    except (CheckpointError, ConfigError) as e:
+                                          overwrite=args.overwrite, quantize=args.quantize,
+                                          quant_targets=args.quant_targets, quant_group=args.quant_group)
+    except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.info("wrote %s", summary)

@@ -3,7 +3,7 @@
     python -m experiments.generate --checkpoint=RUN_OR_CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
         [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=512] [--stats] \
-        [--mesh=fsdp=2,expert=4 [--rules=default]]
+        [--mesh=fsdp=2,expert=4 [--rules=default]] [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]]
 
 --checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps
 (runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder. The tokenizer is --tokenizer, else
@@ -16,6 +16,9 @@ shards its devices hold (load_pretrained(mesh=...), sharding/rules.py), never wh
 the cache's rows are split as a batch (data x fsdp x expert) and the steps run under the mesh (jax.set_mesh), the MoE
 layers expert-parallel. Expert parallelism splits the rows over data x fsdp x expert, so a batch of
 prompts that those devices do not divide is padded with copies of its last prompt, decoded and dropped.
+--weights holds the projections quantized as they load (load_pretrained(weights=...)): FP8 with
+its 128x128 blocks as stored (or quantized so), or int8/int4 with a scale per --quant_group rows;
+--quantize says which (default: every projection for fp8, the routed experts for int8/int4).
 
 One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
 printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
@@ -65,6 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, type=mesh_sizes,
                    help="device mesh to load onto, e.g. fsdp=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
     p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
+    p.add_argument("--weights", default=None, choices=["fp8", "int8", "int4"],
+                   help="hold the projections quantized (default: dense, in --dtype)")
+    p.add_argument("--quantize", default=None, choices=["experts", "all"],
+                   help="with --weights: the routed experts or every projection (default: all for fp8, else experts)")
+    p.add_argument("--quant_group", type=int, default=128, help="with --weights=int8|int4: rows per scale")
     return p.parse_args(argv)
 
 
@@ -136,7 +144,8 @@ def main(argv=None) -> None:
     try:
         run = run_folder.find(args.checkpoint)
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
-        model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules)
+        model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
+                                quantize=args.quantize, quant_group=args.quant_group)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)

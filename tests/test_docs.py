@@ -56,7 +56,7 @@ def test_the_link_checker_rejects_bad_links():
     assert "links to" in _check_link("dsv3_jax/ops/routing.py", "route", "../dsv3_jax/ops/dispatch.py")
 
 
-@pytest.mark.parametrize("doc", ["architecture.md"])
+@pytest.mark.parametrize("doc", ["architecture.md", "quantization.md"])
 def test_every_file_function_link_exists(doc):
     links = _links(doc)
     assert len(links) > 50

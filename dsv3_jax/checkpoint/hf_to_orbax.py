@@ -12,6 +12,13 @@
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
    `verify`, sampled blocks re-read and compared). Any error or interrupt removes the folder.
+
+`quantize` ("fp8" | "int8" | "int4", dsv3_jax/ops/quant.py) stores the projections `quant_targets`
+names quantized, block by block as the rest: "fp8" in the `fp8` item (e4m3 + 128x128 scale_inv,
+HF orientation; FP8 sources copied as stored, others quantized per 128-row block), "int8"/"int4"
+in `params` as {"q", "scale"} under the parameter's path, [*stack, K(/2), N] and [*stack, K/g, N],
+quantized per block of whole groups. The config's `quant` section names the leaves, format and group;
+`load_pretrained` loads such a checkpoint quantized by default.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf, slice_to_ours
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3
+from dsv3_jax.model import quant as model_quant
+from dsv3_jax.ops import quant
 
 CHUNK_BYTES = 32 << 20  # one written block (and one Orbax chunk file), in the output dtype
 
@@ -44,10 +53,13 @@ class LeafPlan:
     leaf: hf_names.Leaf
     shape: tuple[int, ...]  # ours
     dtype: np.dtype  # ours
-    fp8: bool  # every HF tensor is e4m3 + scale and --keep-fp8: stored as such in the `fp8` item
+    fp8: bool  # stored in the `fp8` item: e4m3 HF tensors with --keep-fp8, or --quantize=fp8 targets
     source_dtype: str
     nbytes: int  # HF bytes read, scales included
     hf_shape: tuple[int, ...]  # one HF tensor
+    fp8_stored: bool = True  # with fp8: the source is e4m3 (copied), else quantized per block
+    quant: str | None = None  # "int8" | "int4": stored as {"q", "scale"} in `params`
+    group: int = 0  # int formats: rows of K per scale
 
     @property
     def key(self) -> str:
@@ -64,10 +76,17 @@ def model_variables(cfg: ModelConfig) -> dict[tuple[str, ...], nnx.Variable]:
             if isinstance(node, nnx.Variable)}
 
 
-def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool) -> tuple[list[LeafPlan], dict[str, str]]:
+def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool, quantize: str | None = None,
+         quant_targets: str | None = None, quant_group: int = 128) -> tuple[list[LeafPlan], dict[str, str]]:
     """Matches every parameter with its HF tensors; raises on any mismatch. Also returns
     {hf name: dtype} for tensors whose dtype differs from the rest of their parameter."""
     variables = model_variables(cfg)
+    targets = {}
+    if quantize is not None:
+        quant.check_format(quantize, "--quantize")
+        which = model_quant.check_targets(quant_targets or model_quant.default_targets(quantize))
+        model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+        targets = {path: contract for path, _, _, contract in model_quant.targets(model, which)}
     infos = reader.check_all(cfg)
     plans, exceptions = [], {}
     for leaf in hf_names.leaves(cfg):
@@ -81,8 +100,15 @@ def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool) -> tuple[list[LeafP
             bad = next(n for n, i in mine.items() if not i.fp8)
             raise CheckpointError(f"--keep-fp8: tensor {bad} in {reader.ckpt.where(bad)} is {mine[bad].dtype} while "
                                   f"other slices of {'.'.join(leaf.path)} are FP8; convert without --keep-fp8")
-        plans.append(LeafPlan(leaf, tuple(var.shape), np.dtype(jnp.dtype(var.dtype)), keep_fp8 and all(is_fp8),
-                              common, sum(i.nbytes for i in mine.values()), tuple(leaf.hf_shapes()[0])))
+        lp = LeafPlan(leaf, tuple(var.shape), np.dtype(jnp.dtype(var.dtype)), keep_fp8 and all(is_fp8),
+                      common, sum(i.nbytes for i in mine.values()), tuple(leaf.hf_shapes()[0]))
+        if leaf.path in targets and quantize == "fp8":
+            lp = dataclasses.replace(lp, fp8=True, fp8_stored=all(is_fp8))
+        elif leaf.path in targets:
+            k = lp.hf_shape[1]
+            lp = dataclasses.replace(lp, fp8=False, quant=quantize,
+                                     group=quant.group_for(k, quant_group, quantize, lp.key))
+        plans.append(lp)
     return plans, exceptions
 
 
@@ -129,8 +155,42 @@ def _scale_index(index: tuple[slice, ...]) -> tuple[slice, ...]:
     return index[:-2] + (slice(rows.start // fp8.BLOCK, -(-rows.stop // fp8.BLOCK)), slice(None))
 
 
+def int_regions(p: LeafPlan) -> tuple[list[int], list[tuple]]:
+    """(K rows per block, blocks (stack index, K rows)) of an int-quantized leaf: whole groups of
+    the contraction, each block one window of every HF row (our N) at those columns (our K)."""
+    n, k = p.hf_shape
+    step = min(k, max(p.group, CHUNK_BYTES // (4 * n) // p.group * p.group))
+    stacks = itertools.product(*(range(d) for d in p.shape[:p.stacked]))
+    return step, [(stack, slice(k0, min(k, k0 + step))) for stack in stacks for k0 in range(0, k, step)]
+
+
+def _int_block(reader: HFReader, p: LeafPlan, stack: tuple, rows: slice) -> tuple[np.ndarray, np.ndarray]:
+    """Our K rows `rows` of one stack element, quantized: (q [rows(/2), N], scale [rows/g, N])."""
+    w_KxN = reader.leaf_window(p.leaf, np.float32)(stack, slice(None), rows).T
+    return quant.quantize_int(w_KxN, p.quant, p.group, xp=np)
+
+
+def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter, bar) -> None:
+    n, k = p.hf_shape
+    step, blocks = int_regions(p)
+    pack = 2 if p.quant == "int4" else 1
+    stack_shape, lead = p.shape[:p.stacked], [1] * p.stacked
+    q_arr = params.create(p.leaf.path + ("q",), stack_shape + (k // pack, n), np.uint8 if pack == 2 else np.int8,
+                          chunks=lead + [step // pack, n])
+    s_arr = params.create(p.leaf.path + ("scale",), stack_shape + (k // p.group, n), np.float32,
+                          chunks=lead + [step // p.group, n])
+    for stack, rows in blocks:
+        before = reader.bytes_read
+        q, sc = _int_block(reader, p, stack, rows)
+        params.write(q_arr[stack + (slice(rows.start // pack, rows.stop // pack),)], q)
+        params.write(s_arr[stack + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
+        bar.update(reader.bytes_read - before)
+
+
 def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
                 fp8_item: orbax_layout.ItemWriter | None, bar) -> None:
+    if p.quant is not None:
+        return _write_int_leaf(reader, p, params, bar)
     if p.fp8:
         chunks, blocks = fp8_regions(p)
         stack = p.shape[:p.stacked]
@@ -138,7 +198,7 @@ def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
         s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), stack + fp8.scale_shape(p.hf_shape), np.float32,
                                 chunks=chunks[:-2] + [-(-chunks[-2] // fp8.BLOCK), -(-chunks[-1] // fp8.BLOCK)])
         for index in blocks:
-            q, s = _raw_fp8(reader, p, index)
+            q, s = _raw_fp8(reader, p, index) if p.fp8_stored else _quantized_fp8(reader, p, index)
             fp8_item.write(q_arr[index], q)
             fp8_item.write(s_arr[_scale_index(index)], s)
             bar.update(q.nbytes + s.nbytes)
@@ -166,11 +226,21 @@ def _raw_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[n
     return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
 
 
+def _quantized_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One row block (a multiple of 128 rows) of a non-FP8 source quantized to e4m3 with its
+    128x128 scales (the released recipe, `fp8.quantize`), HF orientation."""
+    stack = tuple(s.start for s in index[:p.stacked])
+    w = reader.leaf_window(p.leaf, np.float32)(stack, index[-2], None)
+    q, s = fp8.quantize(w)
+    lead = (1,) * p.stacked
+    return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
+
+
 def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) -> int:
     """Re-reads `samples` blocks (first, last and random ones) from the written arrays and compares
     them bit for bit with a fresh conversion of the same block of the source: only those blocks
     are read, on both sides."""
-    tasks = [(p, index) for p in plans for index in (fp8_regions(p) if p.fp8 else regions(p))[1]]
+    tasks = [(p, index) for p in plans if p.quant is None for index in (fp8_regions(p) if p.fp8 else regions(p))[1]]
     rng = np.random.default_rng(0)
     pick = sorted({0, len(tasks) - 1, *rng.choice(len(tasks), min(samples, len(tasks)), replace=False).tolist()})
     pick = pick[:max(samples, 1)]
@@ -180,7 +250,7 @@ def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) ->
         if p.fp8:
             got = [readers[orbax_layout.FP8].read(p.leaf.path + ("qvalue",), index),
                    readers[orbax_layout.FP8].read(p.leaf.path + ("scale_inv",), _scale_index(index))]
-            want = list(_raw_fp8(reader, p, index))
+            want = list(_raw_fp8(reader, p, index) if p.fp8_stored else _quantized_fp8(reader, p, index))
         else:
             got = [readers[orbax_layout.PARAMS].read(p.leaf.path, index)]
             want = [read_shard(p.leaf, p.shape, index, reader.leaf_window(p.leaf, p.dtype), p.dtype)]
@@ -212,7 +282,8 @@ def commit(tmp: str, out: str, overwrite: bool) -> None:
 
 
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype=None, keep_fp8: bool = False,
-                        verify: int = 0, progress: bool = True, overwrite: bool = False) -> dict:
+                        verify: int = 0, progress: bool = True, overwrite: bool = False, quantize: str | None = None,
+                        quant_targets: str | None = None, quant_group: int = 128) -> dict:
     """Writes the Orbax checkpoint of HF folder `hf_dir` at `out`. Returns a summary dict."""
     hf_dir, out = os.fspath(hf_dir), os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not overwrite:
@@ -220,7 +291,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
     reader = HFReader(hf_dir)
     pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
     cfg = reader.config(param_dtype=pdtype.name, compute_dtype=pdtype.name)
-    plans, exceptions = plan(reader, cfg, keep_fp8)
+    plans, exceptions = plan(reader, cfg, keep_fp8, quantize, quant_targets, quant_group)
     copies = reader.mtp_copies(cfg)
     total = sum(p.nbytes for p in plans) + 2 * sum(reader.ckpt.header(m)[2] for _, m in copies)
     tmp = _tmp_path(out)
@@ -245,8 +316,11 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
                   "mtp_shared_copies": mtp_copies, "hf_config": _read_json(reader.config_path),
                   "generation_config": hf_tokenizer.source_generation_config(hf_dir)}
         hf_tokenizer.copy_tokenizer_files(hf_dir, tmp)  # the checkpoint carries its tokenizer to --to-hf and serve
-        orbax_layout.write_config(tmp, {"model": cfg.to_dict(), "fp8_leaves": [p.key for p in plans if p.fp8],
-                                        "source": source}, items)
+        meta = {"model": cfg.to_dict(), "fp8_leaves": [p.key for p in plans if p.fp8], "source": source}
+        if quantize is not None:
+            meta["quant"] = {"format": quantize, "group": quant_group if quantize != "fp8" else fp8.BLOCK,
+                             "leaves": [p.key for p in plans if p.quant is not None or (quantize == "fp8" and p.fp8)]}
+        orbax_layout.write_config(tmp, meta, items)
         commit(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,12 +25,14 @@ from tqdm.auto import tqdm
 
 import sharding
 from dsv3_jax import paths
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, run_folder
-from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
+from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, quantized, run_folder
+from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3
+from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import RouterBias, logical_axes
+from dsv3_jax.ops import quant
 
 FP8_BLOCK = fp8.BLOCK
 dequantize_fp8 = fp8.dequantize
@@ -53,6 +55,39 @@ def placement(mesh, rules):
                                                      name=".".join(path))
 
 
+def placement_of_axes(mesh, rules):
+    """-> f(logical axes, shape, name) giving the sharding of an array that is not a model variable
+    (a quantized weight's q or scales): the same rules as `placement`."""
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return lambda axes, shape, name: device
+    table = sharding.get_rules(rules)
+    return lambda axes, shape, name: sharding.named_sharding(tuple(axes), tuple(shape), mesh, table, name=name)
+
+
+class Quantization:
+    """What `load_pretrained(weights=...)` asks for: the format, the projections it covers (`targets`
+    of dsv3_jax/model/quant.py) and the int group; `plan(model)` maps each covered variable path to
+    (owning module, attribute, contracted axes)."""
+
+    def __init__(self, weights: str, targets: str | None = None, group: int = 128):
+        self.fmt = quant.check_format(weights)
+        self.targets = model_quant.check_targets(targets or model_quant.default_targets(self.fmt))
+        if group <= 0:
+            raise ValueError(f"quant_group={group} must be positive")
+        self.group = group
+
+    def plan(self, model) -> dict:
+        return {path: (module, name, contract) for path, module, name, contract in
+                model_quant.targets(model, self.targets)}
+
+    def build(self, plan_entry, var, path, mesh, rules, src, raw=None) -> None:
+        module, name, contract = plan_entry
+        qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
+                                       placement_of_axes(mesh, rules), build_array, src, raw)
+        setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
+
+
 def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
     """The global array `shape` with sharding `where`, each of this process's devices given
     `shard(index)` (a numpy block of ours[index]): what `jax.make_array_from_callback` does, but one
@@ -71,9 +106,10 @@ def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
 
 
 def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, progress: bool | None = None,
-            **config_overrides) -> DeepSeekV3:
+            quantization: Quantization | None = None, **config_overrides) -> DeepSeekV3:
     """Builds `DeepSeekV3` from an HF folder. `dtype` sets the parameter dtype (default: as stored,
-    bfloat16 for FP8 checkpoints); the compute dtype follows it unless overridden."""
+    bfloat16 for FP8 checkpoints); the compute dtype follows it unless overridden. `quantization`:
+    the projections it covers are built quantized per shard (stored FP8 kept as it is for `fp8`)."""
     reader = HFReader(folder)
     pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
     config_overrides.setdefault("compute_dtype", pdtype.name)
@@ -84,14 +120,36 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
     place = placement(mesh, rules)
     table = hf_names.leaves(cfg)
     show = progress if progress is not None else len(reader.ckpt.names()) > 2000
+    plan = quantization.plan(model) if quantization is not None else {}
     for leaf in tqdm(table, desc=f"loading {os.path.basename(reader.folder)}", unit="param", disable=not show):
         var = variables[leaf.path]
+        if leaf.path in plan:
+            raw = _hf_raw_fp8(reader, leaf) if quantization.fmt == "fp8" else None
+            quantization.build(plan[leaf.path], var, leaf.path, mesh, rules,
+                               quantized.hf_2d(reader.leaf_window(leaf, np.float32)), raw)
+            continue
         target = np.dtype(jnp.dtype(var.dtype))
         window = reader.leaf_window(leaf, target)
         var.set_value(build_array(var.shape, target, place(leaf.path, var),
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
     reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
     return model
+
+
+def _hf_raw_fp8(reader: HFReader, leaf: hf_names.Leaf):
+    """`RawFp8` windows of a leaf whose HF tensors are all stored in e4m3, else None."""
+    def name_of(stack):
+        names = leaf.hf(leaf.hf_layers[stack[0]] if stack else None)
+        return names[stack[1] if len(stack) == 2 else 0]
+
+    if any(reader.ckpt.header(n)[1] != fp8.E4M3 for _, names in hf_names.leaf_slices(leaf) for n in names):
+        return None
+
+    def raw(stack, part, rows, cols):
+        name = name_of(stack) if part == "q" else scale_name(name_of(stack))
+        return np.array(reader.ckpt.read_rows(name, rows.start, rows.stop)[:, cols])
+
+    return raw
 
 
 def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[ModelConfig, DeepSeekV3]:
@@ -129,9 +187,10 @@ def restore_variables(item_dir: str, variables: dict, keys: dict, place) -> None
         variables[p].set_value(by_key[key])
 
 
-def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
+def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
                **config_overrides) -> DeepSeekV3:
-    """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`)."""
+    """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`); with `quantization`,
+    the projections it covers are built quantized per shard (the `fp8` item kept as it is for `fp8`)."""
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
     cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
@@ -141,10 +200,11 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
     params_dir = paths.join(path, orbax_layout.PARAMS)
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     stored_keys = orbax_layout.item_keys(path, orbax_layout.PARAMS)
+    quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
     keys = {}
     for p, var in variables.items():
         key = ".".join(p)
-        if key in fp8_leaves:
+        if key in fp8_leaves or key in int_leaves:
             continue
         if p not in stored_keys:
             raise CheckpointError(f"parameter {key} is missing from {params_dir} (the config in "
@@ -153,11 +213,74 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None,
         if shape != tuple(var.shape):
             raise CheckpointError(f"parameter {key} in {params_dir} has shape {shape}, the config needs "
                                   f"{tuple(var.shape)}")
-        keys[p] = p
+        if p not in plan:
+            keys[p] = p
     restore_variables(params_dir, variables, keys, place)
-    if fp8_leaves:
-        _restore_fp8(path, cfg, variables, fp8_leaves, place)
+    quantized_keys = {".".join(p) for p in plan}
+    if fp8_leaves - quantized_keys:
+        _restore_fp8(path, cfg, variables, fp8_leaves - quantized_keys, place)
+    for p, entry in plan.items():
+        _, _, contract = entry
+        var = variables[p]
+        if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
+            module, name, _ = entry
+            qa = quantized.restore_quantized(var, contract, quantization.fmt, quantization.group, ".".join(p),
+                                             placement_of_axes(mesh, rules), build_array, stored.array(p + ("q",)),
+                                             stored.array(p + ("scale",)))
+            setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
+            continue
+        if ".".join(p) in fp8_leaves:  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
+            fp8_item = orbax_layout.ItemReader(path, orbax_layout.FP8)
+            raw = _fp8_item_raw(fp8_item, p) if quantization.fmt == "fp8" else None
+            src = quantized.hf_2d(_fp8_item_window(fp8_item, p, np.dtype(np.float32)))
+        else:
+            arr = stored.array(p)
+            st = model_quant.stack_dims(logical_axes(var))
+            src, raw = quantized.ours_2d(lambda index, arr=arr: arr[index].read().result(), tuple(var.shape[st:]),
+                                         contract), None
+        quantization.build(entry, var, p, mesh, rules, src, raw)
     return model
+
+
+def _stored_quantization(path: str, meta: dict, model, quantization: Quantization | None):
+    """(quantization, plan, int leaves stored as q/scale) for a checkpoint that may have been written
+    with `convert --quantize`: loaded in its stored format by default; another int format or group
+    than the stored one is an error (the values are not there to requantize)."""
+    stored = meta.get("quant")
+    if stored is None:
+        return quantization, (quantization.plan(model) if quantization is not None else {}), set()
+    fmt, group, leaves = stored["format"], int(stored["group"]), set(stored["leaves"])
+    if quantization is None:
+        quantization = Quantization(fmt, "all", group)
+        return quantization, {p: e for p, e in quantization.plan(model).items() if ".".join(p) in leaves}, (
+            leaves if fmt != "fp8" else set())
+    if fmt != "fp8" and (quantization.fmt != fmt or quantization.group != group):
+        raise CheckpointError(f"{path} holds {fmt} weights (group {group}, written by convert --quantize); load it "
+                              f"with weights={fmt!r}, quant_group={group} or convert the source again")
+    plan = quantization.plan(model)
+    plan.update({p: e for p, e in Quantization(quantization.fmt, "all", quantization.group).plan(model).items()
+                 if ".".join(p) in leaves})  # every stored leaf stays quantized
+    return quantization, plan, (leaves if fmt != "fp8" else set())
+
+
+def _fp8_item_raw(reader: orbax_layout.ItemReader, p: tuple[str, ...]):
+    """`RawFp8` windows of parameter `p` in the `fp8` item (e4m3 and scale_inv, HF orientation)."""
+    arrays = {"q": reader.array(p + ("qvalue",)), "scale": reader.array(p + ("scale_inv",))}
+    return lambda stack, part, rows, cols: np.asarray(arrays[part][tuple(stack) + (rows, cols)].read().result())
+
+
+def _fp8_item_window(reader: orbax_layout.ItemReader, p: tuple[str, ...], target):
+    """(stack, rows, cols) -> that window of parameter `p`'s HF-oriented tensor, dequantised to `target`."""
+    q_arr = reader.array(p + ("qvalue",))
+    s_arr = reader.array(p + ("scale_inv",))
+
+    def window(stack, rows, cols):
+        rows, cols = (slice(*r.indices(n)[:2]) for r, n in zip((rows, cols), q_arr.shape[len(stack):]))
+        return fp8.dequantize_window(lambda r, c: np.asarray(q_arr[stack + (r, c)].read().result()),
+                                     lambda r, c: np.asarray(s_arr[stack + (r, c)].read().result()),
+                                     rows, cols, target)
+
+    return window
 
 
 def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides) -> DeepSeekV3:
@@ -179,21 +302,13 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
             continue
         var = variables[leaf.path]
         target = np.dtype(jnp.dtype(var.dtype))
-        q_arr = reader.array(leaf.path + ("qvalue",))
-        s_arr = reader.array(leaf.path + ("scale_inv",))
-
-        def window(stack, rows, cols, q_arr=q_arr, s_arr=s_arr, target=target):
-            rows, cols = (slice(*r.indices(n)[:2]) for r, n in zip((rows, cols), q_arr.shape[len(stack):]))
-            return fp8.dequantize_window(lambda r, c: np.asarray(q_arr[stack + (r, c)].read().result()),
-                                         lambda r, c: np.asarray(s_arr[stack + (r, c)].read().result()),
-                                         rows, cols, target)
-
+        window = _fp8_item_window(reader, leaf.path, target)
         var.set_value(build_array(var.shape, target, place(leaf.path, var),
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
 
 
-def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None,
-                    **config_overrides) -> DeepSeekV3:
+def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None, weights: str | None = None,
+                    quantize: str | None = None, quant_group: int = 128, **config_overrides) -> DeepSeekV3:
     """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
     HF folder (`config.json` + safetensors), or a training run's folder (its latest step) or step folder.
 
@@ -201,9 +316,20 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     mesh: build each parameter directly in `NamedSharding(mesh, spec)`, each process reading only
       its devices' shards; the spec from the parameter's logical axes through `rules`
       (sharding/rules.py: a preset name, a {logical axis: mesh axes} dict, None = "default").
+    weights: None (dense, in `dtype`), "fp8", "int8" or "int4": the projections `quantize` names are
+      built quantized per shard as they load (dsv3_jax/checkpoint/quantized.py) and the forward
+      consumes them as they are (dsv3_jax/ops/quant.py). "fp8": e4m3 with 128x128 block scales,
+      kept as stored from an FP8 HF folder or a `--keep-fp8` checkpoint (quantized so from bf16),
+      run through the block-scaled matmul with 1x128 activation tiles. "int8"/"int4": weight-only,
+      scales per `quant_group` rows of the contraction axis, int4 packed two per byte.
+    quantize: "experts" (the routed experts; int8/int4's default) or "all" (every projection the
+      released checkpoint stores in FP8; fp8's default).
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
     path = os.fspath(path)
+    quantization = Quantization(weights, quantize, quant_group) if weights is not None else None
+    if quantization is None and quantize is not None:
+        raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
         from dsv3_jax.checkpoint import lora_export
 
@@ -211,12 +337,18 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
             if mesh is not None:
                 raise CheckpointError(f"{path} is a LoRA run, which loads on one device; for a mesh export it "
                                       f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
+            if quantization is not None:
+                raise CheckpointError(f"{path} is a LoRA run; to load it with weights={weights!r} export it merged "
+                                      f"first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
             return lora_export.load_adapted(path, dtype, **config_overrides)
-        return load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
+        model = load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
+        if quantization is not None:  # a run's state restores whole leaves (sharded); quantized one leaf at a time
+            model_quant.quantize_model(model, quantization.fmt, quantization.targets, quantization.group)
+        return model
     if orbax_layout.is_orbax_checkpoint(path):
-        return load_orbax(path, dtype, mesh=mesh, rules=rules, **config_overrides)
+        return load_orbax(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
-        return load_hf(path, dtype, mesh=mesh, rules=rules, **config_overrides)
+        return load_hf(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
                           "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
                           "config.json and model.safetensors or model.safetensors.index.json, or a training run's "

@@ -30,6 +30,7 @@ from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops import latent_attention
 from dsv3_jax.ops.attention import attention as xla_attention
 from dsv3_jax.ops.linear import project
+from dsv3_jax.ops.quant import as_dense
 
 
 class LatentCache(NamedTuple):
@@ -147,7 +148,7 @@ class MLA(nnx.Module):
         q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
         own = self.latent(x_BxTxD, cos, sin)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
-        w_uk, w_uv = jnp.split(lora.weight(self, "wkv_b").astype(dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
+        w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
         q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
         attend = (latent_attention.attend_pallas if cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
                   else latent_attention.attend)

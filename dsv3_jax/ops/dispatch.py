@@ -19,6 +19,11 @@ B, the tile loop reading tile j's expert's A and B beside its weights (and addin
 into that expert's slot), the dense reference through every expert's adapter, then select.
 Adapters are per layer ([E, ...]) even where the weights are a layer stack read at `layer`. The
 FP8 path takes none (the adapters would run in the compute dtype beside FP8 weights: not built).
+
+Quantized experts (`dsv3_jax.ops.quant.QArray`, inference only): the tile loop dequantises its
+tile's expert, ragged_dot walks K one scale group at a time over every expert, the dense reference
+dequantises the stack; stored FP8 experts run the block-scaled grouped kernel on their own blocks.
+No path holds every expert of a layer in the compute dtype except the dense reference.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dsv3_jax.ops import quant
+from dsv3_jax.ops.quant import QArray
 from sharding.expert_parallel import combine
 
 
@@ -60,8 +67,24 @@ def _swiglu(gate, up):
     return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
 
 
+def _ragged_quantized(lhs_MxK, w: QArray, sizes_E):
+    """ragged_dot through int-quantized experts one K group at a time: each step dequantises rows
+    [j*g, (j+1)*g) of every expert (never all of an expert stack in the compute dtype)."""
+    g, m = w.group, lhs_MxK.shape[0]
+
+    def step(j, acc):
+        lhs = jax.lax.dynamic_slice_in_dim(lhs_MxK, j * g, g, axis=1)
+        return acc + jax.lax.ragged_dot(lhs, quant.group_slice(w, j, lhs_MxK.dtype), sizes_E,
+                                        preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, w.k // g, step, jnp.zeros((m, w.n), jnp.float32))
+    return acc.astype(lhs_MxK.dtype)
+
+
 def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
     def mm(lhs, rhs):
+        if isinstance(rhs, QArray):
+            return _ragged_quantized(lhs, rhs, sizes_E)
         return jax.lax.ragged_dot(lhs, rhs, sizes_E, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
     def proj(lhs, w, i):  # lhs W_e (+ scale * (lhs A_e) B_e), each row with its own expert's matrices
@@ -101,6 +124,8 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
 
 def _at(w_ExAxB, e, layer=None):
     """Expert e's [A, B] of w [E, A, B], or of a stack [L, E, A, B] at `layer`: one slice read."""
+    if isinstance(w_ExAxB, QArray):  # its q and scale sliced alike; dequantised by the tile's matmul
+        return w_ExAxB[e] if layer is None else w_ExAxB[layer, e]
     if layer is None:
         return jax.lax.dynamic_index_in_dim(w_ExAxB, e, axis=0, keepdims=False)
     return jax.lax.dynamic_slice(w_ExAxB, (layer, e, 0, 0), (1, 1, *w_ExAxB.shape[2:]))[0, 0]
@@ -120,7 +145,7 @@ def _mm(eq, a, b):
 def _tile_proj(x_txA, w_AxB, adapter=(), scale: float = 1.0):
     """x w (+ scale * (x a) b for an adapter (a [A, r], b [r, B])) in x's dtype, fp32 accumulation."""
     dt = x_txA.dtype
-    y = _mm("tA,AB->tB", x_txA, w_AxB.astype(dt)).astype(dt)
+    y = _mm("tA,AB->tB", x_txA, quant.as_dense(w_AxB, dt)).astype(dt)  # a quantized expert: this tile's dequant
     if not adapter:
         return y
     a_Axr, b_rxB = (m.astype(dt) for m in adapter)
@@ -151,8 +176,10 @@ def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_
     rows, not tiles x weights. Expert `adapters` (six [E, ...] arrays, module docstring) are read and
     accumulated the same way.
     """
-    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, (w1_ExDxF, w3_ExDxF, w2_ExFxD), layer,
-                      tuple(adapters))
+    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    if any(isinstance(w, QArray) for w in weights):  # quantized weights are frozen: forward only
+        return _tile_loop_fwd(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters))[0]
+    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -239,17 +266,35 @@ _tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)
 
 
 def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
-    from dsv3_jax.ops.linear import fp8_grouped_matmul
+    from dsv3_jax.ops.linear import fp8_grouped_matmul, fp8_grouped_matmul_stored
 
     def mm(lhs, rhs):
+        if isinstance(rhs, QArray):  # stored FP8 [E, N, K] with its blocks: no requantisation, no bf16 copy
+            return fp8_grouped_matmul_stored(lhs, rhs.q, rhs.scale, sizes_E, lhs.dtype)
         return fp8_grouped_matmul(lhs, rhs, sizes_E, lhs.dtype)
 
     return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
 
 
+def _pallas_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+    """int8/int4 experts through the Pallas grouped kernel that dequantises one weight tile at a time
+    (pallas_kernels/quant_grouped_matmul.py): the tiled path's numerics, one kernel per projection."""
+    from pallas_kernels.quant_grouped_matmul import quant_grouped_matmul
+
+    def mm(lhs, w: QArray):
+        return quant_grouped_matmul(lhs, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs.dtype)
+
+    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+
+
+def kernel_ready(weights) -> bool:
+    """Whether int-quantized experts fit the Pallas kernel (groups of a multiple of 32 rows)."""
+    return all(isinstance(w, QArray) and w.fmt in ("int8", "int4") and w.group % 32 == 0 for w in weights)
+
+
 def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
-    def mm(eq, lhs, w):
-        return jnp.einsum(eq, lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    def mm(eq, lhs, w):  # the reference: a quantized stack is dequantised whole
+        return jnp.einsum(eq, lhs, quant.as_dense(w, lhs.dtype), preferred_element_type=jnp.float32).astype(lhs.dtype)
 
     def proj(eqs, lhs, w, i):  # every row through every expert's W (+ scale * (lhs A) B)
         y = mm(eqs[0], lhs, w)
@@ -264,6 +309,20 @@ def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters,
 def layer_weights(stacks, layer, dtype):
     """(w1, w3, w2) of one layer in `dtype`, sliced at `layer` from stacks [L, E, ...]."""
     return tuple(w[layer].astype(dtype) for w in stacks)
+
+
+def _impl_for(weights, impl: str) -> str:
+    """Quantized experts choose their kernel: stored FP8 runs the block-scaled grouped kernel
+    (unless the dense reference or the tile loop is asked for); int weights run the int paths, with
+    `auto` the Pallas kernel off CPU where their groups fit it (`kernel_ready`)."""
+    fmt = next((w.fmt for w in weights if isinstance(w, QArray)), None)
+    if fmt == "fp8" and impl not in ("dense", "tiled"):
+        return "fp8"
+    if fmt in ("int8", "int4") and impl in ("fp8", "auto"):
+        return "auto_quantized" if kernel_ready(weights) else "auto"
+    if impl == "pallas" and not kernel_ready(weights):
+        raise ValueError("impl='pallas' runs int8/int4 experts whose quantization group is a multiple of 32")
+    return impl
 
 
 def _check_adapters(adapters, impl: str):
@@ -284,8 +343,9 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     with `lora_scale` (module docstring). `auto` picks ragged_dot where the platform runs it
     sparsely and the tiled path on CPU, for the platform the program is lowered for (a TPU lowering
     on a CPU host gets ragged_dot)."""
-    _check_adapters(adapters, impl)
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    impl = _impl_for(stacked, impl)
+    _check_adapters(adapters, impl)
     lora = {"lora_scale": lora_scale} if adapters else {}
 
     def tiled():
@@ -297,8 +357,15 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     def ragged():
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), **lora)
 
+    def pallas():
+        return _pallas_mlp(x_MxD, rows.group_sizes_E, *one_layer())
+
     if impl == "auto":
         return jax.lax.platform_dependent(cpu=tiled, default=ragged)
+    if impl == "auto_quantized":
+        return jax.lax.platform_dependent(cpu=tiled, default=pallas)
+    if impl == "pallas":
+        return pallas()
     if impl == "tiled":
         return tiled()
     if impl == "ragged":
@@ -307,7 +374,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _dense_mlp(x_MxD, rows, *one_layer(), **lora)
     if impl == "fp8":
         return _fp8_mlp(x_MxD, rows.group_sizes_E, *one_layer())
-    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense or fp8")
+    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense, fp8 or pallas")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,
@@ -332,6 +399,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
     follows the platform the program is lowered for: the tiled loop on CPU, `ragged_dot` elsewhere.
     `adapters`: the local experts' LoRA arrays, as in `grouped_expert_mlp`.
     """
+    impl = _impl_for((w1_ExDxF, w3_ExDxF, w2_ExFxD), impl)
     _check_adapters(adapters, impl)
     e = w1_ExDxF.shape[0]
     rows = sort_by_expert(jnp.where(valid_R, expert_R, e)[:, None], e)  # padding: expert e, no group
@@ -347,6 +415,10 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
 
     if impl == "auto":
         y_MxD = jax.lax.platform_dependent(cpu=tiled, default=ragged)
+    elif impl == "auto_quantized":
+        y_MxD = jax.lax.platform_dependent(cpu=tiled, default=lambda: _pallas_mlp(x_MxD, rows.group_sizes_E, *weights))
+    elif impl == "pallas":
+        y_MxD = _pallas_mlp(x_MxD, rows.group_sizes_E, *weights)
     elif impl == "tiled":
         y_MxD = tiled()
     elif impl == "ragged":

@@ -24,6 +24,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsv3_jax.ops.quant import QArray
+from dsv3_jax.ops.quant import matmul as quant_matmul
+
 MIN_AMAX = 1e-30  # guards 0/0 only; amax / 448 stays a normal fp32
 
 
@@ -117,6 +120,11 @@ def dropout(x: jax.Array, rate: float, key_data: jax.Array) -> jax.Array:
 
 def _project(x, w, contract, compute_dtype, fp8):
     batch, out = x.shape[: x.ndim - contract], w.shape[contract:]
+    if isinstance(w, QArray):  # stored quantized (dsv3_jax/ops/quant.py): its own format decides
+        if w.contract != contract:
+            raise ValueError(f"quantized weight {w.shape} contracts {w.contract} axes, the call {contract}")
+        y = quant_matmul(x.reshape(-1, w.k), w, jnp.dtype(compute_dtype))
+        return y.reshape(*batch, *out)
     x, w = x.astype(compute_dtype), w.astype(compute_dtype)
     if fp8:
         x2, w2 = _flatten(x, w, contract)
@@ -170,3 +178,17 @@ def _grouped_bwd(out_dtype, res, dy_MxN):
 
 
 fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, out_dtype) -> jax.Array:
+    """x . w for a weight stored in FP8 (e4m3 [N, K] with 128x128 `scale_inv` blocks, as released):
+    the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
+    Inference only (no gradient). Returns [M, N] in `out_dtype`."""
+    return _kernels()[0](*_quantize_tokens(x_MxK), w_q_NxK, w_scale, out_dtype=out_dtype)
+
+
+def fp8_grouped_matmul_stored(x_MxK: jax.Array, w_q_GxNxK: jax.Array, w_scale: jax.Array, group_sizes_G: jax.Array,
+                              out_dtype) -> jax.Array:
+    """`fp8_matmul_stored` for rows sorted by group (experts), each through its group's stored
+    FP8 weight [N, K]. Returns [M, N] in `out_dtype`."""
+    return _kernels()[1](*_quantize_tokens(x_MxK), w_q_GxNxK, w_scale, group_sizes_G, out_dtype=out_dtype)

@@ -1,0 +1,142 @@
+"""Quantized parameters built shard by shard as they load (`load_pretrained(weights=...)`).
+
+Each quantized projection becomes two arrays, q and scale (dsv3_jax/ops/quant.py), each made with
+`load.build_array`: a device's block of q or of the scales is quantized on the host from the
+source window that covers it, widened to whole scale groups (int) or 128x128 blocks (FP8), one
+stack element ([layer] or [layer, expert]) at a time. So no process holds more than one matrix's
+window in float32, never a whole leaf, and nothing is dequantised on the devices. Stored FP8 (an HF
+FP8 folder, a `--keep-fp8` checkpoint) loaded as `fp8` is copied as it is: e4m3 windows and the
+scale blocks, never widened.
+
+Sources give one stack element's matrix in our orientation [K, N] (`src`, float32) and, where the
+source holds FP8, its e4m3 [N, K] and scale windows (`raw`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable
+
+import numpy as np
+
+from dsv3_jax.checkpoint import fp8
+from dsv3_jax.model.params import logical_axes
+from dsv3_jax.model.quant import physical_axes, stack_dims
+from dsv3_jax.ops import quant
+from dsv3_jax.ops.quant import QArray
+
+# (stack index, K rows, N cols) -> float32 [K rows, N cols] of our matrix
+Source = Callable[[tuple[int, ...], slice, slice], np.ndarray]
+# (stack index, "q" | "scale", rows, cols) -> that window of the stored e4m3 [N, K] or its scale_inv; None: not FP8
+RawFp8 = Callable[[tuple[int, ...], str, slice, slice], np.ndarray] | None
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> list[slice]:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def _widen(s: slice, unit: int, limit: int) -> slice:
+    return slice(s.start // unit * unit, min(limit, -(-s.stop // unit) * unit))
+
+
+def _int_window(part: str, fmt: str, g: int, k: int, rows: slice, cols: slice, stack, src: Source) -> np.ndarray:
+    """Rows `rows` x cols of q (int8 [K, N] or packed [K/2, N]) or of the scales [K/g, N]."""
+    per_group = g // 2 if (part == "q" and fmt == "int4") else (g if part == "q" else 1)
+    groups = slice(rows.start // per_group, -(-rows.stop // per_group))
+    q, s = quant.quantize_int(src(stack, slice(groups.start * g, groups.stop * g), cols), fmt, g, xp=np)
+    out = q if part == "q" else s
+    first = groups.start * per_group
+    return out[rows.start - first:rows.stop - first]
+
+
+def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8) -> np.ndarray:
+    """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`)."""
+    if raw is not None:
+        return raw(stack, part, rows, cols)
+    b = fp8.BLOCK
+    nr, kc = (_widen(rows, b, n), _widen(cols, b, k)) if part == "q" else (
+        slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
+    q, s = fp8.quantize(np.ascontiguousarray(src(stack, kc, nr).T))
+    if part == "q":
+        return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
+    return s
+
+
+def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source,
+                    raw: RawFp8 = None) -> QArray:
+    """The QArray of parameter `var` (abstract: shape and logical axes), its q and scale each built
+    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`."""
+    axes = logical_axes(var)
+    st = stack_dims(axes)
+    stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
+    k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
+    g = quant.FP8_BLOCK if fmt == "fp8" else quant.group_for(k, group, fmt, name)
+    (q_shape, q_dtype), (s_shape, s_dtype) = quant.physical_shapes(fmt, stack_shape, k, n, g)
+    q_axes, s_axes = physical_axes(axes, fmt, contract)
+
+    def shard(part: str, shape):
+        def block(index):
+            bounds = _bounds(index, shape)
+            rows, cols = bounds[st:]
+            out = None
+            stacks = list(itertools.product(*(range(b.start, b.stop) for b in bounds[:st])))
+            for stack in stacks:
+                if fmt == "fp8":
+                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw)
+                else:
+                    w = _int_window(part, fmt, g, k, rows, cols, stack, src)
+                if out is None:
+                    out = np.empty([b.stop - b.start for b in bounds[:st]] + list(w.shape), w.dtype)
+                out[tuple(i - b.start for i, b in zip(stack, bounds))] = w
+            return out
+        return block
+
+    q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"), shard("q", q_shape))
+    s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"), shard("scale", s_shape))
+    return QArray(q, s, fmt, slice_shape, contract, g)
+
+
+def restore_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, q_store,
+                      s_store) -> QArray:
+    """The QArray of parameter `var` from its stored q and scale arrays (`convert --quantize`),
+    each device's shard read from the stores as it is (tensorstore windows)."""
+    axes = logical_axes(var)
+    st = stack_dims(axes)
+    slice_shape = tuple(var.shape[st:])
+    k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
+    g = quant.group_for(k, group, fmt, name)
+    (q_shape, q_dtype), (s_shape, s_dtype) = quant.physical_shapes(fmt, tuple(var.shape[:st]), k, n, g)
+    for what, store, shape in (("q", q_store, q_shape), ("scale", s_store, s_shape)):
+        if tuple(store.shape) != tuple(shape):
+            raise ValueError(f"{name}.{what} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs {shape}")
+    q_axes, s_axes = physical_axes(axes, fmt, contract)
+    q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"),
+                    lambda index: q_store[tuple(index)].read().result())
+    s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"),
+                    lambda index: s_store[tuple(index)].read().result())
+    return QArray(q, s, fmt, slice_shape, contract, g)
+
+
+def ours_2d(read: Callable[[tuple], np.ndarray], slice_shape: tuple[int, ...], contract: int) -> Source:
+    """A `Source` over an array stored in our layout [*stack, *slice_shape]: `read(index)` reads a
+    window of it. K rows map to the covering range of the first contraction axis (whole trailing
+    axes), so the read is one block of that stack element."""
+    inner = math.prod(slice_shape[1:contract]) if contract > 1 else 1
+    n = math.prod(slice_shape[contract:])
+
+    def src(stack, rows: slice, cols: slice) -> np.ndarray:
+        r0, r1 = rows.start // inner, -(-rows.stop // inner)
+        block = np.asarray(read(tuple(stack) + (slice(r0, r1),)), np.float32).reshape(-1, n)
+        return block[rows.start - r0 * inner:rows.stop - r0 * inner, cols]
+
+    return src
+
+
+def hf_2d(window: Callable) -> Source:
+    """A `Source` over an HF tensor [N, K] ([out, in], FP8 dequantised by the window)."""
+    return lambda stack, rows, cols: window(stack, cols, rows).T
+
+
+__all__ = ["build_quantized", "restore_quantized", "ours_2d", "hf_2d"]

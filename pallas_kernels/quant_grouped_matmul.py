@@ -1,0 +1,216 @@
+"""Grouped matmul (MoE experts, contiguous layout) over int8 / int4 weight-only quantized experts,
+dequantised one weight tile at a time: rows [start_g, start_g + group_sizes[g]) of x use expert g.
+
+Weights are [G, K, N] int8 (int4: packed two per byte, [G, K/2, N]; within each group of `group`
+rows along K, packed row i holds row i in its low nibble and row i + group/2 in its high nibble)
+with one fp32 scale per (group of rows, column): scale [G, K/group, N]. Each tile computes
+
+    w_tile = (f32(q) * scale).astype(x.dtype);   acc += x_tile . w_tile  (fp32 accumulation)
+
+which is what the plain-jnp `quant_grouped_matmul_reference` does per expert. Rows are laid out as
+in `fp8_grouped_matmul` (each group's rows padded to `block_m`, a tile -> group map by scalar
+prefetch on TPU, an ordinary input on Triton; unused tiles skipped). Rows beyond
+sum(group_sizes) give 0. Letters: M rows, G groups (experts), K in, N out, Kq stored K rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+from pallas_kernels._backend import pad_axis, round_up
+from pallas_kernels.fp8_grouped_matmul import _tile_layout
+
+FORMATS = ("int8", "int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """`block_k` is a multiple of the quantization group (whole groups per tile)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 256
+
+    def validate(self, be: _backend.Backend, group: int) -> None:
+        if self.block_k % group:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of {group=}")
+        if group % 32:
+            raise ValueError(f"{group=} must be a multiple of 32 (an int8 sublane tile; Triton dots of group/2 >= 16)")
+        if be.style == "tpu" and (self.block_m % 8 or self.block_n % 128):
+            raise ValueError(f"TPU blocks need block_m={self.block_m} % 8 == 0 and block_n={self.block_n} % 128 == 0")
+        if be.style == "triton":
+            for name, b in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
+                if b < 16 or b != _backend.next_pow2(b):
+                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+
+
+def _nibbles(p_int8):
+    """Signed (low, high) nibbles of packed int8 bytes, as int32 (arithmetic shifts sign-extend)."""
+    p = p_int8.astype(jnp.int32)
+    return lax.shift_right_arithmetic(lax.shift_left(p, 28), 28), lax.shift_right_arithmetic(p, 4)
+
+
+def _dequant_group(q_rows, scale_1xN, fmt, dtype):
+    """One quantization group [g, N] (int4: its [g/2, N] packed rows) times its scale row."""
+    if fmt == "int4":
+        lo, hi = _nibbles(q_rows)
+        vals = jnp.concatenate([lo, hi], axis=0).astype(jnp.float32)
+    else:
+        vals = q_rows.astype(jnp.float32)
+    return (vals * scale_1xN.astype(jnp.float32)).astype(dtype)
+
+
+def _tpu_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, acc_ref, *, fmt, group):
+    del tg_ref  # consumed by the index maps
+    i, k, num_k = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
+    valid = valid_ref[i]
+    rows = group // 2 if fmt == "int4" else group
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(valid == 1)
+    def _():
+        x = x_ref[...]
+        w = jnp.concatenate([_dequant_group(q_ref[j * rows:(j + 1) * rows, :], s_ref[j], fmt, x.dtype)
+                             for j in range(s_ref.shape[0])], axis=0)  # [bk, bn]
+        acc_ref[...] += lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(k == num_k - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _triton_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, *, fmt, group, groups_per_expert, block_n):
+    """One (row tile, column block): a loop over the expert's K groups, each dequantised then
+    contracted (int4: its low and high halves as two dots, no concatenation)."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    e = tg_ref[i]
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    rows = group // 2 if fmt == "int4" else group
+    dt = x_ref.dtype
+
+    def body(gi, acc):
+        scale = s_ref[pl.ds(e * groups_per_expert + gi, 1), cols].astype(jnp.float32)
+        q = q_ref[pl.ds((e * groups_per_expert + gi) * rows, rows), cols]
+        k0 = gi * group
+        if fmt == "int4":
+            lo, hi = _nibbles(q)
+            parts = ((k0, lo), (k0 + rows, hi))
+        else:
+            parts = ((k0, q.astype(jnp.int32)),)
+        for start, vals in parts:
+            w = (vals.astype(jnp.float32) * scale).astype(dt)
+            acc += jnp.dot(x_ref[:, pl.ds(start, rows)], w, preferred_element_type=jnp.float32)
+        return acc
+
+    acc0 = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
+    o_ref[...] = lax.fori_loop(0, groups_per_expert * valid_ref[i], body, acc0).astype(o_ref.dtype)
+
+
+def _check(x, w_q, w_scale, group_sizes, fmt, group):
+    if fmt not in FORMATS:
+        raise ValueError(f"{fmt=} must be one of {FORMATS}")
+    if x.ndim != 2 or w_q.ndim != 3:
+        raise ValueError(f"need x [M,K], w_q [G,Kq,N]; got {x.shape=}, {w_q.shape=}")
+    k, (g, kq, n) = x.shape[1], w_q.shape
+    if kq != (k // 2 if fmt == "int4" else k):
+        raise ValueError(f"w_q has {kq} rows for K={k} ({fmt}{': packed two per byte' if fmt == 'int4' else ''})")
+    if k % group:
+        raise ValueError(f"K={k} must be a multiple of {group=}")
+    if w_scale.shape != (g, k // group, n):
+        raise ValueError(f"{w_scale.shape=} must be {(g, k // group, n)} (one scale per group of rows and column)")
+    if group_sizes.shape != (g,):
+        raise ValueError(f"{group_sizes.shape=} must be ({g},), one size per group")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "out_dtype", "block_sizes", "backend", "interpret"))
+def quant_grouped_matmul(x, w_q, w_scale, group_sizes, *, fmt: str, group: int, out_dtype=None,
+                         block_sizes: BlockSizes | None = None, backend=None, interpret=None):
+    """x [M,K] (bf16/f32), w_q [G,K,N] int8 or [G,K/2,N] uint8/int8 packed, w_scale [G,K/group,N] f32,
+    group_sizes [G] -> [M,N] in `out_dtype` (default x's)."""
+    be = _backend.resolve(backend, interpret)
+    bs = block_sizes or BlockSizes()
+    _check(x, w_q, w_scale, group_sizes, fmt, group)
+    bk = min(bs.block_k, round_up(x.shape[1], group))
+    bs = dataclasses.replace(bs, block_k=bk if be.style == "tpu" else _backend.next_pow2(bk))
+    bs.validate(be, group)
+    out_dtype = out_dtype or x.dtype
+    (m, k), (g, _, n) = x.shape, w_q.shape
+    q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
+    bm, bn = bs.block_m, bs.block_n
+    np_ = round_up(n, bn)
+    kp = round_up(k, bs.block_k)
+    pack = 2 if fmt == "int4" else 1
+    dest, tile_group, tile_valid, num_tiles = _tile_layout(group_sizes, m, bm)
+    mp = num_tiles * bm
+    xt = pad_axis(jnp.zeros((mp, k), x.dtype).at[dest].set(x, mode="drop"), 1, kp)
+    q = pad_axis(pad_axis(q, 1, kp // pack), 2, np_)  # padded rows: zero weights
+    s = pad_axis(pad_axis(w_scale.astype(jnp.float32), 1, kp // group), 2, np_)
+    if be.style == "tpu":
+        rows, groups = bs.block_k // pack, bs.block_k // group
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bs.block_k),
+            in_specs=[pl.BlockSpec((bm, bs.block_k), lambda i, j, kk, tg, v: (i, kk * v[i])),
+                      pl.BlockSpec((None, rows, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], j)),
+                      pl.BlockSpec((None, groups, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
+        kernel = functools.partial(_tpu_kernel, fmt=fmt, group=group)
+        sem = ("parallel", "parallel", "arbitrary")
+        operands = (tile_group, tile_valid, xt, q, s[:, :, None, :])
+    else:
+        gk = kp // group
+        grid_spec = pl.GridSpec(
+            grid=(num_tiles, np_ // bn),
+            in_specs=[pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
+                      pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
+                      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                      pl.BlockSpec((g * kp // pack, np_), lambda i, j: (0, 0)),
+                      pl.BlockSpec((g * gk, np_), lambda i, j: (0, 0))],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
+        kernel = functools.partial(_triton_kernel, fmt=fmt, group=group, groups_per_expert=gk, block_n=bn)
+        sem = ("parallel", "parallel")
+        operands = (tile_group, tile_valid, xt, q.reshape(g * kp // pack, np_), s.reshape(g * gk, np_))
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid_spec=grid_spec,
+        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
+        interpret=be.interpret, name=f"{fmt}_grouped_matmul",
+    )(*operands)
+    return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
+
+
+def dequantize_reference(w_q, w_scale, *, fmt: str, group: int, dtype):
+    """[..., K, N] in `dtype` from int8 [..., K, N] or packed [..., K/2, N] and scales [..., K/group, N]."""
+    q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
+    if fmt == "int4":
+        *lead, kh, n = q.shape
+        lo, hi = _nibbles(q.reshape(*lead, kh // (group // 2), group // 2, n))
+        q = jnp.concatenate([lo, hi], axis=-2).reshape(*lead, kh * 2, n)
+    return (q.astype(jnp.float32) * jnp.repeat(w_scale.astype(jnp.float32), group, axis=-2)).astype(dtype)
+
+
+def quant_grouped_matmul_reference(x, w_q, w_scale, group_sizes, *, fmt: str, group: int, out_dtype=None, **_):
+    """Plain jnp, same numerics: each expert's weight dequantised to x's dtype, x . w in fp32, the
+    rows of each group kept."""
+    _check(x, w_q, w_scale, group_sizes, fmt, group)
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")
+
+    def one_group(acc, gi):
+        w = dequantize_reference(w_q[gi], w_scale[gi], fmt=fmt, group=group, dtype=x.dtype)
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return acc + jnp.where((row_group == gi)[:, None], y, 0.0), None
+
+    out, _ = lax.scan(one_group, jnp.zeros((m, w_q.shape[2]), jnp.float32), jnp.arange(w_q.shape[0]))
+    return out.astype(out_dtype or x.dtype)
