@@ -3,6 +3,7 @@
     python -m experiments.bench                         # everything, 3 alternating repeats
     python -m experiments.bench --only=train,experts --repeats=2
     python -m experiments.bench --baseline=/tmp/base    # adds a "before" column: dsv3-jax from that tree
+    python -m experiments.bench --only=sweep --repeats=1 # the grid of config variants (bench_workers.GRID)
 
 Measures (the issue-11 config: vocab 4096, hidden 256, 4 layers of which 1 dense, 4 heads, q/kv
 LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2, 1 shared,
@@ -12,6 +13,11 @@ expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - experts: step time at 8, 32 and 128 routed experts (same top-2, same tokens).
 - decode: greedy decode tokens/s (after prefill) at batch 1 and 8 for 1K and 4K prompts.
 - trainer: `experiments.train` end to end (data, loop, metrics) against the bare step.
+- sweep: for each config variant of --variants (bench_workers.VARIANTS: width, head count, top-k,
+  expert groups and vocabulary changed; default bench_workers.GRID): the train step (--sweep_train),
+  the prefill to the first token (`generate(..., 1)`) of each --sweep_prefill point and decode at
+  --sweep_decode; a table of every ratio to transformers and each measure's minimum over the grid.
+  --quick shrinks every shape (for the CLI test).
 Every worker is a fresh process; frameworks alternate within a repeat and the order flips between
 repeats. Medians over repeats; ratios are taken between figures of the same run. Writes the JSON
 (--json) and the markdown report (--out, default docs/benchmarks.md).
@@ -100,6 +106,8 @@ def plan(args) -> list[tuple[str, str, str, dict]]:
                          dict(prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
     if "trainer" in args.only:
         jobs.append(("trainer", "trainer", dict(steps=args.steps)))
+    if "sweep" in args.only:
+        jobs += sweep_jobs(args)
     out = []
     for measure, kind, kwargs in jobs:
         for fw in frameworks(args, kind, measure):
@@ -108,8 +116,32 @@ def plan(args) -> list[tuple[str, str, str, dict]]:
     return out
 
 
+def _size(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def _points(spec: list[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in point.split("x")) for point in spec]
+
+
+def sweep_jobs(args) -> list[tuple[str, str, dict]]:
+    """(measure, kind, kwargs) of the sweep: per variant a train step, each prefill point, each decode point."""
+    jobs = []
+    for name in args.variants:
+        (batch, seq), = _points([args.sweep_train])
+        jobs.append((f"{name}: train", "train", dict(name=name, experts=None, batch=batch, seq=seq, steps=args.steps)))
+        for prompt, batch in _points(args.sweep_prefill):
+            jobs.append((f"{name}: prefill {_size(prompt)} b{batch}", "prefill",
+                         dict(name=name, prompt=prompt, batch=batch, repeats=args.prefill_repeats)))
+        for prompt, batch in _points(args.sweep_decode):
+            jobs.append((f"{name}: decode {_size(prompt)} b{batch}", "decode",
+                         dict(name=name, prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
+    return jobs
+
+
 def frameworks(args, kind: str, measure: str) -> list[str]:
-    fws = ["jax"] + (["before"] if args.baseline and measure in args.baseline_measures else [])
+    before = args.baseline and (measure in args.baseline_measures or ": " in measure)  # the sweep: all of it
+    fws = ["jax"] + (["before"] if before else [])
     if kind != "trainer" and not args.no_hf:
         fws.append("hf")
     return fws
@@ -122,19 +154,21 @@ def summarize(results: dict, args) -> dict:
     peaks = [r["peak"] for runs in results.values() for r in runs if "peak" in r]
     peak = max(peaks) if peaks else float("nan")
     table = {}
+    kwargs = {j[0]: j[3] for j in plan(args)}
     for (measure, fw), runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
             table[f"{measure} | {fw}"] = {"error": runs[-1].get("error", "")[-200:]}
             continue
-        row = {"peak_rss_gb": max(r["peak_rss_gb"] for r in ok)}
+        row, kw = {"peak_rss_gb": max(r["peak_rss_gb"] for r in ok)}, kwargs[measure]
         if "decode_s" in ok[0]:
-            batch, n = (int(x) for x in (measure.split(" b")[1], args.new_tokens))
-            rates = [batch * (n - 1) / statistics.median(r["decode_s"]) for r in ok]
+            rates = [kw["batch"] * (kw["new_tokens"] - 1) / statistics.median(r["decode_s"]) for r in ok]
             row.update(tokens_per_s=statistics.median(rates), compile_s=ok[0]["compile_s"])
+        elif "prefill_s" in ok[0]:
+            seconds = statistics.median(statistics.median(r["prefill_s"]) for r in ok)
+            row.update(seconds=seconds, tokens_per_s=kw["batch"] * kw["prompt"] / seconds, compile_s=ok[0]["compile_s"])
         else:
             step = statistics.median(statistics.median(r["step_s"]) for r in ok)
-            kw = next(j[3] for j in plan(args) if j[0] == measure)
             tokens = kw.get("batch", 8) * kw.get("seq", 256)
             row.update(step_s=step, tokens_per_s=tokens / step)
             if "first_step_s" in ok[0]:
@@ -151,7 +185,7 @@ def markdown(summary: dict, args, meta: dict) -> str:
              f"{meta['load_end']} at the end; {meta['versions']}.", "",
              f"Command: `{meta['command']}` ({args.repeats} alternating repeats, medians; "
              f"fp32 matmul peak measured in the run: {summary['peak_flops'] / 1e9:.1f} GFLOP/s).", "",
-             "| measure | framework | tokens/s | step s | MFU | compile s | peak RSS GB | vs HF | vs before |",
+             "| measure | framework | tokens/s | step (prefill) s | MFU | compile s | peak RSS GB | vs HF | vs before |",
              "|---|---|---|---|---|---|---|---|---|"]
     measures = list(dict.fromkeys(k.split(" | ")[0] for k in rows))
     for measure in measures:
@@ -162,7 +196,7 @@ def markdown(summary: dict, args, meta: dict) -> str:
             if "error" in row:
                 lines.append(f"| {measure} | {fw} | failed: {row['error'][-80:]!r} | | | | | | |")
                 continue
-            cells = [measure, fw, f"{row['tokens_per_s']:,.0f}", _fmt(row.get("step_s"), ".3f"),
+            cells = [measure, fw, f"{row['tokens_per_s']:,.0f}", _fmt(row.get("step_s", row.get("seconds")), ".3f"),
                      _fmt(100 * row["mfu"] if "mfu" in row else None, ".1f", "%"), _fmt(row.get("compile_s"), ".1f"),
                      _fmt(row["peak_rss_gb"], ".2f")]
             for other in ("hf", "before"):
@@ -170,8 +204,40 @@ def markdown(summary: dict, args, meta: dict) -> str:
                 good = fw != other and ref and "error" not in ref
                 cells.append(f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if good else "")
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *derived(rows)]
+    lines += ["", *derived(rows), *sweep_table(rows)]
     return "\n".join(lines) + "\n"
+
+
+def sweep_table(rows: dict) -> list[str]:
+    """The sweep's ratios: dsv3-jax / transformers tokens/s per variant and measure (and the
+    baseline's, if any), then each measure's minimum over the variants."""
+    keys = [k.split(" | ")[0] for k in rows if ": " in k.split(" | ")[0]]
+    variants = list(dict.fromkeys(k.split(": ")[0] for k in keys))
+    measures = list(dict.fromkeys(k.split(": ")[1] for k in keys))
+    if not variants:
+        return []
+
+    def ratio(variant, measure, fw):
+        row, ref = rows.get(f"{variant}: {measure} | {fw}"), rows.get(f"{variant}: {measure} | hf")
+        ok = row and ref and "error" not in row and "error" not in ref
+        return row["tokens_per_s"] / ref["tokens_per_s"] if ok else None
+
+    fws = [fw for fw in ("jax", "before") if any(f" | {fw}" in k for k in rows)]
+    lines = ["", "Sweep, dsv3-jax tokens/s over transformers' (" + " / ".join(
+        {"jax": "this tree", "before": "the baseline tree"}[fw] for fw in fws) + "):", "",
+             "| variant | " + " | ".join(measures) + " |", "|---" * (len(measures) + 1) + "|"]
+    for variant in variants:
+        cells = [" / ".join(_fmt(ratio(variant, m, fw), ".2f", "x") or "-" for fw in fws) for m in measures]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    mins = []
+    for m in measures:
+        per_fw = []
+        for fw in fws:
+            got = [r for r in (ratio(v, m, fw) for v in variants) if r is not None]
+            per_fw.append(f"{min(got):.2f}x" if got else "-")
+        mins.append(" / ".join(per_fw))
+    lines.append("| **minimum** | " + " | ".join(f"**{c}**" for c in mins) + " |")
+    return lines
 
 
 def derived(rows: dict) -> list[str]:
@@ -225,6 +291,15 @@ def main(argv=None) -> None:
                    help="measures that also run the baseline tree")
     p.add_argument("--decode", default="1024x1,1024x8,4096x1,4096x8", type=lambda s: s.split(","),
                    help="decode points PROMPTxBATCH")
+    p.add_argument("--variants", default=None, type=lambda s: s.split(","),
+                   help="sweep: config variants (experiments/bench_workers.py VARIANTS), default its GRID")
+    p.add_argument("--sweep_train", default="8x256", help="sweep: train step BATCHxSEQ")
+    p.add_argument("--sweep_prefill", default="4096x1,1024x8", type=lambda s: s.split(","),
+                   help="sweep: prefill points PROMPTxBATCH")
+    p.add_argument("--sweep_decode", default="1024x8", type=lambda s: s.split(","), help="sweep: decode points")
+    p.add_argument("--prefill_repeats", type=int, default=2, help="sweep: timed prefills per process")
+    p.add_argument("--quick", action="store_true", help="sweep: tiny shapes (train 2x32, prefill 64x2, "
+                   "decode 64x2, 2 steps, 5 new tokens), for a test of the command")
     p.add_argument("--no_hf", action="store_true", help="skip transformers even when torch is installed")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
     p.add_argument("--json", default="runs/bench.json")
@@ -235,6 +310,7 @@ def main(argv=None) -> None:
         print("BENCH_RESULT " + json.dumps(workers().WORKERS[fn](**kwargs)), flush=True)
         return
     args.no_hf = args.no_hf or not _has_torch()
+    check_sweep_args(p, args)
     meta, results, jobs = machine(), {}, plan(args)
     for repeat in range(args.repeats):
         for i, (measure, fw, worker, kwargs) in enumerate(_alternate(jobs, repeat)):
@@ -251,6 +327,26 @@ def main(argv=None) -> None:
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "summary": summary, "raw": {" | ".join(k): v for k, v in results.items()}}, f, indent=1)
     write_report(args.out, text)
+
+
+def check_sweep_args(parser, args) -> None:
+    """Variants known and points well formed, else exit 2 naming the flag."""
+    names = workers().VARIANTS
+    args.variants = args.variants or list(workers().GRID)
+    if args.quick:
+        args.sweep_train, args.sweep_prefill, args.sweep_decode = "2x32", ["64x2"], ["64x2"]
+        args.steps, args.new_tokens = min(args.steps, 2), min(args.new_tokens, 5)
+    unknown = [v for v in args.variants if v not in names]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {sorted(names)}")
+    for flag, spec in (("--sweep_train", [args.sweep_train]), ("--sweep_prefill", args.sweep_prefill),
+                       ("--sweep_decode", args.sweep_decode)):
+        try:
+            points = _points(spec)
+        except ValueError:
+            points = None
+        if not points or any(len(p) != 2 or min(p) < 1 for p in points) or (flag == "--sweep_train" and len(points) != 1):
+            parser.error(f"{flag}: expected LENGTHxBATCH points (BATCHxSEQ for --sweep_train), got {','.join(spec)!r}")
 
 
 def _alternate(jobs, repeat: int):
@@ -272,6 +368,8 @@ def _short(r: dict) -> str:
         return "failed"
     if "step_s" in r:
         return f"median step {statistics.median(r['step_s']):.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
+    if "prefill_s" in r:
+        return "prefill to the first token s: " + ", ".join(f"{s:.3f}" for s in r["prefill_s"])
     return "decode (first to last token) s: " + ", ".join(f"{s:.3f}" for s in r["decode_s"])
 
 

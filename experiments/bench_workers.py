@@ -20,11 +20,30 @@ ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe
                     compute_dtype="float32", initializer_range=0.02)
 
 
+# The sweep's grid (`python -m experiments.bench --only=sweep`): each variant is ISSUE_CONFIG with
+# these fields changed, so that no single tuned shape carries the figures. "issue27" is the variant
+# of issue 27; "tiny" is for the bench's CLI test only.
+VARIANTS = {
+    "bench": {},  # the issue-11 config itself: D 256, 4 heads, top-2 of 16 in 4 groups keeping 2, V 4096
+    "issue27": dict(vocab_size=8192, hidden_size=320, num_heads=5, num_layers=5, num_routed_experts=32,
+                    num_experts_per_token=4, num_expert_groups=8, num_groups_per_token=4),
+    "odd": dict(vocab_size=6000, hidden_size=192, num_heads=3, num_routed_experts=24, num_experts_per_token=3,
+                num_expert_groups=1, num_groups_per_token=1),  # no group limit, top-3, a vocab of no power of 2
+    "wide": dict(vocab_size=12000, hidden_size=448, num_heads=7, num_routed_experts=16, num_experts_per_token=6,
+                 num_expert_groups=4, num_groups_per_token=3),  # D = 3.5 x 128, top-6, 3 of 4 groups
+    "tiny": dict(vocab_size=512, hidden_size=72, intermediate_size=96, moe_intermediate_size=24, num_layers=2,
+                 num_heads=3, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=8, num_routed_experts=8, num_experts_per_token=3, num_expert_groups=2,
+                 num_groups_per_token=1, max_position_embeddings=1024),
+}
+GRID = ("bench", "issue27", "odd", "wide")  # the sweep's default variants
+
+
 def model_config(name: str, experts: int | None = None):
     from dsv3_jax import ModelConfig
 
-    if name == "issue":
-        fields = dict(ISSUE_CONFIG)
+    if name == "issue" or name in VARIANTS:
+        fields = dict(ISSUE_CONFIG, **VARIANTS.get(name, {}))
         if experts:
             fields["num_routed_experts"] = experts
         return ModelConfig(**fields)
@@ -127,15 +146,16 @@ def jax_decode_workload(prompt, batch, new_tokens):
     return run
 
 
-def jax_decode(prompt, batch, new_tokens, repeats: int = 3):
+def jax_decode(prompt, batch, new_tokens, repeats: int = 3, name: str = "issue"):
     """Greedy decode: seconds from the first generated token (the prefill's) to the last, per run."""
     from flax import nnx
 
     from dsv3_jax import DeepSeekV3
     from dsv3_jax.inference.generate import Generation
 
-    model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
-    prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
+    cfg = model_config(name)
+    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).astype(np.int32)
 
     def run():
         stamps = [time.perf_counter() for _ in Generation(model, prompts, new_tokens)]
@@ -146,7 +166,7 @@ def jax_decode(prompt, batch, new_tokens, repeats: int = 3):
     return {"compile_s": time.perf_counter() - start, "decode_s": [run() for _ in range(repeats)]}
 
 
-def hf_decode(prompt, batch, new_tokens, repeats: int = 3):
+def hf_decode(prompt, batch, new_tokens, repeats: int = 3, name: str = "issue"):
     """transformers' `generate`, timed the same way: a stopping criterion stamps every new token."""
     import torch
     import transformers
@@ -159,8 +179,9 @@ def hf_decode(prompt, batch, new_tokens, repeats: int = 3):
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    model = hf_model(model_config("issue")).eval()
-    ids = torch.randint(0, 4096, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    cfg = model_config(name)
+    model = hf_model(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
 
     def run(n=new_tokens):
         stamps = Stamps()
@@ -172,6 +193,39 @@ def hf_decode(prompt, batch, new_tokens, repeats: int = 3):
     start = time.perf_counter()
     run(2)
     return {"compile_s": time.perf_counter() - start, "decode_s": [run() for _ in range(repeats)]}
+
+
+def jax_prefill(name, prompt, batch, repeats: int = 2):
+    """Time to the first token: `generate(model, prompts, 1)` (chunked prefill + one sampled token)
+    after a first call that compiles, per run."""
+    import jax
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.inference import generate
+
+    cfg = model_config(name)
+    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).astype(np.int32)
+    first, times = _timed_steps(lambda: jax.block_until_ready(generate(model, prompts, 1)), repeats)
+    return {"compile_s": first - min(times), "prefill_s": times}
+
+
+def hf_prefill(name, prompt, batch, repeats: int = 2):
+    """transformers' `generate(..., max_new_tokens=1)`, timed the same way (a first untimed call)."""
+    import torch
+
+    cfg = model_config(name)
+    model = hf_model(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                           do_sample=False, pad_token_id=0)
+
+    first, times = _timed_steps(run, repeats)
+    return {"compile_s": first - min(times), "prefill_s": times}
 
 
 def jax_trainer(steps):
@@ -215,4 +269,4 @@ def _once(fn) -> float:
 
 
 WORKERS = {"jax_train": jax_train, "hf_train": hf_train, "jax_decode": jax_decode, "hf_decode": hf_decode,
-           "jax_trainer": jax_trainer}
+           "jax_prefill": jax_prefill, "hf_prefill": hf_prefill, "jax_trainer": jax_trainer}
