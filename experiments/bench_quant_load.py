@@ -3,7 +3,7 @@ FP8 HF folder (the released format), each load in its own process, side by side 
 
     python -m experiments.bench_quant_load [--workdir /tmp/dsv3_qload] [--size-gb 0.5] [--keep]
 
-Prints, per format (bf16, fp8, int8 experts, int4 experts, int4 all): the bytes of the arrays the
+Prints, per format (bf16, fp8, int8 experts, int4 experts, int4 all; int groups of 64 rows): the bytes of the arrays the
 model holds, the load's peak RSS less the RSS before it (the devices are host memory on CPU, so
 this is what the model holds plus staging), and both as ratios to the bf16 load. A load that made
 a bf16 copy of a quantized weight would show it as peak above held bytes by a leaf's bf16 size;
@@ -25,6 +25,9 @@ LOADS = [("bf16", "none", "none"), ("fp8", "fp8", "all"), ("int8 experts", "int8
          ("int4 experts", "int4", "experts"), ("int4 all", "int4", "all")]
 
 
+GROUP = 64  # divides every contraction of the bench config (q_lora_rank 192)
+
+
 def _rss(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -40,7 +43,7 @@ def worker(hf_dir: str, out: str, weights: str, quantize: str) -> None:
     from dsv3_jax.checkpoint import load_pretrained
 
     before = _rss("VmRSS")
-    kw = {} if weights == "none" else dict(weights=weights, quantize=quantize)
+    kw = {} if weights == "none" else dict(weights=weights, quantize=quantize, quant_group=GROUP)
     model = load_pretrained(hf_dir, progress=False, **kw)
     held = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
     with open(out, "w") as f:

@@ -1,3 +1,11 @@
+"""Device check of the quantized paths on a GPU/TPU (prints figures, asserts nothing): the Pallas
+int8/int4 grouped kernel compiled natively against its jnp reference (f32 and bf16 activations),
+the routed experts' auto/ragged/tiled paths against the dense reference over int8/int4 QArrays,
+and stored FP8 experts through the block-scaled grouped kernel against a bf16 matmul of the
+dequantized weights.
+
+    python -m experiments.quant_device_check
+"""
 import time, jax, jax.numpy as jnp, numpy as np
 print(jax.devices())
 from dsv3_jax.ops import dispatch, quant

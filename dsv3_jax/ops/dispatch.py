@@ -11,6 +11,8 @@ Three grouped-matmul implementations compute the same function:
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
+- `pallas`: int8/int4 quantized experts through `pallas_kernels.quant_grouped_matmul` (dequantised
+  per weight tile; `auto` picks it off CPU for such experts), inference only.
 
 Expert LoRA: `adapters`, six arrays (a1 [E, D, r], b1 [E, r, F], a3 [E, D, r], b3 [E, r, F],
 a2 [E, F, r], b2 [E, r, D]), add to each of a row's three projections its own expert's low-rank

@@ -29,7 +29,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 FORMATS = ("fp8", "int8", "int4")
 QMAX = {"int8": 127.0, "int4": 7.0}
@@ -50,9 +49,10 @@ def group_for(k: int, group: int, fmt: str, name: str = "weight") -> int:
     if group <= 0:
         raise ValueError(f"quantization group must be positive, got {group}")
     g = min(group, k)
-    if k % g or (fmt == "int4" and g % 2):
-        raise ValueError(f"{name}: contraction size {k} is not a multiple of the {fmt} group {g}"
-                         f"{' (int4 also needs an even group)' if fmt == 'int4' else ''}; pick another group")
+    if k % g:
+        raise ValueError(f"{name}: contraction size {k} is not a multiple of the {fmt} group {g}; pick another group")
+    if fmt == "int4" and g % 2:
+        raise ValueError(f"{name}: int4 packs pairs of rows and needs an even group, got {g}")
     return g
 
 
@@ -198,12 +198,6 @@ def physical_shapes(fmt: str, stack_shape: tuple[int, ...], k: int, n: int, grou
 
 # ---- matmuls ----
 
-def weight_2d(qa: QArray, dtype) -> jax.Array:
-    """One stack element's (or a stack's) dequantised [..., K, N] in `dtype`: the per-expert /
-    per-tile unit the grouped paths dequantise."""
-    return dequantize_2d(qa, dtype)
-
-
 def group_slice(qa: QArray, j, dtype) -> jax.Array:
     """Rows [j*g, (j+1)*g) of every stack element's [K, N], dequantised: [..., g, N] (int formats).
     `j` may be traced: the ragged path walks K one group at a time, never all experts in bf16."""
@@ -220,6 +214,6 @@ def matmul(x_MxK: jax.Array, qa: QArray, compute_dtype) -> jax.Array:
     if qa.fmt == "fp8":
         from dsv3_jax.ops.linear import fp8_matmul_stored
         return fp8_matmul_stored(x_MxK, qa.q, qa.scale, compute_dtype)
-    w_KxN = weight_2d(qa, compute_dtype)
+    w_KxN = dequantize_2d(qa, compute_dtype)
     return jnp.einsum("MK,KN->MN", x_MxK.astype(compute_dtype), w_KxN,
                       preferred_element_type=jnp.float32).astype(compute_dtype)

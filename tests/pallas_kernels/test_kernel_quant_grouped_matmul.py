@@ -3,7 +3,6 @@ runs (dsv3_jax/ops/dispatch.py with a QArray) and numpy, interpreted in both ker
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
