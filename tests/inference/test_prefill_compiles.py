@@ -9,7 +9,7 @@ from dsv3_jax.inference import Generation
 from dsv3_jax.inference.prefill import plan
 from tests.inference.conftest import tiny_config
 
-CHUNK = 512
+CHUNK = 64
 
 
 def test_plan_covers_the_prompt_in_chunks_of_one_width():
@@ -24,9 +24,9 @@ def test_plan_covers_the_prompt_in_chunks_of_one_width():
 
 
 def test_100_prompt_lengths_compile_one_prefill_and_one_decode_per_cache_bucket():
-    cfg = tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0, max_position_embeddings=4096)
+    cfg = tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0, max_position_embeddings=512)
     model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
-    lengths = np.unique(np.linspace(1, 4000, 100).astype(int))
+    lengths = np.unique(np.linspace(1, 500, 100).astype(int))
     assert len(lengths) == 100
     rng = np.random.RandomState(0)
     prefill_traces = decode_traces = 0
@@ -39,10 +39,10 @@ def test_100_prompt_lengths_compile_one_prefill_and_one_decode_per_cache_bucket(
         slots.add(gen.cache.dense.latent.shape[2])
         prefill_traces += gen.stats.prefill_traces
         decode_traces += gen.stats.decode_traces
-    assert min(slots) == CHUNK and len(slots) == 4, slots  # 512 .. 4096: prompts below a chunk share one
+    assert min(slots) == CHUNK and len(slots) == 4, slots  # 64 .. 512: prompts below a chunk share one
     assert prefill_traces == len(slots), (prefill_traces, slots)
     assert decode_traces == len(slots), (decode_traces, slots)
-    gen = Generation(model, rng.randint(0, cfg.vocab_size, (1, 3333)).astype(np.int32), 1, prefill_chunk=CHUNK)
+    gen = Generation(model, rng.randint(0, cfg.vocab_size, (1, 333)).astype(np.int32), 1, prefill_chunk=CHUNK)
     for _ in gen:
         pass
     assert gen.stats.prefill_traces == 0  # a new length in a known bucket reuses its compiled chunk
