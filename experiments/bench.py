@@ -128,12 +128,12 @@ def sweep_jobs(args) -> list[tuple[str, str, dict]]:
     """(measure, kind, kwargs) of the sweep: per variant a train step, each prefill point, each decode point."""
     jobs = []
     for name in args.variants:
-        (batch, seq), = _points([args.sweep_train])
-        jobs.append((f"{name}: train", "train", dict(name=name, experts=None, batch=batch, seq=seq, steps=args.steps)))
-        for prompt, batch in _points(args.sweep_prefill):
+        (batch, seq), = _points([args.sweep_train]) if "train" in args.sweep_measures else [(0, 0)]
+        jobs.append((f"{name}: train", "train", dict(name=name, experts=None, batch=batch, seq=seq, steps=args.steps))) if batch else None
+        for prompt, batch in _points(args.sweep_prefill) if "prefill" in args.sweep_measures else []:
             jobs.append((f"{name}: prefill {_size(prompt)} b{batch}", "prefill",
                          dict(name=name, prompt=prompt, batch=batch, repeats=args.prefill_repeats)))
-        for prompt, batch in _points(args.sweep_decode):
+        for prompt, batch in _points(args.sweep_decode) if "decode" in args.sweep_measures else []:
             jobs.append((f"{name}: decode {_size(prompt)} b{batch}", "decode",
                          dict(name=name, prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
     return jobs
@@ -297,6 +297,8 @@ def main(argv=None) -> None:
     p.add_argument("--sweep_prefill", default="4096x1,1024x8", type=lambda s: s.split(","),
                    help="sweep: prefill points PROMPTxBATCH")
     p.add_argument("--sweep_decode", default="1024x8", type=lambda s: s.split(","), help="sweep: decode points")
+    p.add_argument("--sweep_measures", default="train,prefill,decode", type=lambda s: s.split(","),
+                   help="sweep: which of train, prefill, decode to run")
     p.add_argument("--prefill_repeats", type=int, default=2, help="sweep: timed prefills per process")
     p.add_argument("--quick", action="store_true", help="sweep: tiny shapes (train 2x32, prefill 64x2, "
                    "decode 64x2, 2 steps, 5 new tokens), for a test of the command")

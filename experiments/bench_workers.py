@@ -127,7 +127,7 @@ def hf_train(name, experts, batch, seq, steps):
     return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
 
 
-def jax_decode_workload(prompt, batch, new_tokens):
+def jax_decode_workload(prompt, batch, new_tokens, name: str = "issue"):
     """A callable: greedy `generate` of `new_tokens` (default) after random prompts; returns seconds."""
     import jax
     from flax import nnx
@@ -135,8 +135,9 @@ def jax_decode_workload(prompt, batch, new_tokens):
     from dsv3_jax import DeepSeekV3
     from dsv3_jax.inference import generate
 
-    model = DeepSeekV3(model_config("issue"), rngs=nnx.Rngs(0))
-    prompts = np.random.default_rng(1).integers(0, 4096, (batch, prompt)).astype(np.int32)
+    cfg = model_config(name)
+    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).astype(np.int32)
 
     def run(n=new_tokens):
         start = time.perf_counter()

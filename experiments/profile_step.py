@@ -1,8 +1,9 @@
 """Top operations of the bench's train step (or one decode step) by time, from a jax.profiler trace.
 
-    python -m experiments.profile_step [--what=train|decode] [--steps=3] [--top=25]
+    python -m experiments.profile_step [--what=train|decode|prefill] [--variant=issue27] [--steps=3] [--top=25]
 
-Traces a few steps of experiments.bench's issue config (after compiling), reads the XLA:CPU op
+Traces a few steps of experiments.bench's issue config or one of its sweep's --variant configs
+(experiments/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill, reads the XLA:CPU op
 events of the perfetto trace, names each fused op by the jax operation it came from (the HLO
 metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op.
 """
@@ -64,19 +65,23 @@ def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def workload(what: str):
-    """A callable running one train step, or one greedy generate of 16 tokens after a 4K prompt."""
+def workload(what: str, variant: str = "issue"):
+    """A callable running one train step, one greedy generate of 16 tokens after a 4K prompt, or
+    the prefill of a 4K prompt to its first token."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("dsv3_bench_workers", os.path.join(_ROOT, "experiments", "bench_workers.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.jax_train_workload("issue", None, 8, 256) if what == "train" else bench.jax_decode_workload(4096, 1, 17)
+    if what == "train":
+        return bench.jax_train_workload(variant, None, 8, 256)
+    return bench.jax_decode_workload(4096, 1, 17 if what == "decode" else 1, variant)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--what", default="train", choices=["train", "decode"])
+    p.add_argument("--what", default="train", choices=["train", "decode", "prefill"])
+    p.add_argument("--variant", default="issue", help="a config of experiments/bench_workers.py VARIANTS")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
@@ -84,7 +89,7 @@ def main(argv=None) -> None:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
     import jax  # after XLA_FLAGS: the dump flags are read when the backend starts
 
-    call = workload(args.what)
+    call = workload(args.what, args.variant)
     call()  # compile
     trace_dir = tempfile.mkdtemp(prefix="profile_trace_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

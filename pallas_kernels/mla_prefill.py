@@ -284,12 +284,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "block_sizes", "backend",
-                                             "interpret"))
+                                             "interpret", "return_lse"))
 def mla_prefill(q, k, v, *, softmax_scale: float, segment_ids=None,
-                block_sizes: BlockSizes | None = None, backend=None, interpret=None):
+                block_sizes: BlockSizes | None = None, backend=None, interpret=None, return_lse: bool = False):
     """q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], segment_ids int32 [B,T] | None -> [B,T,H,V].
 
     Differentiable in q, k, v (Pallas backward). T and head dims are padded internally.
+    With `return_lse` (forward only, not differentiable): (out, log-normaliser [B,T,H] float32).
     """
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes.default(be)
@@ -306,8 +307,10 @@ def mla_prefill(q, k, v, *, softmax_scale: float, segment_ids=None,
     to_bhtd = lambda x: pad_axis(pad_axis(jnp.transpose(x, (0, 2, 1, 3)), 2, tp), 3,
                                  _backend.pad_feature(be, x.shape[3]))
     cfg = _Cfg(float(softmax_scale), bs.block_q, bs.block_k, be)
-    o = _flash(to_bhtd(q), to_bhtd(k), to_bhtd(v), seg[:, None, :, None], seg[:, None, None, :], cfg)
-    return jnp.transpose(o[:, :, :t, :v.shape[3]], (0, 2, 1, 3))
+    args = (to_bhtd(q), to_bhtd(k), to_bhtd(v), seg[:, None, :, None], seg[:, None, None, :], cfg)
+    o, lse = _forward(*args) if return_lse else (_flash(*args), None)
+    o = jnp.transpose(o[:, :, :t, :v.shape[3]], (0, 2, 1, 3))
+    return (o, jnp.transpose(lse[:, :, :t, 0], (0, 2, 1))) if return_lse else o
 
 
 def mla_prefill_reference(q, k, v, *, softmax_scale: float, segment_ids=None, **_):

@@ -8,7 +8,10 @@ c_q = RMSNorm(x W_qa); q = c_q W_qb  -> [H, N | R]
 [k_nope | v] = c_kv W_kvb per head; scores = (q_nope.k_nope + q_pe.k_pe) * softmax_scale
 
 Expanded form (no cache: training): k_nope and v per head from c_kv, causal attention over the call.
-Absorbed form (with a latent cache: prefill chunks, decode, speculative verify; DeepSeek-V3
+With a cache, a call of EXPANDED_MIN_WIDTH tokens or more (a prompt chunk: DeepSeek's prefill) runs
+the expanded form too: its own keys and values as in training, the cached prefix's expanded from the
+latent a block at a time, the two softmaxes merged by log-sum-exp (`expanded_chunk`).
+Absorbed form (with a latent cache and fewer tokens: decode, speculative verify; DeepSeek-V3
 section 2.1.1): with k_nope[h] = W_uk[h] c and v[h] = W_uv[h] c,
   q_nope[h] . k_nope[h] = (W_uk[h]^T q_nope[h]) . c = q_lat[h] . c
   sum_s p_s v_s[h] = W_uv[h] (sum_s p_s c_s) = W_uv[h] o_lat[h]
@@ -28,9 +31,15 @@ from dsv3_jax.model import lora, params
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops import latent_attention
-from dsv3_jax.ops.attention import attention as xla_attention
+from dsv3_jax.ops.attention import attention as xla_attention, causal_attention_lse
 from dsv3_jax.ops.linear import project
 from dsv3_jax.ops.quant import as_dense
+
+# Calls of this many tokens or more attend through the expanded form even with a cache (prompt
+# chunks: per-head keys of N + R dims and values of V dims cost fewer flops a score than the
+# absorbed form's C + R and C once W queries share them); fewer (decode, verify) absorb, which never
+# expands the cache. Both are the same function; prefill.MIN_WIDTH chunks are at least this wide.
+EXPANDED_MIN_WIDTH = 16
 
 
 class LatentCache(NamedTuple):
@@ -63,12 +72,15 @@ class LatentCache(NamedTuple):
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
 
 
-def _attention_fn(impl: str):
+def _attention_fn(impl: str, with_lse: bool = False):
+    """Causal attention within a call: (q, k, v, softmax_scale=) -> out, or (out, lse [B, T, H])."""
     if impl == "pallas":
+        import functools
+
         import pallas_kernels  # the kernels package has no model knowledge; imported on demand
 
-        return pallas_kernels.mla_prefill
-    return xla_attention
+        return functools.partial(pallas_kernels.mla_prefill, return_lse=True) if with_lse else pallas_kernels.mla_prefill
+    return causal_attention_lse if with_lse else xla_attention
 
 
 class MLA(nnx.Module):
@@ -122,13 +134,15 @@ class MLA(nnx.Module):
         `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
+        if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
+            return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None:
             return self.absorbed(x_BxTxD, cos, sin, cache, positions, layer)
         return self.expanded(x_BxTxD, cos, sin, segment_ids)
 
-    def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """Causal attention with per-head keys and values expanded from the latent -> [B, T, D]."""
+    def _qkv(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array):
+        """Per-head q, k [B, T, H, N + R] and v [B, T, H, V] expanded from the call's latent, and the
+        latent itself (c_kv [B, T, C], roped k_pe [B, T, R])."""
         cfg = self.cfg
         q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
@@ -137,8 +151,32 @@ class MLA(nnx.Module):
         k_pe_BxSxHxR = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], cfg.qk_rope_head_dim))
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         k = jnp.concatenate([k_nope, k_pe_BxSxHxR], axis=-1)
-        out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
+        return q, k, v, (c_kv, k_pe)
+
+    def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Causal attention with per-head keys and values expanded from the latent -> [B, T, D]."""
+        q, k, v, _ = self._qkv(x_BxTxD, cos, sin)
+        out = _attention_fn(self.cfg.attention_impl)(q, k, v, softmax_scale=self.cfg.softmax_scale,
+                                                     segment_ids=segment_ids)
         return self._mm("BTHV,HVD->BTD", out, "wo")
+
+    def expanded_chunk(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
+                       positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
+        """A prompt chunk at consecutive `positions`: causal attention over its own expanded keys and
+        values (`attention_impl`) merged with attention over the cache slots before it, expanded from
+        the cached latent block by block -> (out [B, T, D], the entries [B, T, ...] to store)."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        q, k, v, own = self._qkv(x_BxTxD, cos, sin)
+        fresh, fresh_lse = _attention_fn(cfg.attention_impl, with_lse=True)(q, k, v, softmax_scale=cfg.softmax_scale)
+        w_uk, w_uv = jnp.split(lora.weight(self, "wkv_b").astype(dt), [cfg.qk_nope_head_dim], axis=-1)
+        q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+        prefix, prefix_lse = latent_attention.attend_expanded(q_nope, q_pe, w_uk, w_uv, cache, positions_BxT,
+                                                              softmax_scale=cfg.softmax_scale, compute_dtype=dt,
+                                                              layer=layer)
+        out = latent_attention.merge(prefix, prefix_lse, fresh, fresh_lse)
+        entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
+        return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
 
     def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
                  positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:

@@ -43,6 +43,16 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
     return _heads_first(out_BxHxTxV)
 
 
+def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: float) -> tuple[jax.Array, jax.Array]:
+    """Forward only: causal attention within one call and its log-normaliser -> (out [B, T, H, V]
+    in q's dtype, lse [B, T, H] float32), for merging with attention over keys held elsewhere (a
+    prefill chunk's cached prefix, `latent_attention.attend_expanded`)."""
+    batch, length = q_BxTxHxK.shape[:2]
+    out, res = _attention_fwd(_heads_first(q_BxTxHxK), _heads_first(k_BxTxHxK), _heads_first(v_BxTxHxV),
+                              causal_mask(None, batch, length), softmax_scale)
+    return _heads_first(out), jnp.transpose(res[-1][..., 0], (0, 2, 1))
+
+
 def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
                         segment_ids: jax.Array | None = None) -> jax.Array:
     """The same function by plain autodiff-able jnp (jax.nn.softmax), for tests."""

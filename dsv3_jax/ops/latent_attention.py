@@ -10,6 +10,12 @@ read block by block (P slots at a time) with an online softmax: an fp8 block is 
 is read, so neither the whole cache in the compute dtype nor [B, H, W, S] scores ever exist, and
 blocks past every row's p0 are not read at all.
 
+`attend` is the core of the absorbed form (decode, speculative verify: few queries, so the
+queries move into the latent space once). `attend_expanded` is the expanded (naive) form for a
+prompt chunk (DeepSeek's prefill): the cached prefix's latent is expanded to per-head keys and
+values block by block, only the blocks before the chunk, with a flash-style online softmax; the
+caller merges it with the chunk's own causal attention by log-sum-exp (`merge`).
+
 Cache dtypes: float32 / bfloat16 entries as they are; "float8": e4m3 latent with one fp32 scale
 per 128 values (DeepSeek's 1x128 activation recipe) and a bf16 rope key (the FlashMLA layout);
 "int8": symmetric int8 latent with one fp32 scale per token (amax / 127, round to nearest) and a
@@ -132,6 +138,64 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     carry = jax.lax.fori_loop(0, num_blocks, body, init)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
     return acc / jnp.transpose(l_sum, (0, 2, 1))[..., None]
+
+
+def _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias_Bx1x1xP, w_uk, w_uv, softmax_scale, dt):
+    """One block of P cached slots, expanded to per-head keys [B, H, P, N] and values [B, H, P, V];
+    carry = (max [B, H, W], sum [B, H, W], acc [B, H, W, V]), queries heads-first [B, H, W, *]."""
+    m_prev, l_prev, acc_prev = carry
+    k_nope = jnp.einsum("BPC,CHN->BHPN", latent_BxPxC.astype(dt), w_uk, preferred_element_type=jnp.float32)
+    v = jnp.einsum("BPC,CHV->BHPV", latent_BxPxC.astype(dt), w_uv, preferred_element_type=jnp.float32)
+    s = (jnp.einsum("BHWN,BHPN->BHWP", q_nope, k_nope.astype(dt), preferred_element_type=jnp.float32)
+         + jnp.einsum("BHWR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
+    s = s * softmax_scale + bias_Bx1x1xP
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
+    alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s - m_safe[..., None])
+    pv = jnp.einsum("BHWP,BHPV->BHWV", p.astype(dt), v.astype(dt), preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[..., None] * acc_prev + pv
+
+
+def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache, positions_BxW, *,
+                    softmax_scale: float, compute_dtype, block: int = READ_BLOCK, layer=None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention of a chunk's queries over the cache slots before each row's first position,
+    keys and values expanded per head from the cached latent a block of `block` slots at a time
+    (blocks past every row's start are never read nor expanded) -> (out [B, W, H, V] float32,
+    lse [B, W, H] float32; -inf where a row has no prefix). `cache` and `layer` as in `attend`."""
+    dt = compute_dtype
+    b, w, h, _ = q_nope_BxWxHxN.shape
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    block = math.gcd(block, latent_BxSxC.shape[-2])
+    read = _reader(cache, layer, block)
+    q_nope = jnp.transpose(q_nope_BxWxHxN, (0, 2, 1, 3)).astype(dt)
+    q_pe = jnp.transpose(q_pe_BxWxHxR, (0, 2, 1, 3)).astype(dt)
+    w_uk, w_uv = w_uk_CxHxN.astype(dt), w_uv_CxHxV.astype(dt)
+    before_B = positions_BxW[:, 0]
+    init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
+            jnp.zeros((b, h, w, w_uv.shape[-1]), jnp.float32))
+
+    def body(i, carry):
+        start = i * block
+        visible = (start + jnp.arange(block))[None, :] < before_B[:, None]
+        bias = jnp.where(visible, 0.0, -jnp.inf)[:, None, None, :]
+        return _expanded_step(carry, q_nope, q_pe, dequantize(read(latent_BxSxC, start), read(scale_BxSxG, start), dt),
+                              read(k_pe_BxSxR, start), bias, w_uk, w_uv, softmax_scale, dt)
+
+    num_blocks = (jnp.max(before_B) + block - 1) // block
+    m, l_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    lse = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
+    out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    return jnp.transpose(out, (0, 2, 1, 3)), jnp.transpose(lse, (0, 2, 1))
+
+
+def merge(out_a_BxWxHxV, lse_a_BxWxH, out_b_BxWxHxV, lse_b_BxWxH) -> jax.Array:
+    """Softmax attention over the union of two disjoint key sets from each one's normalised output
+    and log-normaliser (one of them finite per query) -> [B, W, H, V] float32."""
+    m = jnp.maximum(lse_a_BxWxH, lse_b_BxWxH)
+    w_a, w_b = jnp.exp(lse_a_BxWxH - m), jnp.exp(lse_b_BxWxH - m)
+    out = w_a[..., None] * out_a_BxWxHxV.astype(jnp.float32) + w_b[..., None] * out_b_BxWxHxV.astype(jnp.float32)
+    return out / (w_a + w_b)[..., None]
 
 
 def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
