@@ -239,7 +239,11 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
             sink = Collector()
             eng.submit(Request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), sink))
             assert sink.done.wait(120) and sink.reason == "error"
-            status, health = _http_get(url + "/health")
+            # The in-flight request ends before the reset runs, so /health says "recovering" until it fails.
+            deadline = time.monotonic() + 120
+            while (health := _http_get(url + "/health"))[1]["status"] == "recovering" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, health = health
             assert status == 503 and health["status"] == "failed" and "cannot allocate" in health["last_error"]
             with pytest.raises(EngineFailed, match="could not recover"):
                 eng.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
