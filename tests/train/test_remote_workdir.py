@@ -1,11 +1,17 @@
 """A run whose work directory is `gs://bucket/run`, against a local GCS emulator (issue 22,
-acceptance 4, in part): `experiments.train` trains into the bucket and
-`experiments.generate --checkpoint=gs://bucket/run` answers from it, through the command lines.
-The test process reads the bucket over the emulator's JSON API only. (Resuming there after a
-SIGKILL does not work yet: the restarted run finds no checkpoint and starts again at step 1.)
+acceptance 4): `experiments.train` trains into the bucket, is SIGKILLed, resumes from the bucket
+with the loss curve of an uninterrupted run, and `experiments.generate --checkpoint=gs://bucket/run`
+answers from it, through the command lines. The test process reads the bucket over the emulator's
+JSON API only.
+
+On an object store (no atomic rename) Orbax writes a step's items first, each with its own
+`<step>/<item>/commit_success.txt`, and the step's own `<step>/commit_success.txt` last: only that
+one makes the step a checkpoint (Orbax's step discovery and `checkpoint/run_folder.py` agree). A
+kill between the two leaves an unfinished step, which the restart ignores and rewrites.
 """
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -14,13 +20,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
 
 from tests.helpers import run
 from tests.train.conftest import REPO, STEPS, train_command, train_env
 
 BUCKET, RUN = "bucket", "run"
-FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
+# Every 10 steps: the emulator serves one request at a time, and a save waits for the one before.
+FLAGS = ["--config.train.checkpoint_every=10", "--config.train.eval_every=20"]
+COMPARED = ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr")
 
 
 def _free_port() -> int:
@@ -76,22 +85,48 @@ def _read(base: str, name: str) -> str:
 
 
 def _finished_steps(base: str) -> set[int]:
-    """Steps whose checkpoint Orbax finalized: on an object store (no atomic rename) its
-    commit_success.txt is written last."""
-    names = _objects(base, f"{RUN}/checkpoints/")
-    return {int(n.split("/")[2]) for n in names if n.endswith("/commit_success.txt") and n.split("/")[2].isdigit()}
+    """Steps whose checkpoint Orbax finalized: `run/checkpoints/<step>/commit_success.txt`, written
+    after every item's own marker (`<step>/state/commit_success.txt` alone is not a checkpoint)."""
+    names = [n.split("/") for n in _objects(base, f"{RUN}/checkpoints/")]
+    return {int(n[2]) for n in names if len(n) == 4 and n[2].isdigit() and n[3] == "commit_success.txt"}
+
+
+def _records(base: str) -> list[dict]:
+    return [json.loads(line) for line in _read(base, f"{RUN}/metrics.jsonl").splitlines() if line.strip()]
 
 
 def _steps(base: str) -> list[int]:
-    return [json.loads(line)["step"] for line in _read(base, f"{RUN}/metrics.jsonl").splitlines() if line.strip()]
+    return [r["step"] for r in _records(base)]
 
 
-def test_gs_run_trains_and_generate_answers_from_the_bucket(emulator, compile_cache):
+def _kill_after_a_checkpoint(cmd, env, base: str) -> int:
+    """Starts `cmd`, SIGKILLs it once a step is finalized in the bucket; returns that step."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not _finished_steps(base):
+        time.sleep(0.1)
+    assert proc.poll() is None, f"the run ended before a checkpoint: {proc.stderr.read()[-3000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return max(_finished_steps(base))
+
+
+def test_gs_run_trains_is_killed_resumes_and_generate_answers(emulator, compile_cache, uninterrupted):
     base, env = emulator
+    _, reference, _ = uninterrupted  # the same run on a local disk, never interrupted
     url = f"gs://{BUCKET}/{RUN}"
-    result = run(train_command(url, *FLAGS, cache_dir=compile_cache), env, timeout=600)
+    cmd = train_command(url, *FLAGS, cache_dir=compile_cache)
+    saved = _kill_after_a_checkpoint(cmd, env, base)
+    assert saved < STEPS
+
+    result = run(cmd, env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert _steps(base) == list(range(1, STEPS + 1))
+    assert f"resumed from {url}/checkpoints at step {saved}" in result.stderr, result.stderr[-3000:]
+    records = _records(base)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for got, want in zip(records, reference):
+        for key in COMPARED:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=f"step {got['step']} {key}")
     assert max(_finished_steps(base)) == STEPS
     assert not _objects(base, "gs:")  # nothing written under a local-path misreading of the URL
     for name in ("config.json", "model_config.json"):
