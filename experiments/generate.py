@@ -43,7 +43,7 @@ from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
 from dsv3_jax.inference.prefill import DEFAULT_CHUNK
-from dsv3_jax.serving.runner import cache_sharding, token_shards
+from dsv3_jax.inference.cache import cache_sharding, token_shards
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.transformer import ModelCache
 from dsv3_jax.ops.latent_attention import FP8_BLOCK, dequantize as decode_latent, encode  # noqa: F401 (re-exported)
+import sharding
+from sharding import expert_parallel
 
 CACHE_DTYPES = ("float32", "bfloat16", "float8", "int8")
 StackCache = LatentCache  # one layer stack (dense layers, MoE layers or MTP depths): [L, B, S, ...]
@@ -82,3 +85,26 @@ def bucket_slots(needed: int) -> int:
     """Cache length for `needed` positions: the next power of two (at least 16), so that one compiled
     decode step serves every prompt + generation length up to it."""
     return max(16, 1 << max(needed - 1, 0).bit_length())
+
+
+def token_shards(mesh) -> int:
+    """Devices holding different tokens on `mesh` (1 without one): a step's token count must be a
+    multiple of it once the MoE layers run expert-parallel."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape.get(a, 1) for a in expert_parallel.TOKEN_AXES)
+
+
+def cache_sharding(mesh, max_batch: int, rules=None):
+    """The cache's placement on `mesh` (None without one): every array [L, B, S, ...] with its slots B
+    split as the rules table splits a batch (`batch`: data x fsdp x expert), so each device holds the
+    rows of its own requests, whose attention it computes."""
+    if mesh is None:
+        return None
+    shards = token_shards(mesh)
+    if max_batch % shards:
+        raise ValueError(f"max_batch={max_batch} is not divisible by the {shards} devices the mesh splits a batch "
+                         f"over (data x fsdp x expert): the cache's slots are split over them")
+    spec = sharding.logical_to_spec((None, "batch"), (1, max_batch), mesh, sharding.get_rules(rules),
+                                    name="cache slots")
+    return jax.sharding.NamedSharding(mesh, spec if any(spec) else jax.sharding.PartitionSpec())

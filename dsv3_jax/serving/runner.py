@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -46,12 +45,10 @@ from flax import nnx
 
 from dsv3_jax.inference import init_cache, model_step, mtp_draft
 from dsv3_jax.inference import prefill as chunking
-from dsv3_jax.inference.cache import CACHE_DTYPES
+from dsv3_jax.inference.cache import CACHE_DTYPES, cache_sharding, token_shards  # noqa: F401 (re-exported)
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
 from dsv3_jax.inference.speculative import accept_slots
 from dsv3_jax.serving.penalties import table_width
-import sharding
-from sharding import expert_parallel
 
 
 class StepResult(NamedTuple):
@@ -78,29 +75,6 @@ def decode_buckets(max_batch: int, multiple: int = 1) -> tuple[int, ...]:
     then `max_batch` (a multiple of `multiple`)."""
     sizes = (multiple << i for i in range(max(max_batch // multiple - 1, 0).bit_length()))
     return tuple(n for n in sizes if n < max_batch) + (max_batch,)
-
-
-def token_shards(mesh) -> int:
-    """Devices holding different tokens on `mesh` (1 without one): a step's token count must be a
-    multiple of it once the MoE layers run expert-parallel."""
-    if mesh is None:
-        return 1
-    return math.prod(mesh.shape.get(a, 1) for a in expert_parallel.TOKEN_AXES)
-
-
-def cache_sharding(mesh, max_batch: int, rules=None):
-    """The cache's placement on `mesh` (None without one): every array [L, B, S, ...] with its slots B
-    split as the rules table splits a batch (`batch`: data x fsdp x expert), so each device holds the
-    rows of its own requests, whose attention it computes."""
-    if mesh is None:
-        return None
-    shards = token_shards(mesh)
-    if max_batch % shards:
-        raise ValueError(f"max_batch={max_batch} is not divisible by the {shards} devices the mesh splits a batch "
-                         f"over (data x fsdp x expert): the cache's slots are split over them")
-    spec = sharding.logical_to_spec((None, "batch"), (1, max_batch), mesh, sharding.get_rules(rules),
-                                    name="cache slots")
-    return jax.sharding.NamedSharding(mesh, spec if any(spec) else jax.sharding.PartitionSpec())
 
 
 def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
