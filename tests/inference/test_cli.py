@@ -1,10 +1,11 @@
 """`python -m experiments.generate` on a tiny HF folder, with a character-level tokenizer that fits its vocab."""
 
 import pathlib
+import sys
 
 import tokenizers
 
-from tests.helpers import REPO, run_module
+from tests.helpers import REPO, repo_env, run, run_module
 
 ROOT = pathlib.Path(REPO)
 HF_DIR = ROOT / "tests/fixtures/parity/lora_groups_yarn"  # vocab 128, 2 MoE layers
@@ -37,3 +38,15 @@ def test_cli_error_names_out_of_range_prompt_ids(tmp_path):
     res = run_module("experiments.generate", f"--checkpoint={HF_DIR}",
                      "--prompt=Some text for the bundled 2048-token vocabulary", "--max_new_tokens=2", timeout=600)
     assert res.returncode != 0 and "vocab_size=128" in res.stderr, res.stderr[-2000:]
+
+
+def test_generate_needs_no_serving_extra():
+    # `pip install -e .` has no fastapi (the serve extra does); generate must not import the server.
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('fastapi', 'uvicorn'): raise ImportError('blocked ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import experiments.generate\n")
+    result = run([sys.executable, "-c", code], repo_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
