@@ -169,7 +169,7 @@ class MLA(nnx.Module):
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q, k, v, own = self._qkv(x_BxTxD, cos, sin)
         fresh, fresh_lse = _attention_fn(cfg.attention_impl, with_lse=True)(q, k, v, softmax_scale=cfg.softmax_scale)
-        w_uk, w_uv = jnp.split(lora.weight(self, "wkv_b").astype(dt), [cfg.qk_nope_head_dim], axis=-1)
+        w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         prefix, prefix_lse = latent_attention.attend_expanded(q_nope, q_pe, w_uk, w_uv, cache, positions_BxT,
                                                               softmax_scale=cfg.softmax_scale, compute_dtype=dt,
