@@ -21,19 +21,13 @@ import shutil
 import subprocess
 import sys
 
+from experiments.bench_load import _rss  # VmHWM / VmRSS of this process, bytes
+
 LOADS = [("bf16", "none", "none"), ("fp8", "fp8", "all"), ("int8 experts", "int8", "experts"),
          ("int4 experts", "int4", "experts"), ("int4 all", "int4", "all")]
 
 
 GROUP = 64  # divides every contraction of the bench config (q_lora_rank 192)
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def worker(hf_dir: str, out: str, weights: str, quantize: str) -> None:
