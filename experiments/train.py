@@ -161,7 +161,8 @@ def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
     # On a mesh each process reads only the shards its devices hold, placed as training places them.
     mesh = sharded.config_mesh(config)
     return load_pretrained(init_from, dtype=run.pop("param_dtype"), mesh=mesh if mesh.size > 1 else None,
-                           rules=config.mesh.get("rules", "default"), **run)
+                           rules=config.mesh.get("rules", "default"), **finetune.base_load_kwargs(config, mesh.size),
+                           **run)
 
 
 def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
@@ -174,13 +175,13 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
     tc = config.train
 
     def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
-        fresh = DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))
+        fresh = finetune.quantize_base(config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))  # QLoRA: as loaded
         finetune.adapt(config, fresh, read_peft=False)
         return fresh
 
     abstract_model = nnx.eval_shape(make_model)
-    trainable = finetune.adapt(config, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed))),
-                               read_peft=False)  # the mask only: same adapters, so same tree
+    trainable = finetune.adapt(config, nnx.eval_shape(lambda: finetune.quantize_base(
+        config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))), read_peft=False)  # the mask only: same adapters, same tree
     _, params, _ = state_lib.split_model(abstract_model)
     decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
     tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)

@@ -43,13 +43,27 @@ def _adapter_path(path: tuple[str, ...]) -> tuple[str, ...]:
 
 class MergedParams:
     """A run step's parameters with every adapter folded in: read(path, index) = W + s A B at that
-    slice (the reader of `orbax_to_hf.write_hf`)."""
+    slice (the reader of `orbax_to_hf.write_hf`). `quantized` (a QLoRA run): weight path -> the
+    abstract `QArray` its stored q and scale make; those slices are dequantized to fp32 first."""
 
-    def __init__(self, params, keys: set[tuple[str, ...]], scale: float):
-        self.params, self.keys, self.scale = params, keys, scale
+    def __init__(self, params, keys: set[tuple[str, ...]], scale: float, quantized: dict | None = None):
+        self.params, self.keys, self.scale, self.quantized = params, keys, scale, quantized or {}
+
+    def _weight(self, path, index) -> np.ndarray:
+        layout = self.quantized.get(path)
+        if layout is None:
+            return self.params.read(path, index)
+        import dataclasses
+
+        import jax.numpy as jnp
+
+        from dsv3_jax.ops import quant
+
+        q, s = (jnp.asarray(self.params.read((*path, part), index)) for part in ("q", "scale"))
+        return np.asarray(quant.dequantize(dataclasses.replace(layout, q=q, scale=s), jnp.float32))
 
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
-        w = self.params.read(path, index)
+        w = self._weight(path, index)
         ad = _adapter_path(path)
         if ("params", *ad, "a") not in self.keys:
             return w
@@ -63,7 +77,24 @@ def merged_params(run, params):
     section = lora_section(run.run_dir)
     if section is None:
         return params
-    return MergedParams(params, params.keys, section["alpha"] / section["rank"])
+    return MergedParams(params, params.keys, section["alpha"] / section["rank"], quantized_layout(run, section))
+
+
+def quantized_layout(run, section: dict) -> dict:
+    """A QLoRA run's quantized weights: path -> abstract `QArray` (format, group, shapes), from the
+    model quantized as the run held it, built abstractly (nothing allocated). Empty otherwise."""
+    fmt = section.get("base_weights", "none")
+    if fmt == "none":
+        return {}
+    from flax import nnx
+
+    from dsv3_jax.model import DeepSeekV3
+    from dsv3_jax.model import quant as model_quant
+
+    which = section.get("base_quantize", "all")
+    abstract = nnx.eval_shape(lambda: model_quant.quantize_model(DeepSeekV3(run.model_config(), rngs=nnx.Rngs(0)),
+                                                                 fmt, which))
+    return {path: getattr(node, name)[...] for path, node, name, _ in model_quant.targets(abstract, which)}
 
 
 def _adapted_leaves(cfg, keys):
@@ -138,14 +169,32 @@ def load_adapted(path, dtype=None, **overrides):
     section = None if run is None else lora_section(run.run_dir)
     if section is None:
         raise CheckpointError(f"{path} is not a LoRA training run (no run folder with a lora config section)")
-    model = load_run(run, dtype, **overrides)
-    fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts") if k in section}
-    lora.apply(model, lora.LoRAConfig(**fields))
+    fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts", "base_weights", "base_quantize")
+              if k in section}
+    cfg = lora.LoRAConfig(**fields)
+    model = _quantized_base(run, cfg, dtype, overrides) if cfg.quantized else load_run(run, dtype, **overrides)
+    lora.apply(model, cfg)
     params = StateParams(run)
     for var_path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.LoRAParam):
             var[...] = params.read(tuple(str(p) for p in var_path)).astype(var.dtype)
     return model
+
+
+def _quantized_base(run, cfg, dtype, overrides):
+    """A QLoRA run's base, quantized as the run held it: the run's --init_from loaded with its
+    `base_weights` (the same quantization as the stored q and scales: deterministic)."""
+    from dsv3_jax.checkpoint.load import load_pretrained
+
+    with open(os.path.join(run.run_dir, "config.json")) as f:
+        init_from = json.load(f).get("train", {}).get("init_from")
+    if init_from and is_peft_folder(init_from):  # started from a PEFT folder: its base
+        init_from = peft_lora_config(init_from)["base"]
+    if not init_from or not os.path.exists(init_from):
+        raise CheckpointError(f"{run.run_dir} is a QLoRA run (lora.base_weights={cfg.base_weights}) whose base "
+                              f"--init_from={init_from!r} is no longer there; export it merged instead "
+                              f"(python -m dsv3_jax.convert --to-hf --ckpt={run.run_dir} --out=DIR)")
+    return load_pretrained(init_from, dtype, **cfg.load_kwargs(), **overrides)
 
 
 def is_peft_folder(path) -> bool:

@@ -21,6 +21,12 @@ the key is the train state's `rng`, advanced every step and checkpointed, so a r
 masks an uninterrupted one draws. Without a key (eval, generate, serve, `merge`) no dropout.
 The routed experts' adapters take no dropout: their rows are sorted and exchanged inside the
 grouped matmul, where masks would have to travel with them (`LoRAConfig` refuses the pair).
+
+QLoRA (Dettmers et al. 2023): `LoRAConfig.base_weights` "fp8", "int8" or "int4" keeps the base
+quantized (`model/quant.py`'s `QuantizedWeight`, loaded so by `load_pretrained(weights=...)`) and
+frozen; adapters on a quantized W are fp32 and the forward is W_q x + s (x A) B, the projection
+dequantising W_q inside its matmul. `merge` folds s A B into the dequantized W (an `nnx.Param` in
+fp32: a merged model is no longer quantized) and `unmerge` puts the quantized weight back as it was.
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax.model import params
+from dsv3_jax.model.quant import QuantizedWeight
+from dsv3_jax.ops import quant
+from dsv3_jax.ops.quant import QArray
 
 # Every projection of MLA (q_a, q_b or q, kv_a, kv_b, o), the dense MLPs and the shared experts;
 # routed experts ("moe_layers/ffn/w*") only with LoRAConfig.experts. MTP layers are left out.
 DEFAULT_TARGETS = r"(dense_layers|moe_layers)/(attn/(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn/(shared_experts/)?w[123])"
 _BATCH_AXES = (params.LAYERS, "expert")  # leading axes along which each slice has its own adapter
+BASE_WEIGHTS = ("none", *quant.FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,8 @@ class LoRAConfig:
     targets: str = DEFAULT_TARGETS  # regex fully matching the paths of the weights to adapt
     experts: bool = False  # also adapt the routed experts (per-expert A, B inside the grouped matmul)
     seed: int = 0  # draws of the A matrices
+    base_weights: str = "none"  # QLoRA: "fp8", "int8" or "int4" keeps the frozen base quantized
+    base_quantize: str = "all"  # with base_weights: the projections held quantized ("all" or "experts")
 
     def __post_init__(self):
         if self.rank < 1:
@@ -60,6 +72,14 @@ class LoRAConfig:
         if self.dropout and self.experts:
             raise ValueError(f"lora.dropout={self.dropout} with lora.experts=True: the routed experts' adapters "
                              "take no dropout (dsv3_jax/model/lora.py); set lora.dropout=0 or lora.experts=False")
+        if self.base_weights not in BASE_WEIGHTS:
+            raise ValueError(f"lora.base_weights={self.base_weights!r} is not one of {BASE_WEIGHTS}")
+        if self.base_quantize not in ("all", "experts"):
+            raise ValueError(f"lora.base_quantize={self.base_quantize!r} is not 'all' or 'experts'")
+        if self.quantized and self.experts:
+            raise ValueError(f"lora.experts=True with lora.base_weights={self.base_weights!r}: the grouped matmul's "
+                             "backward over quantized experts is not built; set lora.experts=False (adapters on "
+                             "MLA and the dense/shared MLPs over the quantized base) or lora.base_weights=none")
         try:
             re.compile(self.targets)
         except re.error as e:
@@ -69,6 +89,14 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def quantized(self) -> bool:
+        return self.base_weights != "none"
+
+    def load_kwargs(self) -> dict:
+        """`load_pretrained` arguments of the base: quantized as `base_weights` says, or nothing."""
+        return {"weights": self.base_weights, "quantize": self.base_quantize} if self.quantized else {}
+
 
 class Adapter(nnx.Module):
     """A [*batch, *in, r] and B [*batch, r, *out] for a weight [*batch, *in, *out]."""
@@ -77,10 +105,11 @@ class Adapter(nnx.Module):
         axes = params.logical_axes(weight)
         nb = _batch_rank(axes)
         shape = weight.shape
+        dtype = jnp.float32 if isinstance(weight[...], QArray) else weight.dtype  # QLoRA: fp32 adapters
         a_shape, b_shape = (*shape[:nb + contract], cfg.rank), (*shape[:nb], cfg.rank, *shape[nb + contract:])
         a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / cfg.rank
-        self.a = nnx.LoRAParam(a.astype(weight.dtype), logical_axes=(*axes[:nb + contract], None))
-        self.b = nnx.LoRAParam(jnp.zeros(b_shape, weight.dtype), logical_axes=(*axes[:nb], None, *axes[nb + contract:]))
+        self.a = nnx.LoRAParam(a.astype(dtype), logical_axes=(*axes[:nb + contract], None))
+        self.b = nnx.LoRAParam(jnp.zeros(b_shape, dtype), logical_axes=(*axes[:nb], None, *axes[nb + contract:]))
         self.scale, self.contract, self.dropout = cfg.scale, contract, cfg.dropout
 
     def delta(self) -> jax.Array:
@@ -144,9 +173,14 @@ def _layer_rank(axes) -> int:
 
 
 def weight(module: nnx.Module, name: str) -> jax.Array:
-    """W, plus s A B where `name` carries an adapter: for uses that need the matrix itself."""
+    """W, plus s A B where `name` carries an adapter: for uses that need the matrix itself (a
+    quantized W dequantized: the sum in fp32)."""
     w, ad = getattr(module, name)[...], adapter(module, name)
-    return w if ad is None else (w.astype(jnp.float32) + ad.delta()).astype(w.dtype)
+    if ad is None:
+        return w
+    if isinstance(w, QArray):
+        return quant.dequantize(w, jnp.float32) + ad.delta()
+    return (w.astype(jnp.float32) + ad.delta()).astype(w.dtype)
 
 
 def expert_arrays(moe: nnx.Module) -> tuple[tuple[jax.Array, ...], float]:
@@ -190,13 +224,23 @@ def _adapted(model: nnx.Module):
                 yield "/".join(str(p) for p in (*path, name)), node, name
 
 
+class QuantizedBase(nnx.Variable):
+    """The quantized weight a merge replaced (kept on the taken-off adapter for `unmerge`)."""
+
+
 def merge(model: nnx.Module) -> dict[str, Adapter]:
     """W <- W + s A B for every adapter, which is taken off the model (now a plain base model of the
-    same forward). Returns the adapters by weight path, for `unmerge`."""
+    same forward). A quantized W becomes the fp32 `nnx.Param` dequantize(W) + s A B. Returns the
+    adapters by weight path, for `unmerge`."""
     taken = {}
     for where, node, name in list(_adapted(model)):
-        getattr(node, name)[...] = weight(node, name)
-        taken[where] = adapter(node, name)
+        ad, var = adapter(node, name), getattr(node, name)
+        if isinstance(var[...], QArray):
+            ad.quantized_base = QuantizedBase(var[...], logical_axes=params.logical_axes(var))
+            setattr(node, name, nnx.Param(weight(node, name), logical_axes=params.logical_axes(var)))
+        else:
+            var[...] = weight(node, name)
+        taken[where] = ad
         delattr(node, f"{name}_lora")
     return taken
 
@@ -208,5 +252,10 @@ def unmerge(model: nnx.Module, adapters: dict[str, Adapter]) -> None:
         owner, name = where.rsplit("/", 1)
         node = nodes[owner]
         w = getattr(node, name)
-        w[...] = (w[...].astype(jnp.float32) - ad.delta()).astype(w.dtype)
+        base = getattr(ad, "quantized_base", None)
+        if base is not None:  # the quantized weight as it was (not W + s A B - s A B requantized)
+            setattr(node, name, QuantizedWeight(base[...], logical_axes=params.logical_axes(base)))
+            del ad.quantized_base
+        else:
+            w[...] = (w[...].astype(jnp.float32) - ad.delta()).astype(w.dtype)
         setattr(node, f"{name}_lora", ad)

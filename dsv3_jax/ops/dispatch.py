@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv3_jax.ops import quant
 from dsv3_jax.ops.quant import QArray
@@ -178,9 +179,7 @@ def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_
     rows, not tiles x weights. Expert `adapters` (six [E, ...] arrays, module docstring) are read and
     accumulated the same way.
     """
-    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    if any(isinstance(w, QArray) for w in weights):  # quantized weights are frozen: forward only
-        return _tile_loop_fwd(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters))[0]
+    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)  # quantized ones are frozen: their cotangent is zero
     return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters))
 
 
@@ -225,7 +224,7 @@ def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: flo
     """One tile's backward: (dx [t, D], (dw1 [D, F], dw3 [D, F], dw2 [F, D]), the six adapter
     gradients or ()), weight gradients in fp32."""
     dt = x.dtype
-    w1_DxF, w3_DxF, w2_FxD = w1_DxF.astype(dt), w3_DxF.astype(dt), w2_FxD.astype(dt)
+    w1_DxF, w3_DxF, w2_FxD = (quant.as_dense(w, dt) for w in (w1_DxF, w3_DxF, w2_FxD))
     gate32 = gate.astype(jnp.float32)
     sig = jax.nn.sigmoid(gate32)
     act = (gate32 * sig).astype(dt)  # silu(gate), as the forward rounds it
@@ -255,13 +254,22 @@ def _tile_loop_bwd(scale, res, dy_JxtxD):
         e = tile_expert_J[j]
         dx, g_w, g_a = _tile_grads(_get(x_JxtxD, j), _get(gate_JxtxF, j), _get(up_JxtxF, j), _get(dy_JxtxD, j),
                                    *(_at(w, e, layer) for w in weights), tuple(_at(a, e) for a in adapters), scale)
-        return (_put(dx_JxtxD, j, dx), tuple(_add_at(acc, e, g, layer) for acc, g in zip(dw, g_w)),
+        return (_put(dx_JxtxD, j, dx), tuple(acc if isinstance(w, QArray) else _add_at(acc, e, g, layer)
+                                             for acc, g, w in zip(dw, g_w, weights)),
                 tuple(_add_at(acc, e, g) for acc, g in zip(da, g_a)))
 
-    zeros = tuple(tuple(jnp.zeros(w.shape, jnp.float32) for w in ws) for ws in (weights, adapters))
+    zeros = tuple(tuple(jnp.zeros(() if isinstance(w, QArray) else w.shape, jnp.float32) for w in ws)
+                  for ws in (weights, adapters))
     dx_JxtxD, dw, da = jax.lax.fori_loop(0, num_active, tile, (jnp.zeros_like(x_JxtxD), *zeros))
-    return (dx_JxtxD, None, None, tuple(g.astype(w.dtype) for g, w in zip(dw, weights)), None,
+    return (dx_JxtxD, None, None, tuple(_frozen_cotangent(w) if isinstance(w, QArray) else g.astype(w.dtype)
+                                        for g, w in zip(dw, weights)), None,
             tuple(g.astype(a.dtype) for g, a in zip(da, adapters)))
+
+
+def _frozen_cotangent(qa: QArray) -> QArray:
+    """The zero cotangent of a quantized (frozen) weight: float0 for its integer leaves."""
+    return jax.tree.map(lambda v: jnp.zeros_like(v) if jnp.issubdtype(v.dtype, jnp.floating)
+                        else np.zeros(v.shape, jax.dtypes.float0), qa)
 
 
 _tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)

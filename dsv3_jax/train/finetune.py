@@ -1,5 +1,6 @@
-"""Fine-tuning set-up for the trainer: LoRA adapters from `config.lora`, and `--init_from` a PEFT
-LoRA folder (its base model, then its adapters)."""
+"""Fine-tuning set-up for the trainer: LoRA adapters from `config.lora` (QLoRA: over a base held
+quantized, `lora.base_weights`), and `--init_from` a PEFT LoRA folder (its base model, then its
+adapters)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from flax import nnx
 
 from dsv3_jax.checkpoint import lora_export
 from dsv3_jax.model import lora
+from dsv3_jax.model import quant as model_quant
 from dsv3_jax.train import optimizer
 from dsv3_jax.train.state import split_model
 
@@ -23,6 +25,30 @@ def base_of(init_from: str | None) -> str | None:
         raise ValueError(f"--init_from={init_from} is a PEFT adapter whose base_model_name_or_path ({base!r}) is "
                          "no local folder; set it to the base model's HF folder (or a run of ours)")
     return base
+
+
+def lora_config(config) -> lora.LoRAConfig | None:
+    return lora.LoRAConfig(**config.lora.to_dict()) if "lora" in config else None
+
+
+def base_load_kwargs(config, mesh_size: int = 1) -> dict:
+    """`load_pretrained` arguments for the base: with `lora.base_weights` (QLoRA) it loads quantized."""
+    cfg = lora_config(config)
+    if cfg is None or not cfg.quantized:
+        return {}
+    if mesh_size > 1:
+        raise ValueError(f"lora.base_weights={cfg.base_weights!r} (QLoRA) trains on one device; the quantized "
+                         "base's shardings are not derived for a training mesh: set config.mesh sizes to 1")
+    return cfg.load_kwargs()
+
+
+def quantize_base(config, model: nnx.Module) -> nnx.Module:
+    """A model built here (fresh or abstract) held as a QLoRA run loads its base: quantized as
+    `lora.base_weights` says (in place); as is otherwise. Same leaves as `load_pretrained(weights=)`."""
+    cfg = lora_config(config)
+    if cfg is not None and cfg.quantized:
+        model_quant.quantize_model(model, cfg.base_weights, cfg.base_quantize)
+    return model
 
 
 def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
@@ -39,7 +65,7 @@ def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
             if field != "base" and value != fields[field]:
                 raise ValueError(f"config.lora.{field}={fields[field]} differs from the PEFT adapter's {value} "
                                  f"({peft}/adapter_config.json); pass --config.lora.{field}={value}")
-    targets = lora.apply(model, lora.LoRAConfig(**fields))
+    targets = lora.apply(model, lora_config(config))
     logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
     if peft and read_peft:
         logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))

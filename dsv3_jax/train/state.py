@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from dsv3_jax.model.params import RouterBias
+from dsv3_jax.model.quant import QuantizedWeight
 
 
 @flax.struct.dataclass
@@ -37,8 +38,9 @@ class TrainState:
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, Param state, RouterBias state); anything else in the model is an error."""
-    graphdef, params, biases, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+    """(graphdef, Param state, RouterBias state); anything else in the model is an error. A QLoRA
+    base's `QuantizedWeight`s travel with the params (frozen: no optimizer mask selects them)."""
+    graphdef, params, biases, rest = nnx.split(model, (nnx.Param, QuantizedWeight), RouterBias, ...)
     leftover = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]
     if leftover:
         raise TypeError(f"the trainer handles nnx.Param and RouterBias variables only; the model also "

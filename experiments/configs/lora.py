@@ -11,6 +11,7 @@ a PEFT adapter folder (its architecture replaces config.model; the dtypes and im
 switches stay). The run checkpoints base and adapters together and resumes like pretraining;
 export with `python -m dsv3_jax.convert --to-hf --ckpt=RUN --out=DIR` (merged weights).
 Router biases stay frozen as in sft.py; --config.balancing.bias_update_speed=1e-3 keeps moving them.
+QLoRA: --config.lora.base_weights=int4 (or int8, fp8) keeps the base quantized (one device).
 """
 
 import ml_collections
@@ -28,6 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.targets = DEFAULT_TARGETS  # regex fully matching weight paths (e.g. "moe_layers/attn/wq_a")
     c.lora.experts = False  # True: per-expert adapters on the routed experts too (inside the grouped matmul)
     c.lora.seed = 0  # draws of the A matrices
+    c.lora.base_weights = "none"  # QLoRA: "fp8", "int8" or "int4" loads the frozen base quantized (adapters fp32)
+    c.lora.base_quantize = "all"  # with base_weights: "all" projections quantized, or the routed "experts" only
     c.optimizer.peak_lr = 2e-3  # adapters start at zero update and take a larger rate than full tuning
     c.optimizer.end_lr = 2e-4  # a tenth of the peak at the end
     c.train.workdir = "runs/lora"  # default output folder
