@@ -9,8 +9,8 @@ PEFT layout (peft.LoraModel, one nn.Linear [out, in] per HF module): `lora_A.wei
 `lora_B.weight` [out, r], update (lora_alpha / r) B A, keys
 `base_model.model.<module>.lora_A.weight`. Our a and b flatten their in/out axes in the order the
 HF weight does (the converter's reshape), so lora_A = a^T and lora_B = b^T after flattening.
-PEFT folders carry MLA adapters only: PEFT on transformers 5 maps DeepseekV3's gate_proj, up_proj
-and down_proj names to the fused routed experts, so MLP adapters export merged.
+PEFT folders carry the MLA adapters (target_modules) and the dense and shared-expert MLP adapters
+(target_parameters: `peft_config` says why); routed-expert and MTP adapters export merged.
 """
 
 from __future__ import annotations
@@ -111,12 +111,6 @@ def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
             raise CheckpointError(
                 f"the adapter on {'/'.join(leaf.path)} has no PEFT module in transformers' DeepseekV3 "
                 "(routed experts and MTP layers): export the merged model instead (without --adapter_only)")
-        if leaf.path[-2] != "attn":
-            raise CheckpointError(
-                f"the adapter on {'/'.join(leaf.path)} (an MLP gate/up/down_proj) would not load as such: on "
-                "transformers 5 PEFT reads DeepseekV3 adapters named gate_proj/up_proj/down_proj as the fused routed "
-                "experts' (peft 0.21 converts them to gate_up_proj). Export the merged model instead, or train "
-                "attention-only adapters (--config.lora.targets='(dense_layers|moe_layers)/attn/.*')")
         ad = _adapter_path(leaf.path)
         for index, names in hf_names.leaf_slices(leaf):
             a, b = params.read((*ad, "a"), index), params.read((*ad, "b"), index)
@@ -127,12 +121,26 @@ def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
     return out
 
 
+def _is_mlp(module: str) -> bool:
+    return module.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")
+
+
 def peft_config(section: dict, modules: list[str], base: str | None) -> dict:
-    """adapter_config.json: the exact HF modules as a regex (PEFT full-matches a string)."""
+    """adapter_config.json. MLA modules: `target_modules`, the exact HF modules as a regex (PEFT
+    full-matches a string). Dense and shared-expert MLPs: `target_parameters`, their exact weights
+    (`model.layers.0.mlp.gate_proj.weight`): PEFT on transformers 5 rewrites every `target_modules`
+    name ending in gate_proj/up_proj/down_proj to DeepseekV3's fused routed experts
+    (peft/utils/transformers_weight_conversion.py, `_convert_peft_config_moe`), while
+    `target_parameters` pass through it and put a `ParamWrapper` (W + s B A) on exactly those
+    weights, under the same state-dict keys. A ParamWrapper refuses lora_dropout != 0, so a folder
+    with MLP adapters records lora_dropout 0 (dropout is training-only: the adapters' values and the
+    inference are the same)."""
+    attn, mlp = [m for m in modules if not _is_mlp(m)], [m for m in modules if _is_mlp(m)]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": section["rank"], "lora_alpha": section["alpha"],
-            "lora_dropout": section.get("dropout", 0.0), "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base,
-            "target_modules": "|".join(re.escape(m) for m in modules), "modules_to_save": None}
+            "lora_dropout": 0.0 if mlp else section.get("dropout", 0.0), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "base_model_name_or_path": base, "target_modules": "|".join(re.escape(m) for m in attn) or None,
+            "target_parameters": [f"{m}.weight" for m in mlp] or None, "modules_to_save": None}
 
 
 def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None = None) -> dict:

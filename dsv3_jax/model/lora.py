@@ -76,10 +76,6 @@ class LoRAConfig:
             raise ValueError(f"lora.base_weights={self.base_weights!r} is not one of {BASE_WEIGHTS}")
         if self.base_quantize not in ("all", "experts"):
             raise ValueError(f"lora.base_quantize={self.base_quantize!r} is not 'all' or 'experts'")
-        if self.quantized and self.experts:
-            raise ValueError(f"lora.experts=True with lora.base_weights={self.base_weights!r}: the grouped matmul's "
-                             "backward over quantized experts is not built; set lora.experts=False (adapters on "
-                             "MLA and the dense/shared MLPs over the quantized base) or lora.base_weights=none")
         try:
             re.compile(self.targets)
         except re.error as e:
@@ -105,7 +101,7 @@ class Adapter(nnx.Module):
         axes = params.logical_axes(weight)
         nb = _batch_rank(axes)
         shape = weight.shape
-        dtype = jnp.float32 if isinstance(weight[...], QArray) else weight.dtype  # QLoRA: fp32 adapters
+        dtype = jnp.float32 if isinstance(weight, QuantizedWeight) else weight.dtype  # QLoRA: fp32 adapters
         a_shape, b_shape = (*shape[:nb + contract], cfg.rank), (*shape[:nb], cfg.rank, *shape[nb + contract:])
         a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / cfg.rank
         self.a = nnx.LoRAParam(a.astype(dtype), logical_axes=(*axes[:nb + contract], None))
@@ -235,7 +231,7 @@ def merge(model: nnx.Module) -> dict[str, Adapter]:
     taken = {}
     for where, node, name in list(_adapted(model)):
         ad, var = adapter(node, name), getattr(node, name)
-        if isinstance(var[...], QArray):
+        if isinstance(var, QuantizedWeight):
             ad.quantized_base = QuantizedBase(var[...], logical_axes=params.logical_axes(var))
             setattr(node, name, nnx.Param(weight(node, name), logical_axes=params.logical_axes(var)))
         else:

@@ -22,7 +22,8 @@ into that expert's slot), the dense reference through every expert's adapter, th
 Adapters are per layer ([E, ...]) even where the weights are a layer stack read at `layer`. The
 FP8 path takes none (the adapters would run in the compute dtype beside FP8 weights: not built).
 
-Quantized experts (`dsv3_jax.ops.quant.QArray`, inference only): the tile loop dequantises its
+Quantized experts (`dsv3_jax.ops.quant.QArray`, frozen: inference, and QLoRA whose gradients reach
+x and the adapters, the tile loop's backward giving the weights a zero cotangent): the tile loop dequantises its
 tile's expert, ragged_dot walks K one scale group at a time over every expert, the dense reference
 dequantises the stack; stored FP8 experts run the block-scaled grouped kernel on their own blocks.
 No path holds every expert of a layer in the compute dtype except the dense reference.

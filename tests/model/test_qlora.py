@@ -17,10 +17,11 @@ from dsv3_jax.model import quant as model_quant
 from dsv3_jax.ops.quant import QArray
 from dsv3_jax.train import optimizer, state as state_lib
 from tests import helpers
+from tests.model.test_lora import _adapter_floats
 
 RANK = 4
 CFG = helpers.shrunk_tiny_config(moe_impl="tiled")  # quantized routed experts through the tile loop (CPU)
-QLORA = lora.LoRAConfig(rank=RANK, base_weights="int4", base_quantize="all")
+QLORA = lora.LoRAConfig(rank=RANK, experts=True, base_weights="int4", base_quantize="all")
 
 
 def _adapter_paths(model):
@@ -29,7 +30,8 @@ def _adapter_paths(model):
 
 
 def _qlora_model():
-    """int4 base (every projection), adapters on the default targets with B drawn nonzero."""
+    """int4 base (every projection), adapters on the default targets and the routed experts, B
+    drawn nonzero."""
     model = model_quant.quantize_model(DeepSeekV3(CFG, rngs=nnx.Rngs(0)), "int4", "all")
     lora.apply(model, QLORA)
     for i, (path, v) in enumerate(nnx.iter_graph(model)):
@@ -72,7 +74,7 @@ def test_qlora_logits_equal_dequantized_base_plus_numpy_update(qlora):
     assert all(isinstance(v[...], QArray) for _, v in nnx.iter_graph(model)
                if isinstance(v, model_quant.QuantizedWeight))
     adapters = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)]
-    assert len(adapters) == 2 * 16 and all(v.dtype == jnp.float32 for v in adapters)  # fp32 over an int4 base
+    assert len(adapters) == 2 * 19 and all(v.dtype == jnp.float32 for v in adapters)  # fp32 over an int4 base
     got, want = _logits(model, tokens), _logits(_dense_reference(model, merged=True), tokens)
     assert helpers.rel_err(_logits(_dense_reference(model, merged=False), tokens), want) < 1e-5
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
@@ -80,7 +82,8 @@ def test_qlora_logits_equal_dequantized_base_plus_numpy_update(qlora):
 
 def test_qlora_adapter_gradients_equal_dense_reference(qlora):
     """d loss / d (A, B) through the quantized projections (their matmuls differentiated in x only)
-    and the tile loop's backward over quantized experts = autodiff of the dequantized dense model."""
+    and the tile loop's backward over quantized experts (expert adapters included) = autodiff of
+    the dequantized dense model with the same adapters."""
     model, tokens = qlora
     probe = jax.random.normal(jax.random.key(5), (*tokens.shape, CFG.vocab_size))
 
@@ -96,24 +99,12 @@ def test_qlora_adapter_gradients_equal_dense_reference(qlora):
         return {jax.tree_util.keystr(k): v for k, v in flat}
 
     got, want = grads(model), grads(_dense_reference(model, merged=False))
-    assert got.keys() == want.keys() and len(got) == 32
+    assert got.keys() == want.keys() and len(got) == 2 * 19
     for k in want:
         w = np.asarray(want[k])
         np.testing.assert_allclose(np.asarray(got[k]), w, atol=1e-4 * max(np.abs(w).max(), 1e-3), rtol=0,
                                    err_msg=str(k))
     assert max(np.abs(np.asarray(v)).max() for v in got.values()) > 0
-
-
-def _adapter_floats(cfg, r: int) -> int:
-    """Trainable floats of rank-r LoRA on the default targets (no routed experts), from the
-    config's dimensions: r * (fan_in + fan_out) per adapted matrix, once per layer."""
-    d, h, q, c = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attn = (d + q) + (q + h * k_dim) + (d + c + cfg.qk_rope_head_dim) + (c + h * (cfg.qk_nope_head_dim + cfg.v_head_dim)) \
-        + (h * cfg.v_head_dim + d)
-    dense_mlp = 3 * (d + cfg.intermediate_size)
-    shared = 3 * (d + cfg.moe_intermediate_size * cfg.num_shared_experts)
-    return r * (cfg.num_layers * attn + cfg.num_dense_layers * dense_mlp + cfg.num_moe_layers * shared)
 
 
 def test_qlora_optimizer_holds_the_adapters_and_the_base_stays_quantized():
@@ -138,7 +129,7 @@ def test_qlora_merge_and_unmerge(qlora):
     taken = lora.merge(model)
     assert not any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
     still = [p for p, v in nnx.iter_graph(model) if isinstance(v, model_quant.QuantizedWeight)]
-    assert len(still) == 30 - 16  # the 16 adapted weights merged; routed experts and MTP stay quantized
+    assert len(still) == 30 - 19  # the 19 adapted weights merged; MTP's stay quantized
     np.testing.assert_allclose(_logits(model, tokens), with_adapters, atol=2e-5 * np.abs(with_adapters).max(), rtol=0)
     lora.unmerge(model, taken)
     after = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, model_quant.QuantizedWeight))}
@@ -149,8 +140,6 @@ def test_qlora_merge_and_unmerge(qlora):
 
 
 def test_qlora_fields_are_checked():
-    with pytest.raises(ValueError, match="lora.experts=True with lora.base_weights='int8'"):
-        lora.LoRAConfig(experts=True, base_weights="int8")
     with pytest.raises(ValueError, match="lora.base_weights='int3'"):
         lora.LoRAConfig(base_weights="int3")
     with pytest.raises(ValueError, match="lora.base_quantize='mla'"):

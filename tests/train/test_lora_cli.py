@@ -3,7 +3,7 @@
 pretraining CLI tests share) fine-tunes on the bundled chat set: the held-out SFT loss falls, only
 the adapters train, router biases stay; a run with adapter dropout resumes exactly from a
 checkpoint; on an fsdp=2 x expert=4 mesh it gives the single-device losses; the exports load in
-transformers and peft."""
+transformers and peft; QLoRA (an int4 base) trains its adapters alone and exports merged."""
 
 import json
 import shutil
@@ -20,10 +20,9 @@ from tests.train.conftest import TEST_OVERRIDES, read_records, train_env
 from tests.train.test_train_cli import COMPARED
 
 LORA_STEPS = 8
-ATTENTION_ONLY = "(dense_layers|moe_layers)/attn/(wq_a|wq_b|wkv_a|wkv_b|wo)"  # what a PEFT folder can carry
 LORA = [f"--steps={LORA_STEPS}", "--config.data.seq_len=112", "--config.optimizer.peak_lr=1e-2",
         "--config.optimizer.warmup_steps=2", "--config.train.eval_every=4", "--config.train.checkpoint_every=2"]
-ATTENTION_RUN = [f"--config.lora.targets={ATTENTION_ONLY}", "--config.lora.dropout=0.1"]
+DROPOUT_RUN = ["--config.lora.dropout=0.1"]  # the default targets (what a PEFT folder carries), adapter dropout
 
 
 def lora_command(workdir, pretrained, *flags, cache_dir):
@@ -50,10 +49,10 @@ def lora_run(pretrained, tmp_path_factory, compile_cache):
 
 
 @pytest.fixture(scope="module")
-def attention_run(pretrained, tmp_path_factory, compile_cache):
-    """MLA adapters only (what PEFT carries), with adapter dropout."""
-    workdir = tmp_path_factory.mktemp("lora_attn")
-    run_lora(workdir, pretrained, *ATTENTION_RUN, cache_dir=compile_cache)
+def dropout_run(pretrained, tmp_path_factory, compile_cache):
+    """The default targets (MLA, dense and shared MLPs: what PEFT carries), with adapter dropout."""
+    workdir = tmp_path_factory.mktemp("lora_dropout")
+    run_lora(workdir, pretrained, *DROPOUT_RUN, cache_dir=compile_cache)
     return workdir, read_records(workdir)
 
 
@@ -84,17 +83,17 @@ def test_lora_lowers_the_held_out_sft_loss_and_trains_the_adapters_only(pretrain
     np.testing.assert_array_equal(after.read(bias), before.read(bias))
 
 
-def test_lora_run_with_dropout_resumes_exactly(pretrained, attention_run, tmp_path, compile_cache):
-    """The attention run (adapter dropout 0.1) cut back to its step-4 checkpoint, as a kill after
+def test_lora_run_with_dropout_resumes_exactly(pretrained, dropout_run, tmp_path, compile_cache):
+    """The dropout run (adapter dropout 0.1) cut back to its step-4 checkpoint, as a kill after
     step 4 leaves it, and restarted: steps 5-8 (losses, gradient norms, held-out losses) equal the
     uninterrupted run's: the dropout masks come from the checkpointed train-state key."""
-    reference_dir, reference = attention_run
+    reference_dir, reference = dropout_run
     workdir = tmp_path / "run"
     shutil.copytree(reference_dir, workdir)
     for step in (workdir / "checkpoints").iterdir():
         if step.name.isdigit() and int(step.name) > 4:
             shutil.rmtree(step)
-    result = run_lora(workdir, pretrained, *ATTENTION_RUN, cache_dir=compile_cache)
+    result = run_lora(workdir, pretrained, *DROPOUT_RUN, cache_dir=compile_cache)
     assert "resumed from" in result.stderr and "at step 4" in result.stderr
     resumed = read_records(workdir)
     assert [r["step"] for r in resumed] == list(range(LORA_STEPS + 1))
@@ -151,10 +150,11 @@ def test_merged_export_loads_in_transformers_with_the_adapter_logits(lora_run, t
     assert "moe_layers/ffn/w1" in err or "gate_proj" in err, err  # names what PEFT cannot carry
 
 
-def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, attention_run, tmp_path):
-    """The attention-only LoRA run: PeftModel over transformers' model of the base export gives our
-    adapter model's logits (its lora_dropout recorded, inactive in eval as ours is), and
-    `--init_from=` that PEFT folder builds the same model again."""
+def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dropout_run, tmp_path):
+    """The dropout run (MLA, dense and shared-expert MLP adapters): PeftModel over transformers'
+    model of the base export gives our adapter model's logits, the MLA adapters as target_modules and
+    the MLPs' as target_parameters on exactly their weights (not the fused routed experts PEFT maps
+    MLP names to), and `--init_from=` that PEFT folder builds the same model again."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     import transformers
@@ -164,10 +164,14 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, att
     from experiments import train as train_lib
     from experiments.configs import lora as lora_config
 
-    workdir, _ = attention_run
+    workdir, _ = dropout_run
     _convert(f"--ckpt={pretrained}", f"--out={tmp_path / 'base'}")
     _convert(f"--ckpt={workdir}", f"--out={tmp_path / 'peft'}", "--adapter_only", f"--base={tmp_path / 'base'}")
-    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    meta = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert meta["lora_dropout"] == 0.0  # PEFT's ParamWrapper (the MLP adapters) refuses another value
+    assert sorted(p.split(".", 3)[-1] for p in meta["target_parameters"]) == [
+        "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.shared_experts.down_proj.weight",
+        "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.up_proj.weight"]
     model = lora_export.load_adapted(workdir, dtype="float32")
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 12))
     ours = np.asarray(model(tokens))
@@ -179,12 +183,48 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, att
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert np.max(np.abs(hf_logits(base) - ours)) > 1e-3  # the adapters moved the model
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
-    assert len([n for n, _ in adapted.named_parameters() if "lora_A" in n]) == 10  # 5 MLA modules a layer
+    wrapped = [n for n, _ in adapted.named_parameters() if "lora_A" in n]
+    assert len(wrapped) == 16  # 5 MLA modules a layer, the dense MLP's 3, the shared expert's 3
+    assert not [n for n in wrapped if ".experts." in n]  # nothing on the fused routed experts
     _close(hf_logits(adapted), ours)
 
     config = lora_config.get_config()
-    config.train.init_from, config.lora.targets = str(tmp_path / "peft"), ATTENTION_ONLY
+    config.train.init_from = str(tmp_path / "peft")
     again = train_lib.build_model(config, train_lib.model_config(config))
     mask = finetune.adapt(config, again)
-    assert sum(jax.tree.leaves(mask)) == 2 * 10  # A and B of 10 stacked adapters
+    assert sum(jax.tree.leaves(mask)) == 2 * 16  # A and B of 16 stacked adapters
     _close(np.asarray(again(tokens)), ours)
+
+
+def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, tmp_path, compile_cache):
+    """`--config.lora.base_weights=int4`: the held-out SFT loss falls; the checkpoint holds the base
+    as int4 (packed q, scales) bit-equal to quantizing the pretrained weights, and optimizer state
+    of exactly the adapters' size (measured on the stored arrays); the merged export (dequantized
+    base + s A B) loads in transformers with the adapter model's logits."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from dsv3_jax import load_pretrained
+    from dsv3_jax.checkpoint.run_folder import StateParams, find
+
+    workdir = tmp_path / "qlora"
+    run_lora(workdir, pretrained, "--config.lora.base_weights=int4", cache_dir=compile_cache)
+    records = read_records(workdir)
+    assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.05, (records[0], records[-1])
+    state = StateParams(find(workdir))
+    base = load_pretrained(pretrained, dtype="float32", weights="int4", quantize="all")
+    q = state.read(("moe_layers", "attn", "wq_a", "q"))
+    assert q.dtype == np.uint8 and ("params", "moe_layers", "attn", "wq_a") not in state.keys
+    np.testing.assert_array_equal(q, np.asarray(base.moe_layers.attn.wq_a[...].q))
+    opt = [k for k in state.keys if k[0] == "opt_state" and k[-2].endswith("_lora")]
+    adapters = [k for k in state.keys if k[0] == "params" and k[-2].endswith("_lora")]
+    moments = sum(state.reader.read(k, ()).nbytes for k in opt)
+    assert len(adapters) == 2 * 16 and moments == 2 * sum(state.read(k[1:]).nbytes for k in adapters)
+    assert not [k for k in state.keys if k[0] == "opt_state" and {"mu", "nu"} & set(k) and not k[-2].endswith("_lora")]
+
+    _convert(f"--ckpt={workdir}", f"--out={tmp_path / 'merged'}")
+    model = load_pretrained(workdir, dtype="float32")  # the int4 base (from --init_from) + the run's adapters
+    tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 12))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        _close(hf(torch.from_numpy(tokens)).logits.numpy(), np.asarray(model(tokens)))
