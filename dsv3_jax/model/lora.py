@@ -19,8 +19,10 @@ calls `with_dropout(model, key)` on the model it differentiates, which gives ada
 the key fold_in(key, i) split over the layers (a `DropoutKey`, sliced per layer by the layer scan);
 the key is the train state's `rng`, advanced every step and checkpointed, so a resumed run draws the
 masks an uninterrupted one draws. Without a key (eval, generate, serve, `merge`) no dropout.
-The routed experts' adapters take no dropout: their rows are sorted and exchanged inside the
-grouped matmul, where masks would have to travel with them (`LoRAConfig` refuses the pair).
+The routed experts' adapters drop their inputs inside the grouped matmul: one mask row per sorted
+(token, expert) row, drawn from the adapter's key over the sorted rows (`expert_dropout`,
+`ops/dispatch.adapter_masks`), the mask travelling with its row into the tile loop (single-device
+dispatch; an expert- or token-parallel mesh refuses it, `model/moe.py`).
 
 QLoRA (Dettmers et al. 2023): `LoRAConfig.base_weights` "fp8", "int8" or "int4" keeps the base
 quantized (`model/quant.py`'s `QuantizedWeight`, loaded so by `load_pretrained(weights=...)`) and
@@ -69,9 +71,6 @@ class LoRAConfig:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must lie in [0, 1), got {self.dropout}")
-        if self.dropout and self.experts:
-            raise ValueError(f"lora.dropout={self.dropout} with lora.experts=True: the routed experts' adapters "
-                             "take no dropout (dsv3_jax/model/lora.py); set lora.dropout=0 or lora.experts=False")
         if self.base_weights not in BASE_WEIGHTS:
             raise ValueError(f"lora.base_weights={self.base_weights!r} is not one of {BASE_WEIGHTS}")
         if self.base_quantize not in ("all", "experts"):
@@ -185,6 +184,15 @@ def expert_arrays(moe: nnx.Module) -> tuple[tuple[jax.Array, ...], float]:
     if ads[0] is None:
         return (), 1.0
     return tuple(m[...] for ad in ads for m in (ad.a, ad.b)), ads[0].scale
+
+
+def expert_dropout(moe: nnx.Module):
+    """(rate, key data of w1's, w3's and w2's adapter) of the routed experts' adapters in a training
+    step with dropout (`with_dropout`), else None: the `lora_dropout` of `ops.dispatch`."""
+    ads = [adapter(moe, n) for n in ("w1", "w3", "w2")]
+    if ads[0] is None or getattr(ads[0], "dropout_key", None) is None:
+        return None
+    return (ads[0].dropout, *(ad.dropout_key[...] for ad in ads))
 
 
 def _targets(model: nnx.Module, cfg: LoRAConfig):

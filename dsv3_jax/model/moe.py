@@ -87,6 +87,11 @@ class MoE(nnx.Module):
         adapters, scale = lora.expert_arrays(self)
         adapters = tuple(a.astype(dt) for a in adapters)
         scaled = {"lora_scale": scale, "impl": impl, "max_tile": cfg.moe_tile_size}
+        drop = lora.expert_dropout(self)  # a LoRA training step with adapter dropout: masks per sorted row
+        if drop is not None and (expert_parallel.is_active(mesh) or expert_parallel.splits_tokens(mesh)):
+            raise ValueError("lora.dropout > 0 with lora.experts=True runs on single-device expert dispatch only "
+                             "(masks are drawn over one device's sorted rows); set lora.dropout=0, lora.experts=False "
+                             "or a mesh without expert/token splitting")
         if layer is not None and not expert_parallel.is_active(mesh) and not expert_parallel.splits_tokens(mesh):
             return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *stacks, *adapters,
                                            layer=layer, **scaled), jnp.float32(0)
@@ -99,7 +104,7 @@ class MoE(nnx.Module):
                 num_experts=cfg.num_routed_experts, capacity_factor=cfg.expert_capacity_factor,
                 exchange=cfg.expert_exchange)
             return y, dropped.astype(jnp.float32)
-        dispatch_fn = functools.partial(dispatch.routed_experts, **scaled)
+        dispatch_fn = functools.partial(dispatch.routed_experts, **scaled, lora_dropout=drop)
         if expert_parallel.splits_tokens(mesh):  # each device sorts and computes its own tokens only
             return expert_parallel.token_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, dispatch_fn,
                                                   mesh=mesh), jnp.float32(0)

@@ -85,21 +85,23 @@ def _ragged_quantized(lhs_MxK, w: QArray, sizes_E):
     return acc.astype(lhs_MxK.dtype)
 
 
-def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
+def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0, masks=()):
     def mm(lhs, rhs):
         if isinstance(rhs, QArray):
             return _ragged_quantized(lhs, rhs, sizes_E)
         return jax.lax.ragged_dot(lhs, rhs, sizes_E, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
-    def proj(lhs, w, i):  # lhs W_e (+ scale * (lhs A_e) B_e), each row with its own expert's matrices
+    def proj(lhs, w, i):  # lhs W_e (+ scale * (lhs m_i A_e) B_e), each row with its own expert's matrices
         y = mm(lhs, w)
-        return y if not adapters else y + lora_scale * mm(mm(lhs, adapters[2 * i]), adapters[2 * i + 1])
+        if not adapters:
+            return y
+        return y + lora_scale * mm(mm(_dropped(lhs, masks, i), adapters[2 * i]), adapters[2 * i + 1])
 
     return proj(_swiglu(proj(x_MxD, w1_ExDxF, 0), proj(x_MxD, w3_ExDxF, 1)), w2_ExFxD, 2)
 
 
 def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int, layer=None, adapters=(),
-               lora_scale: float = 1.0):
+               lora_scale: float = 1.0, masks=()):
     """Rows padded per expert to a multiple of the tile t, each tile through its expert's SwiGLU
     (weights [E, ...], or a layer stack [L, E, ...] read in place at `layer`).
 
@@ -120,9 +122,13 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
     tile_expert_J = jnp.minimum(jnp.searchsorted(padded_end_E, first_row_J, side="right"), num_experts - 1)
     num_active = (padded_end_E[-1] // t).astype(jnp.int32)  # the tiles holding rows: a prefix
 
-    x_JxtxD = jnp.zeros((num_tiles * t, d), x_MxD.dtype).at[pos_M].set(x_MxD, mode="drop")
-    y_JxtxD = tile_loop_swiglu(x_JxtxD.reshape(num_tiles, t, d), tile_expert_J.astype(jnp.int32), num_active,
-                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, tuple(adapters), lora_scale)
+    def tiles(v_MxA):  # sorted rows -> [J, t, A], each row in its tile slot (a mask travels with its row)
+        return jnp.zeros((num_tiles * t, v_MxA.shape[1]), v_MxA.dtype).at[pos_M].set(v_MxA, mode="drop").reshape(
+            num_tiles, t, -1)
+
+    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J.astype(jnp.int32), num_active,
+                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, tuple(adapters), lora_scale,
+                               tuple(tiles(m) for m in masks))
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
@@ -146,27 +152,31 @@ def _mm(eq, a, b):
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_proj(x_txA, w_AxB, adapter=(), scale: float = 1.0):
-    """x w (+ scale * (x a) b for an adapter (a [A, r], b [r, B])) in x's dtype, fp32 accumulation."""
+def _tile_proj(x_txA, w_AxB, adapter=(), scale: float = 1.0, mask_txA=None):
+    """x w (+ scale * (x m a) b for an adapter (a [A, r], b [r, B]), m its dropout multipliers or
+    none) in x's dtype, fp32 accumulation."""
     dt = x_txA.dtype
     y = _mm("tA,AB->tB", x_txA, quant.as_dense(w_AxB, dt)).astype(dt)  # a quantized expert: this tile's dequant
     if not adapter:
         return y
     a_Axr, b_rxB = (m.astype(dt) for m in adapter)
+    x_txA = x_txA if mask_txA is None else x_txA * mask_txA
     return y + scale * _mm("tr,rB->tB", _mm("tA,Ar->tr", x_txA, a_Axr).astype(dt), b_rxB).astype(dt)
 
 
-def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0):
+def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0, masks=()):
     """One row tile through one expert's SwiGLU: (y [t, D], gate [t, F], up [t, F]), the unit of
     work of `tile_loop_swiglu` (gate and up are what its backward needs). `adapters`: that expert's
-    six LoRA matrices (a1, b1, a3, b3, a2, b2) or none."""
+    six LoRA matrices (a1, b1, a3, b3, a2, b2) or none; `masks` the tile's dropout multipliers of
+    the three adapters' inputs ([t, D], [t, D], [t, F]) or none."""
     ad = [tuple(adapters[i:i + 2]) for i in (0, 2, 4)] if adapters else [()] * 3
-    gate, up = _tile_proj(x_txD, w1_DxF, ad[0], scale), _tile_proj(x_txD, w3_DxF, ad[1], scale)
-    return _tile_proj(_swiglu(gate, up), w2_FxD, ad[2], scale), gate, up
+    m = masks or (None,) * 3
+    gate, up = _tile_proj(x_txD, w1_DxF, ad[0], scale, m[0]), _tile_proj(x_txD, w3_DxF, ad[1], scale, m[1])
+    return _tile_proj(_swiglu(gate, up), w2_FxD, ad[2], scale, m[2]), gate, up
 
 
 def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None, adapters=(),
-                     lora_scale: float = 1.0):
+                     lora_scale: float = 1.0, masks=()):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
 
     Weights are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
@@ -178,15 +188,16 @@ def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_
     reads its expert's weights in place (no [J, D, F] copy of them) and the backward adds each
     tile's weight gradient into its expert's slot of one [E, D, F] buffer, so memory follows the
     rows, not tiles x weights. Expert `adapters` (six [E, ...] arrays, module docstring) are read and
-    accumulated the same way.
+    accumulated the same way; `masks` (three [J, t, ...] arrays or none) multiply their inputs
+    (adapter dropout), forward and backward.
     """
     weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)  # quantized ones are frozen: their cotangent is zero
-    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters))
+    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters), tuple(masks))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tile_loop(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters):
-    return _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters)[0]
+def _tile_loop(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks):
+    return _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks)[0]
 
 
 def _put(buffer_JxAxB, j, value_AxB):
@@ -197,18 +208,18 @@ def _get(buffer_JxAxB, j):
     return jax.lax.dynamic_index_in_dim(buffer_JxAxB, j, axis=0, keepdims=False)
 
 
-def _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters):
+def _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks):
     (num_tiles, t, d), f = x_JxtxD.shape, weights[0].shape[-1]
 
     def tile(j, out):
         e = tile_expert_J[j]
         y, gate, up = _tile_swiglu(_get(x_JxtxD, j), *(_at(w, e, layer) for w in weights),
-                                   tuple(_at(a, e) for a in adapters), scale)
+                                   tuple(_at(a, e) for a in adapters), scale, tuple(_get(m, j) for m in masks))
         return tuple(_put(buf, j, v) for buf, v in zip(out, (y, gate, up)))
 
     zeros = (jnp.zeros((num_tiles, t, d), x_JxtxD.dtype), *[jnp.zeros((num_tiles, t, f), x_JxtxD.dtype)] * 2)
     y_JxtxD, gate_JxtxF, up_JxtxF = jax.lax.fori_loop(0, num_active, tile, zeros)
-    return y_JxtxD, (x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, gate_JxtxF, up_JxtxF)
+    return y_JxtxD, (x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks, gate_JxtxF, up_JxtxF)
 
 
 def _lora_back(lhs_txA, dy_txB, a_Axr, b_rxB, scale):
@@ -221,9 +232,9 @@ def _lora_back(lhs_txA, dy_txB, a_Axr, b_rxB, scale):
             scale * _mm("tr,tB->rB", u_txr, dy_txB))
 
 
-def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0):
+def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0, masks=()):
     """One tile's backward: (dx [t, D], (dw1 [D, F], dw3 [D, F], dw2 [F, D]), the six adapter
-    gradients or ()), weight gradients in fp32."""
+    gradients or ()), weight gradients in fp32. `masks`: the adapters' input multipliers or none."""
     dt = x.dtype
     w1_DxF, w3_DxF, w2_FxD = (quant.as_dense(w, dt) for w in (w1_DxF, w3_DxF, w2_FxD))
     gate32 = gate.astype(jnp.float32)
@@ -232,29 +243,31 @@ def _tile_grads(x, gate, up, dy, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: flo
     h = act * up
     dh = _mm("tD,FD->tF", dy, w2_FxD)
     d_adapters = []
+    m1, m3, m2 = masks or (1, 1, 1)
     if adapters:
-        dh_lora, da2, db2 = _lora_back(h, dy, adapters[4], adapters[5], scale)
-        dh = dh + dh_lora
+        dh_lora, da2, db2 = _lora_back(h * m2, dy, adapters[4], adapters[5], scale)
+        dh = dh + dh_lora * m2
     dup = (dh * act.astype(jnp.float32)).astype(dt)
     dgate = (dh * up.astype(jnp.float32) * sig * (1 + gate32 * (1 - sig))).astype(dt)
     dx = _mm("tF,DF->tD", dgate, w1_DxF) + _mm("tF,DF->tD", dup, w3_DxF)
     if adapters:
-        dx1, da1, db1 = _lora_back(x, dgate, adapters[0], adapters[1], scale)
-        dx3, da3, db3 = _lora_back(x, dup, adapters[2], adapters[3], scale)
-        dx = dx + dx1 + dx3
+        dx1, da1, db1 = _lora_back(x * m1, dgate, adapters[0], adapters[1], scale)
+        dx3, da3, db3 = _lora_back(x * m3, dup, adapters[2], adapters[3], scale)
+        dx = dx + dx1 * m1 + dx3 * m3
         d_adapters = [da1, db1, da3, db3, da2, db2]
     dw = (_mm("tD,tF->DF", x, dgate), _mm("tD,tF->DF", x, dup), _mm("tF,tD->FD", h, dy))
     return dx.astype(dt), dw, tuple(d_adapters)
 
 
 def _tile_loop_bwd(scale, res, dy_JxtxD):
-    x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, gate_JxtxF, up_JxtxF = res
+    x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks, gate_JxtxF, up_JxtxF = res
 
     def tile(j, carry):
         dx_JxtxD, dw, da = carry
         e = tile_expert_J[j]
         dx, g_w, g_a = _tile_grads(_get(x_JxtxD, j), _get(gate_JxtxF, j), _get(up_JxtxF, j), _get(dy_JxtxD, j),
-                                   *(_at(w, e, layer) for w in weights), tuple(_at(a, e) for a in adapters), scale)
+                                   *(_at(w, e, layer) for w in weights), tuple(_at(a, e) for a in adapters), scale,
+                                   tuple(_get(m, j) for m in masks))
         return (_put(dx_JxtxD, j, dx), tuple(acc if isinstance(w, QArray) else _add_at(acc, e, g, layer)
                                              for acc, g, w in zip(dw, g_w, weights)),
                 tuple(_add_at(acc, e, g) for acc, g in zip(da, g_a)))
@@ -264,7 +277,7 @@ def _tile_loop_bwd(scale, res, dy_JxtxD):
     dx_JxtxD, dw, da = jax.lax.fori_loop(0, num_active, tile, (jnp.zeros_like(x_JxtxD), *zeros))
     return (dx_JxtxD, None, None, tuple(_frozen_cotangent(w) if isinstance(w, QArray) else g.astype(w.dtype)
                                         for g, w in zip(dw, weights)), None,
-            tuple(g.astype(a.dtype) for g, a in zip(da, adapters)))
+            tuple(g.astype(a.dtype) for g, a in zip(da, adapters)), tuple(jnp.zeros_like(m) for m in masks))
 
 
 def _frozen_cotangent(qa: QArray) -> QArray:
@@ -303,18 +316,38 @@ def kernel_ready(weights) -> bool:
     return all(isinstance(w, QArray) and w.fmt in ("int8", "int4") and w.group % 32 == 0 for w in weights)
 
 
-def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0):
+def _dense_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0,
+               masks=()):
     def mm(eq, lhs, w):  # the reference: a quantized stack is dequantised whole
         return jnp.einsum(eq, lhs, quant.as_dense(w, lhs.dtype), preferred_element_type=jnp.float32).astype(lhs.dtype)
 
-    def proj(eqs, lhs, w, i):  # every row through every expert's W (+ scale * (lhs A) B)
+    def proj(eqs, lhs, w, i):  # every row through every expert's W (+ scale * (lhs m_i A) B)
         y = mm(eqs[0], lhs, w)
-        return y if not adapters else y + lora_scale * mm(eqs[2], mm(eqs[1], lhs, adapters[2 * i]), adapters[2 * i + 1])
+        if not adapters:
+            return y
+        dropped = lhs if not masks else lhs * (masks[i] if lhs.ndim == 2 else masks[i][:, None])
+        return y + lora_scale * mm(eqs[2], mm(eqs[1], dropped, adapters[2 * i]), adapters[2 * i + 1])
 
     up_eqs = ("MD,EDF->MEF", "MD,EDr->MEr", "MEr,ErF->MEF")
     h_MxExF = _swiglu(proj(up_eqs, x_MxD, w1_ExDxF, 0), proj(up_eqs, x_MxD, w3_ExDxF, 1))
     y_MxExD = proj(("MEF,EFD->MED", "MEF,EFr->MEr", "MEr,ErD->MED"), h_MxExF, w2_ExFxD, 2)
     return jnp.take_along_axis(y_MxExD, rows.expert_M[:, None, None], axis=1)[:, 0]
+
+
+def _dropped(lhs_MxA, masks, i):
+    return lhs_MxA if not masks else lhs_MxA * masks[i]
+
+
+def adapter_masks(lora_dropout, m: int, d: int, f: int, dtype) -> tuple:
+    """Inverted-dropout multipliers of the three expert adapters' inputs, one row per sorted row:
+    ([M, D], [M, D], [M, F]), 1 / (1 - rate) kept, 0 dropped, Bernoulli(1 - rate) drawn from each
+    adapter's key over the sorted rows (so a step's key gives the same masks on every run of it).
+    `lora_dropout`: (rate, key data [2] of w1's, w3's and w2's adapter), or None: ()."""
+    if lora_dropout is None:
+        return ()
+    rate, *keys = lora_dropout
+    return tuple(jnp.where(jax.random.bernoulli(jax.random.wrap_key_data(k), 1.0 - rate, (m, n)),
+                           1.0 / (1.0 - rate), 0.0).astype(dtype) for k, n in zip(keys, (d, d, f)))
 
 
 def layer_weights(stacks, layer, dtype):
@@ -346,21 +379,23 @@ def _check_adapters(adapters, impl: str):
 
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
                        w2_ExFxD: jax.Array, *adapters: jax.Array, impl: str = "auto", max_tile: int = 128,
-                       layer=None, lora_scale: float = 1.0) -> jax.Array:
+                       layer=None, lora_scale: float = 1.0, lora_dropout=None) -> jax.Array:
     """SwiGLU of each sorted row through its expert: w2(silu(x w1) * x w3). Returns [M, D].
 
     Weights are [E, ...], or layer stacks [L, E, ...] with `layer`: the tiled path reads those in
     place, the others slice the layer first. `adapters`: none, or six expert LoRA arrays [E, ...]
-    with `lora_scale` (module docstring). `auto` picks ragged_dot where the platform runs it
+    with `lora_scale` (module docstring); `lora_dropout` (rate, three keys) drops their inputs per
+    sorted row (`adapter_masks`). `auto` picks ragged_dot where the platform runs it
     sparsely and the tiled path on CPU, for the platform the program is lowered for (a TPU lowering
     on a CPU host gets ragged_dot)."""
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
     impl = _impl_for(stacked, impl)
     _check_adapters(adapters, impl)
-    lora = {"lora_scale": lora_scale} if adapters else {}
+    masks = adapter_masks(lora_dropout if adapters else None, *x_MxD.shape, stacked[0].shape[-1], x_MxD.dtype)
+    lora = {"lora_scale": lora_scale, "masks": masks} if adapters else {}
 
     def tiled():
-        return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer, adapters, lora_scale)
+        return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer, adapters, lora_scale, masks)
 
     def one_layer():
         return (stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)) + adapters
@@ -390,12 +425,13 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,
                    w3_ExDxF: jax.Array, w2_ExFxD: jax.Array, *adapters: jax.Array, impl: str = "auto",
-                   max_tile: int = 128, layer=None, lora_scale: float = 1.0) -> jax.Array:
+                   max_tile: int = 128, layer=None, lora_scale: float = 1.0, lora_dropout=None) -> jax.Array:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype.
     Weights and adapters as in `grouped_expert_mlp` (a layer stack with `layer`)."""
     rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
     y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters,
-                               impl=impl, max_tile=max_tile, layer=layer, lora_scale=lora_scale)
+                               impl=impl, max_tile=max_tile, layer=layer, lora_scale=lora_scale,
+                               lora_dropout=lora_dropout)
     return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
 
 

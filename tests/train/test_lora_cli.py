@@ -42,9 +42,11 @@ def run_lora(workdir, pretrained, *flags, cache_dir):
 
 @pytest.fixture(scope="module")
 def lora_run(pretrained, tmp_path_factory, compile_cache):
-    """Default targets plus the routed experts."""
+    """Default targets plus the routed experts, with adapter dropout (routed rows' masks drawn in
+    the grouped matmul)."""
     workdir = tmp_path_factory.mktemp("lora")
-    result = run_lora(workdir, pretrained, "--config.lora.experts=True", cache_dir=compile_cache)
+    result = run_lora(workdir, pretrained, "--config.lora.experts=True", "--config.lora.dropout=0.1",
+                      cache_dir=compile_cache)
     return workdir, read_records(workdir), result.stderr
 
 
