@@ -112,6 +112,10 @@ class ModelConfig:
     # backwards), circular (needs pipeline_repeats >= 2; pipeline_repeats > 1 with gpipe means it),
     # 1f1b (backward by hand, at most S microbatches in flight), dualpipev (V placement, split backward).
     pipeline_schedule: str = "gpipe"
+    # Microbatches the layers outside the pipelined stack (embedding, dense layers, final norm, head,
+    # MTP, loss) run in, one after another, each recomputed in the backward, so no device holds its
+    # whole batch's logits (0: on a pipeline mesh one row per device at a time, else the whole batch).
+    outer_microbatches: int = 0
 
     def __post_init__(self):
         if self.pipeline_schedule == "gpipe" and isinstance(self.pipeline_repeats, int) and self.pipeline_repeats > 1:
@@ -189,7 +193,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches"):
+        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches",
+                     "outer_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative int, got {value!r}")

@@ -83,8 +83,10 @@ class Options(NamedTuple):
 
 
 def model_config(config, opts: Options) -> ModelConfig:
-    """The planned architecture; presets take the config's expert-parallel and attention choices."""
-    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange", "attention_impl") if k in config.model}
+    """The planned architecture; presets take the config's expert-parallel, attention and pipeline choices."""
+    ep = {k: config.model[k] for k in ("expert_capacity_factor", "expert_exchange", "attention_impl", "pipeline_schedule",
+                                       "pipeline_microbatches", "pipeline_repeats", "outer_microbatches")
+          if k in config.model}
     if opts.model == "deepseek_v3":
         return ModelConfig.deepseek_v3().replace(remat=True, compute_dtype="bfloat16", **ep)
     if opts.model == "tiny":
@@ -135,13 +137,19 @@ def plan(config, opts: Options = Options()) -> dict:
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     micro = sharded.check_pipeline(cfg, mesh, batch)
     stack_tokens = batch * seq // pipeline.stage_batch_shards(mesh) if stages > 1 else tokens_per_device
+    outer = pipeline.outer_microbatches(batch, mesh, cfg.outer_microbatches)
+    outer_tokens = tokens_per_device // outer  # the layers outside the stack work on one slice at a time
     program = plan_memory.program_for(cfg, opts.lowering_platform)
+    stack = plan_memory.stack_schedule(cfg.pipeline_schedule, stages, micro, cfg.num_moe_layers,
+                                       cfg.pipeline_repeats) if stages > 1 else None
+    in_flight = stack_tokens if stack is None else min(stack.in_flight, micro) * (stack_tokens // micro)
     acts = plan_memory.activation_bytes(cfg, seq, [
-        LayerGroup(cfg.num_dense_layers, tokens_per_device, tokens_per_device, False),
-        LayerGroup(cfg.num_mtp_layers, tokens_per_device, tokens_per_device, True),
-        LayerGroup(pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats), stack_tokens,
-                   stack_tokens // micro, True)], program=program, experts_axis=experts_axis, stages=stages,
-        gathers_experts=experts_axis == 1 and _experts_split(state, shardings, mesh))
+        LayerGroup(cfg.num_dense_layers, outer_tokens, outer_tokens, False),
+        LayerGroup(cfg.num_mtp_layers, outer_tokens, outer_tokens, True),
+        LayerGroup(pipeline.slots_per_stage(cfg.num_moe_layers, stages, cfg.pipeline_repeats) if stack is None
+                   else stack.slots, in_flight, stack_tokens // micro, True)],
+        program=program, experts_axis=experts_axis, stages=stages, logit_tokens=outer_tokens, stack=stack,
+        stack_tokens=stack_tokens, gathers_experts=experts_axis == 1 and _experts_split(state, shardings, mesh))
     moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
                             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
@@ -150,7 +158,7 @@ def plan(config, opts: Options = Options()) -> dict:
     total = sum(v for _, v in rows)
 
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
-                stack_tokens // micro)
+                stack_tokens // micro, outer, stack)
     init_compiled = report_init(cfg, tx, config.train.seed, shardings, mesh, n, opts)
     lowered_s, compiled = None, None
     if opts.lower:
@@ -185,16 +193,23 @@ def _experts_split(state, shardings, mesh) -> bool:
     return sharding.shards_of(shardings.params["moe_layers"]["ffn"]["w1"].spec, mesh) > 1
 
 
-def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro, live):
+def _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro, live,
+                outer, stack):
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
     if stages > 1:
         per_stage = pipeline.stage_layers(cfg.num_moe_layers, stages)
+        name = {"gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B", "dualpipev": "DualPipeV"}[cfg.pipeline_schedule]
         print(f"pipeline: {cfg.num_moe_layers} MoE layers on {stages} stages ({per_stage.count(max(per_stage))} x "
               f"{max(per_stage)}" + (f" + {per_stage.count(min(per_stage))} x {min(per_stage)}"
                                       if min(per_stage) != max(per_stage) else "") +
-              f"), {cfg.pipeline_repeats} round(s) ({'circular' if cfg.pipeline_repeats > 1 else 'GPipe'}), "
+              f"), {cfg.pipeline_repeats} round(s) ({name}), "
               f"{micro} microbatches, bubble (S-1)/(R*M+S-1) = "
-              f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}")
+              f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline_repeats):.3f}; saved tensors of "
+              f"{min(stack.in_flight, micro)} {'stash slots' if cfg.pipeline_schedule == 'dualpipev' else 'microbatches'}"
+              f" x {stack.slots} layer slots in flight per stage")
+    if outer > 1:
+        print(f"layers outside the stack (embedding, dense, head, MTP, loss): {outer} microbatches of "
+              f"{tokens_per_device // outer} tokens per device, one after another")
     if experts_axis > 1:
         cb, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
         dropless = plan_memory.received_rows(cfg, live, experts_axis, None)

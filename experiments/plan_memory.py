@@ -33,8 +33,16 @@ backward layer at work) or, with per-layer remat, inside one layer's backward. C
   scattered and masked results) and [M, D] x 2 (the sender's sorted and unsorted results);
   ragged exchange, [R, D] x 3 and [M, D] x 3 (no padded send buffer; the gathered rows instead).
   Dropless, C = M: the worst case of every peer sending all its rows to one device.
-- logits: fp32 [N, vocab] of the main head and of each MTP depth, with their gradients.
-- pipeline buffers (stages > 1): the stack's microbatched input and output [tokens, D].
+- logits: fp32 [N, vocab] of the main head and of each MTP depth, with their gradients, N the
+  tokens of one outer microbatch (`model.outer_microbatches`: the layers outside the stack run
+  one slice of the device's rows at a time, so their saved tensors and working set are a slice's).
+- pipeline stack (stages > 1, `stack_schedule`): the saved tensors of the microbatches in flight
+  on a stage at the backward's peak: GPipe and circular every microbatch (M) on every slot; 1F1B
+  the S stash slots of `sharding/pipeline.py:_one_f_one_b_backward` on the stage's slots;
+  DualPipeV the stash slots its table assigns (`sharding/dualpipev.py:schedule_table`), each one
+  chunk of ceil(L / 2S) slots. Full-batch buffers [tokens, D]: GPipe keeps the stack's input and
+  output; the hand-run backwards keep the input (their custom_vjp's residual), the output's
+  cotangent and the input gradient. DualPipeV adds its inboxes and the cotangents W waits on.
 
 The counts were read off the program: jax's saved residuals of one block and of
 `dispatch.local_expert_mlp` for each grouped-matmul implementation, and the buffers live at the
@@ -54,7 +62,7 @@ import jax.numpy as jnp
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.ops import dispatch
-from sharding import expert_parallel
+from sharding import dualpipev, expert_parallel, pipeline
 
 
 class LayerGroup(NamedTuple):
@@ -62,6 +70,25 @@ class LayerGroup(NamedTuple):
     saved_tokens: int  # tokens whose saved tensors it keeps per layer
     live_tokens: int  # tokens one layer works on at once (a microbatch in the pipeline)
     moe: bool
+
+
+class Stack(NamedTuple):
+    """What one stage of the pipelined stack keeps at the backward's peak (module docstring)."""
+
+    slots: int  # layer slots whose saved tensors one microbatch in flight holds
+    in_flight: int  # microbatches (or DualPipeV stash slots) in flight
+    batch_buffers: int  # [stage tokens, D] buffers of the whole stack batch
+    micro_buffers: int  # [microbatch tokens, D] buffers (DualPipeV's inboxes and W's cotangents)
+
+
+def stack_schedule(schedule: str, stages: int, micro: int, num_layers: int, repeats: int = 1) -> Stack:
+    """The pipelined stack's in-flight count under `schedule` (sharding/pipeline.py's SCHEDULES)."""
+    if schedule == "1f1b":
+        return Stack(pipeline.slots_per_stage(num_layers, stages), stages, 3, 2)
+    if schedule == "dualpipev":
+        table = dualpipev.schedule_table(stages, micro)
+        return Stack(-(-num_layers // (2 * stages)), table.stash, 3, table.inbox_a + table.inbox_g + table.wait_w)
+    return Stack(pipeline.slots_per_stage(num_layers, stages, repeats), micro, 2, 0)
 
 
 class Program(NamedTuple):
@@ -157,8 +184,11 @@ def exchange_bytes(cfg: ModelConfig, tokens: int, experts_axis: int, program: Pr
 
 
 def activation_bytes(cfg: ModelConfig, seq: int, groups: list[LayerGroup], *, program: Program,
-                     experts_axis: int = 1, stages: int = 1, gathers_experts: bool = False) -> dict[str, int]:
-    """The activation rows of the plan, bytes per device (module docstring)."""
+                     experts_axis: int = 1, stages: int = 1, gathers_experts: bool = False,
+                     logit_tokens: int, stack: Stack | None = None, stack_tokens: int = 0) -> dict[str, int]:
+    """The activation rows of the plan, bytes per device (module docstring). With `stack`, the last
+    group is the pipelined stack (saved tokens: those of the microbatches in flight) and
+    `stack_tokens` the tokens of a stage's whole stack batch."""
     b, d = jnp.dtype(cfg.compute_dtype).itemsize, cfg.hidden_size
     groups = [g for g in groups if g.layers]
 
@@ -174,8 +204,9 @@ def activation_bytes(cfg: ModelConfig, seq: int, groups: list[LayerGroup], *, pr
     if experts_axis > 1:
         out["expert-parallel buffers"] = max((exchange_bytes(cfg, g.live_tokens, experts_axis, program)
                                               for g in groups if g.moe), default=0)
-    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * groups[0].saved_tokens * cfg.vocab_size * 4
-    if stages > 1:
-        out["pipeline buffers"] = 2 * groups[-1].saved_tokens * d * b
+    out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * logit_tokens * cfg.vocab_size * 4
+    if stages > 1 and stack is not None:
+        micro = groups[-1].live_tokens
+        out["pipeline buffers"] = (stack.batch_buffers * stack_tokens + stack.micro_buffers * micro) * d * b
     return out
 

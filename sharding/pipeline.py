@@ -16,6 +16,9 @@ The 3 dense first layers, the embedding, the head and MTP are not staged: they r
 pipelined stack with the batch rows split over `pipeline` as well (rules.BATCH_AXES), so each
 stage does 1/S of that work rather than all of it. The stack's input is gathered over `pipeline`
 (stage 0 feeds it in), and its output, produced on the last stage, is returned to every stage.
+Those outer layers also run in microbatches of their own (`map_microbatches`, by default one row
+per device at a time: `outer_microbatches`), one after another and each recomputed in the
+backward, so a device never holds its whole batch's logits or an outer layer's working set.
 
 Schedule: at tick t (0 <= t < R * M + S - 1) stage s runs step t - s = r * M + m (microbatch m of
 round r, on chunk r * S + s) when 0 <= t - s < R * M, then every stage hands its output to stage
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import STAGE_BATCH_AXES
+from sharding.rules import BATCH_AXES, STAGE_BATCH_AXES
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -376,6 +379,26 @@ def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2
         if bubble_fraction(num_stages, m, repeats) <= target_bubble:
             return m
     return feasible[-1]
+
+
+def outer_microbatches(batch: int, mesh, requested: int = 0) -> int:
+    """Microbatches of the layers outside the stack for `batch` rows: `requested` (checked: each
+    microbatch must split evenly over the batch shards, rules.BATCH_AXES), or when 0, on a mesh
+    with a pipeline, each device's rows one at a time (batch / shards), else 1 (the whole batch)."""
+    shards = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES) if mesh is not None and not mesh.empty else 1
+    if not requested:
+        return batch // shards if is_active(mesh) and batch % shards == 0 else 1
+    if batch % requested or (batch // requested) % shards:
+        raise ValueError(f"outer_microbatches={requested} must divide the batch of {batch} rows into "
+                         f"microbatches that split evenly over the mesh's {shards} batch shards")
+    return requested
+
+
+def map_microbatches(fn: Callable, args: Any, m: int) -> Any:
+    """`fn` over the `m` microbatches of `args` (a pytree of [B, ...] leaves, `split_microbatches`)
+    one after another, each rematerialised in the backward (only its inputs are kept): fn's outputs
+    stacked [M, ...]. A device's block of rows stays on it when its row count divides by `m`."""
+    return jax.lax.map(jax.checkpoint(fn), jax.tree.map(lambda a: split_microbatches(a, m), args))
 
 
 def stage_batch_shards(mesh) -> int:

@@ -13,6 +13,9 @@ fallback into an error that names the array, the dimension and the axis.
 
 Optimizer states follow their parameters: `follow_params` gives every optimizer-state leaf the
 spec of the parameter at the same path (Adam's mu and nu), and scalars (counts) are replicated.
+With `zero_axis` (ZeRO-1, as DeepSeek-V3 trains: `data`) each such leaf is split over that axis as
+well, even where its parameter is replicated over it (`with_axis`): a device updates only its slice
+of the moments, and XLA gathers the updated parameters back to their own sharding.
 """
 
 from __future__ import annotations
@@ -129,9 +132,25 @@ def shards_of(spec: PartitionSpec, mesh) -> int:
     return math.prod(mesh.shape[a] for entry in spec for a in _as_tuple(entry))
 
 
-def follow_params(tree: Any, param_shardings: Mapping, mesh) -> Any:
+def with_axis(spec: PartitionSpec, shape: Sequence[int], mesh, axis: str) -> PartitionSpec:
+    """`spec` split further over mesh axis `axis`, on the first dimension whose shards it divides
+    (added after the axes already there, so each new shard lies inside one of the old ones); `spec`
+    as is when the mesh has no such axis, the spec already uses it, or no dimension divides."""
+    n = mesh.shape.get(axis, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if n == 1 or any(axis in _as_tuple(e) for e in entries):
+        return spec
+    for dim, (entry, size) in enumerate(zip(entries, shape)):
+        if size % (math.prod(mesh.shape[a] for a in _as_tuple(entry)) * n) == 0:
+            entries[dim] = axis if entry is None else (*_as_tuple(entry), axis)
+            return PartitionSpec(*entries)
+    return spec
+
+
+def follow_params(tree: Any, param_shardings: Mapping, mesh, zero_axis: str | None = None) -> Any:
     """Shardings for `tree` (e.g. an optimizer state): a leaf whose key path ends with a parameter's
-    path and has its shape takes that parameter's sharding; any other leaf is replicated.
+    path and has its shape takes that parameter's sharding, split further over `zero_axis` when
+    given (ZeRO-1, `with_axis`); any other leaf is replicated.
 
     `param_shardings` maps parameter key paths (tuples of str) to (shape, NamedSharding).
     """
@@ -140,7 +159,9 @@ def follow_params(tree: Any, param_shardings: Mapping, mesh) -> Any:
         for start in range(len(keys)):
             hit = param_shardings.get(keys[start:])
             if hit is not None and tuple(hit[0]) == tuple(getattr(leaf, "shape", ())):
-                return hit[1]
+                if zero_axis is None:
+                    return hit[1]
+                return NamedSharding(mesh, with_axis(hit[1].spec, hit[0], mesh, zero_axis))
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(for_leaf, tree)

@@ -118,13 +118,7 @@ class DeepSeekV3(nnx.Module):
         if self.dense_layers is not None:
             x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense)
         if self.moe_layers is not None:
-            mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
-            if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
-                x, stats = run_stack_pipelined(self.moe_layers, x, ctx, remat=cfg.remat, mesh=mesh,
-                                               microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats,
-                                               schedule=cfg.pipeline_schedule)
-            else:
-                x, stats, moe = run_stack(self.moe_layers, x, ctx, remat=cfg.remat, cache=moe)
+            x, stats, moe = self._moe_stack(x, ctx, moe)
         h = self.norm(x)
         mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:
@@ -132,6 +126,58 @@ class DeepSeekV3(nnx.Module):
             mtp_logits = self.logits(mtp_h)
         new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
         return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, new_cache)
+
+    def _moe_stack(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None):
+        """The MoE layers: in pipeline stages on a mesh with a `pipeline` axis (training), else scanned."""
+        cfg = self.config
+        mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
+        if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
+            x, stats = run_stack_pipelined(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, mesh=mesh,
+                                           microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats,
+                                           schedule=cfg.pipeline_schedule)
+            return x, stats, None
+        return run_stack(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, cache=cache)
+
+    def forward_in_microbatches(self, tokens_BxT: jax.Array, head_fn, extras, *, positions: jax.Array,
+                                segment_ids: jax.Array, microbatches: int):
+        """The training `forward` (with MTP) with the layers outside the MoE stack run over
+        `microbatches` slices of the batch in turn (sharding/pipeline.py: `map_microbatches`): the
+        embedding and dense layers before the stack, the final norm, head and MTP after it, each
+        slice recomputed in the backward. The stack sees the whole batch (its own microbatches).
+
+        head_fn(out: ModelOutput of one slice, extras of that slice) -> a pytree (e.g. loss sums),
+        so the logits of one slice at most are alive. extras: a pytree of [B, ...] leaves.
+        Returns (head_fn's outputs stacked [microbatches, ...], the MoE stack's RouterStats or None).
+        """
+        cfg = self.config
+        check_tokens(tokens_BxT, cfg.vocab_size)
+        graphdef, state = nnx.split(self)
+        leaves, treedef = jax.tree.flatten(state)  # arrays: the slices' functions rebuild the model in their trace
+        rebuild = lambda: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))  # noqa: E731
+
+        def before(args):
+            model, (tokens, pos, seg) = rebuild(), args
+            x = model.embed_tokens(tokens)
+            if model.dense_layers is not None:
+                x, _, _ = run_stack(model.dense_layers, x, model._context(tokens, pos, seg, None, False), remat=cfg.remat)
+            return x
+
+        inputs = (tokens_BxT, positions, segment_ids)
+        x = pipeline.merge_microbatches(pipeline.map_microbatches(before, inputs, microbatches))
+        stats = None
+        if self.moe_layers is not None:
+            x, stats, _ = self._moe_stack(x, self._context(*inputs, None, False), None)
+
+        def after(args):
+            model, (tokens, pos, seg, x, extra) = rebuild(), args
+            ctx, h = model._context(tokens, pos, seg, None, False), model.norm(x)
+            mtp_logits = mtp_stats = None
+            if model.mtp is not None:
+                mtp_h, mtp_stats = run_mtp(model.mtp, h, model.embed_tokens(tokens), ctx, remat=cfg.remat)
+                mtp_logits = model.logits(mtp_h)
+            return head_fn(ModelOutput(model.logits(h), h, None, mtp_logits, mtp_stats), extra)
+
+        return pipeline.map_microbatches(after, (*inputs, x, extras), microbatches), stats
 
     def mtp_depth(self, depth: int, h_prev_BxTxD: jax.Array, tokens_next_BxT: jax.Array, positions_BxT: jax.Array,
                   cache: ModelCache) -> tuple[jax.Array, ModelCache]:

@@ -78,8 +78,14 @@ def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: f
     """
     _, targets, mask = inputs_and_targets(batch)
     lm = mean_cross_entropy(output.logits, targets, mask)
-    zero = jnp.zeros((), jnp.float32)
-    mtp = zero if output.mtp_logits is None else mtp_loss(output.mtp_logits, batch)
-    per_layer = [s.balance_loss for s in (output.router_stats, output.mtp_router_stats) if s is not None]
-    balance = jnp.mean(jnp.concatenate(per_layer)) if per_layer else zero
+    mtp = jnp.zeros((), jnp.float32) if output.mtp_logits is None else mtp_loss(output.mtp_logits, batch)
+    return objective(lm, mtp, (output.router_stats, output.mtp_router_stats), mtp_weight=mtp_weight,
+                     balance_weight=balance_weight)
+
+
+def objective(lm: jax.Array, mtp: jax.Array, router_stats, *, mtp_weight: float, balance_weight: float) -> Losses:
+    """lm + mtp_weight * mtp + balance_weight * the balance loss averaged over the MoE layers of
+    `router_stats` (RouterStats or None each, leaves [L, ...])."""
+    per_layer = [s.balance_loss for s in router_stats if s is not None]
+    balance = jnp.mean(jnp.concatenate(per_layer)) if per_layer else jnp.zeros((), jnp.float32)
     return Losses(lm + mtp_weight * mtp + balance_weight * balance, lm, mtp, balance)

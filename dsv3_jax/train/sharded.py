@@ -1,7 +1,8 @@
 """The train state and batches placed on a mesh, and the train step jitted to keep them there.
 
 The model side of `sharding/`: it reads each variable's `logical_axes` and asks the rules table
-(`sharding.rules`) for its spec. Optimizer moments take the spec of their parameter; step
+(`sharding.rules`) for its spec. Optimizer moments take the spec of their parameter, split over
+`data` as well (ZeRO-1, as DeepSeek-V3 trains: `sharding.rules.with_axis`); step
 counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `batch` rule
 (data x fsdp x expert by default).
 
@@ -57,7 +58,7 @@ def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, 
     out = jax.tree.map(lambda _: rep, state)
     return out.replace(params=_as_tree(state.params, flat_params),
                        router_bias=_as_tree(state.router_bias, flat_biases),
-                       opt_state=sharding.follow_params(state.opt_state, flat_params, mesh))
+                       opt_state=sharding.follow_params(state.opt_state, flat_params, mesh, zero_axis="data"))
 
 
 def batch_sharding(mesh, rules=None) -> jax.sharding.NamedSharding:

@@ -17,14 +17,20 @@ import optax
 from flax import nnx
 
 from dsv3_jax.model import lora
+from sharding import pipeline
 from dsv3_jax.train import balancing, losses, optimizer
 from dsv3_jax.train.state import TrainState
 
 
-def _forward(graphdef, params, biases, batch, *, with_mtp: bool, dropout_key=None):
+def _model(graphdef, params, biases, dropout_key=None):
     model = nnx.merge(graphdef, params, biases)
     if dropout_key is not None:  # a training step: LoRA adapters with dropout draw this step's masks
         lora.with_dropout(model, dropout_key)
+    return model
+
+
+def _forward(graphdef, params, biases, batch, *, with_mtp: bool, dropout_key=None):
+    model = _model(graphdef, params, biases, dropout_key)
     inputs, _, _ = losses.inputs_and_targets(batch)
     t = inputs.shape[1]
     return model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
@@ -58,8 +64,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     """
 
     def loss_fn(train_params, all_params, biases, batch, key):
-        out = _forward(graphdef, optimizer.combine(all_params, train_params), biases, batch, with_mtp=True,
-                       dropout_key=key)
+        params = optimizer.combine(all_params, train_params)
+        model = _model(graphdef, params, biases, key)
+        rows = batch["tokens"].shape[0]
+        micro = pipeline.outer_microbatches(rows, jax.sharding.get_abstract_mesh(), model.config.outer_microbatches)
+        if micro > 1:  # no device holds its whole batch's logits
+            return _losses_in_microbatches(model, batch, micro, mtp_weight=mtp_weight, balance_weight=balance_weight)
+        out = _forward(graphdef, params, biases, batch, with_mtp=True, dropout_key=key)
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
@@ -98,6 +109,32 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     jitted = jax.jit(train_step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # gamma is an argument, not a constant, so runs that differ only in it share one executable.
     return functools.partial(jitted, bias_update_speed=jnp.float32(bias_update_speed))
+
+
+def _losses_in_microbatches(model, batch: dict, micro: int, *, mtp_weight: float, balance_weight: float):
+    """`loss_fn`'s result with the layers outside the MoE stack run in `micro` slices of the batch
+    (`DeepSeekV3.forward_in_microbatches`): per slice the summed NLL and target count of the main
+    head and each MTP depth, added up before the means, so the losses are the whole batch's."""
+    depths = model.config.num_mtp_layers
+
+    def sums(out, rows):
+        parts = [losses.cross_entropy(out.logits, *losses.inputs_and_targets(rows)[1:])]
+        parts += [losses.cross_entropy(out.mtp_logits[k - 1], *losses.inputs_and_targets(rows, depth=k)[1:])
+                  for k in range(1, depths + 1)]
+        return parts, out.mtp_router_stats
+
+    inputs, _, _ = losses.inputs_and_targets(batch)
+    t = inputs.shape[1]
+    (parts, mtp_stats), stats = model.forward_in_microbatches(
+        inputs, sums, batch, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
+        microbatches=micro)
+    means = [jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0) for total, count in parts]
+    if mtp_stats is not None:  # [micro, depths, ...]: counts add up, means over equal slices average
+        mtp_stats = type(mtp_stats)(jnp.sum(mtp_stats.expert_counts, 0), jnp.mean(mtp_stats.balance_loss, 0),
+                                    jnp.mean(mtp_stats.dropped_fraction, 0))
+    mtp = jnp.mean(jnp.stack(means[1:])) if depths else jnp.zeros((), jnp.float32)
+    total = losses.objective(means[0], mtp, (stats, mtp_stats), mtp_weight=mtp_weight, balance_weight=balance_weight)
+    return total.total, (total, _counts(stats), _counts(mtp_stats), _dropped_fraction(stats, mtp_stats))
 
 
 def _next_key(key_data: jax.Array) -> jax.Array:

@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)
         pipeline_schedule="gpipe",  # gpipe | circular (repeats > 1) | 1f1b | dualpipev (sharding/pipeline.py)
+        outer_microbatches=0,  # embedding, dense layers, head, MTP, loss in microbatches; 0: one row per device on pipeline meshes
     ))
     c.data.seq_len = 1024  # T
     c.data.batch_size = 64  # 64K tokens per step

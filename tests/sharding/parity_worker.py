@@ -117,7 +117,9 @@ def main(args: list[str]) -> None:
         final, curve = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                    zip(jax.tree.leaves(final.params), jax.tree.leaves(shardings.params)))
-        print(json.dumps({"mesh": text, "moe_layers": cfg.num_moe_layers, "loss": float(loss),
+        # ZeRO-1: every moment (leaves with a shape) split over `data` when the mesh has it
+        zero1 = all("data" in str(a.sharding.spec) for a in jax.tree.leaves(final.opt_state) if a.ndim)
+        print(json.dumps({"mesh": text, "moments_over_data": zero1, "moe_layers": cfg.num_moe_layers, "loss": float(loss),
                           "stage_handoff": "collective_permute" in hlo, "expert_all_to_all": "all_to_all" in hlo, "ref_loss": float(ref_loss),
                           "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                           "grad_rel": tree_rel_err(g, ref_grads), "params_rel": tree_rel_err(final.params, ref_state.params),

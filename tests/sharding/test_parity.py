@@ -28,6 +28,7 @@ def check(row):
     assert row["bias_rel"] < TOL, row
     assert row["curve"] == pytest.approx(row["ref_curve"], rel=TOL)
     assert row["shardings_kept"], row
+    assert row["moments_over_data"] == ("data=" in row["mesh"]), row  # ZeRO-1, the loss as on one device
 
 
 def test_data_fsdp_expert_tensor_meshes_match_one_device():

@@ -6,6 +6,7 @@ Specs are checked on abstract meshes (no devices needed); the per-device byte co
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -184,3 +185,24 @@ def test_per_device_bytes_on_eight_devices():
     assert report["sharded_params"] >= 40
     assert report["device_total"] == report["expected_device_total"]
     assert report["device_total"] < report["total"] / 4  # (fsdp=2, tensor=2, expert=2): most bytes split 8 ways
+
+
+def test_adam_moments_are_split_over_data_zero_1():
+    """ZeRO-1: on data=2 x expert=4 the AdamW moments take their parameter's spec plus `data`, even
+    where the parameter is replicated over `data`; each device's slice of a moment is half its
+    slice of the parameter (counted from the shard shapes), and the counters stay replicated."""
+    import optax
+
+    cfg = ModelConfig.tiny()
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    _, state = state_lib.abstract_train_state(model, optax.adam(1e-3), 0)
+    mesh = sharding.abstract_mesh({"data": 2, "expert": 4}, 8)
+    shardings = sharded.train_state_shardings(model, state, mesh)
+    mu, nu = state.opt_state[0].mu, state.opt_state[0].nu
+    for moments, moment_shardings in ((mu, shardings.opt_state[0].mu), (nu, shardings.opt_state[0].nu)):
+        for leaf, sh, param_sh in zip(jax.tree.leaves(moments), jax.tree.leaves(moment_shardings),
+                                      jax.tree.leaves(shardings.params)):
+            assert not any("data" in ((e,) if isinstance(e, str) else e or ()) for e in param_sh.spec)
+            assert any("data" in ((e,) if isinstance(e, str) else e or ()) for e in sh.spec), sh.spec
+            assert np.prod(sh.shard_shape(leaf.shape)) * 2 == np.prod(param_sh.shard_shape(leaf.shape))
+    assert shardings.opt_state[0].count.spec == P()
