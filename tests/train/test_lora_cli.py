@@ -201,8 +201,9 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
 def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, tmp_path, compile_cache):
     """`--config.lora.base_weights=int4`: the held-out SFT loss falls; the checkpoint holds the base
     as int4 (packed q, scales) bit-equal to quantizing the pretrained weights, and optimizer state
-    of exactly the adapters' size (measured on the stored arrays); the merged export (dequantized
-    base + s A B) loads in transformers with the adapter model's logits."""
+    of exactly the adapters' size (measured on the stored arrays); cut back to step 4 and restarted,
+    the run repeats steps 5-8 exactly (the quantized base restored from its checkpoint); the merged
+    export (dequantized base + s A B) loads in transformers with the adapter model's logits."""
     torch = pytest.importorskip("torch")
     import transformers
 
@@ -223,6 +224,16 @@ def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, 
     moments = sum(state.reader.read(k, ()).nbytes for k in opt)
     assert len(adapters) == 2 * 16 and moments == 2 * sum(state.read(k[1:]).nbytes for k in adapters)
     assert not [k for k in state.keys if k[0] == "opt_state" and {"mu", "nu"} & set(k) and not k[-2].endswith("_lora")]
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(workdir, resumed_dir)
+    for step in (resumed_dir / "checkpoints").iterdir():
+        if step.name.isdigit() and int(step.name) > 4:
+            shutil.rmtree(step)
+    result = run_lora(resumed_dir, pretrained, "--config.lora.base_weights=int4", cache_dir=compile_cache)
+    assert "at step 4" in result.stderr
+    for got, want in zip(read_records(resumed_dir)[5:], records[5:]):
+        assert got["step"] == want["step"] and got["loss"] == want["loss"], (got, want)
 
     _convert(f"--ckpt={workdir}", f"--out={tmp_path / 'merged'}")
     model = load_pretrained(workdir, dtype="float32")  # the int4 base (from --init_from) + the run's adapters
