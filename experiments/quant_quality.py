@@ -100,7 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_command(args) -> list[str]:
     """The experiments.train command that trains (or resumes) the --workdir run."""
     config = [f"--config={args.train_config}"] if args.train_config else []  # absl reads --config first
-    return [sys.executable, "-m", "experiments.train", *config, f"--workdir={args.workdir}", f"--steps={args.train_steps}",
+    return [sys.executable, "-m", "experiments.train", *config, f"--workdir={args.workdir}",
+            f"--steps={args.train_steps}",
             f"--config.train.eval_every={args.eval_every}", f"--config.train.eval_batches={args.eval_batches}",
             f"--config.train.checkpoint_every={max(args.train_steps // 4, 1)}", *args.train_flag]
 
@@ -216,6 +217,26 @@ def greedy(model, prompts_BxP: np.ndarray, new_tokens: int, cache_dtype: str, pr
     return gen.output()[:, prompts_BxP.shape[1]:]
 
 
+def _figures(totals, **fields) -> dict:
+    """An arm's row from its (summed NLL, summed KL, token count) and the other fields."""
+    nll, kl, count = (float(v) for v in totals)
+    return dict(perplexity=math.exp(nll / count), kl=kl / count, tokens=int(count), **fields)
+
+
+def weight_arm(model, batches: list[dict], ref_logps: list | None, progress: Progress, what: str):
+    """(summed NLL, KL to `ref_logps` (None: to itself), tokens) of the full forward over `batches`, and
+    its log-probabilities per batch."""
+    forward, logps, totals = full_forward(model), [], np.zeros(3)
+    for i, batch in enumerate(batches):
+        x, y, mask = targets_and_mask(batch)
+        logp = forward(jnp.asarray(x), jnp.asarray(batch["positions"][:, :-1]),
+                       jnp.asarray(batch["segment_ids"][:, :-1]))
+        totals += np.array(_score(logp, logp if ref_logps is None else ref_logps[i], jnp.asarray(y), jnp.asarray(mask)))
+        logps.append(logp)
+        progress.tick(what)
+    return totals, logps
+
+
 def measure(args, run: run_folder.RunStep, batches: list[dict]) -> dict[str, dict]:
     """Every asked-for arm's figures: perplexity, KL, its reference, agreement, identical prompts, bytes."""
     rows = whole_rows(batches)
@@ -225,57 +246,39 @@ def measure(args, run: run_folder.RunStep, batches: list[dict]) -> dict[str, dic
     if not args.prompt_len < t or not args.cache_prefill < t:
         raise ValueError(f"--prompt_len={args.prompt_len} and --cache_prefill={args.cache_prefill} must be below "
                          f"the rows' {t} tokens")
-    prompts = rows[:args.prompts, :args.prompt_len]
-    stream, stream_targets = rows[:, :-1], rows[:, 1:]
+    prompts, stream, stream_targets = rows[:args.prompts, :args.prompt_len], rows[:, :-1], rows[:, 1:]
     weight_arms = ["unquantized"] + [a for a in args.arms if a in WEIGHT_ARMS and a != "unquantized"]
-    cache_arms = [a for a in CACHE_ARMS if a in args.arms]
-    if cache_arms and "cache_float32" not in cache_arms:
-        cache_arms.insert(0, "cache_float32")
+    cache_arms = [a for a in CACHE_ARMS if a in args.arms or a == "cache_float32" and set(args.arms) & set(CACHE_ARMS)]
     progress = Progress(len(weight_arms) * (len(batches) + args.new_tokens)
                         + len(cache_arms) * (1 + t - args.cache_prefill + args.new_tokens) + bool(cache_arms))
-    results, ref_logp, reference_tokens = {}, None, None
+    results, ref_logps, ref_tokens = {}, None, None
 
     def agreement(tokens):
-        same = tokens == reference_tokens
-        return float(same.mean()), int(same.all(1).sum())
+        same = tokens == ref_tokens
+        return dict(agreement=float(same.mean()), identical_prompts=int(same.all(1).sum()))
 
     for arm in weight_arms:
         weights, quantize = WEIGHT_ARMS[arm]
         model = load_pretrained(run.step_dir, dtype=jnp.float32, weights=weights, quantize=quantize,
                                 quant_group=args.quant_group)
-        forward, logps, totals = full_forward(model), [], np.zeros(3)
-        for i, batch in enumerate(batches):
-            x, y, mask = targets_and_mask(batch)
-            logp = forward(jnp.asarray(x), jnp.asarray(batch["positions"][:, :-1]),
-                           jnp.asarray(batch["segment_ids"][:, :-1]))
-            totals += np.array(_score(logp, logp if ref_logp is None else ref_logp[i], jnp.asarray(y),
-                                      jnp.asarray(mask)), np.float64)
-            logps.append(logp)
-            progress.tick(arm)
+        totals, logps = weight_arm(model, batches, ref_logps, progress, arm)
         tokens = greedy(model, prompts, args.new_tokens, "float32", progress, arm)
         if arm == "unquantized":
-            ref_logp, reference_tokens, reference_model = logps, tokens, model
-        share, identical = agreement(tokens)
-        results[arm] = dict(weights=weights or "fp32", quantize=quantize or "-", cache="float32",
-                            bytes=parameter_bytes(model), perplexity=math.exp(totals[0] / totals[2]),
-                            kl=totals[1] / totals[2], kl_to="unquantized (full forward)", tokens=int(totals[2]),
-                            agreement=share, identical_prompts=identical)
+            ref_logps, ref_tokens, reference = logps, tokens, model
+        results[arm] = _figures(totals, weights=weights or "fp32", quantize=quantize or "-", cache="float32",
+                                bytes=parameter_bytes(model), kl_to="unquantized (full forward)", **agreement(tokens))
     if cache_arms:  # the full forward over the whole rows: the fp32 cache's reference
-        stream_ref = full_forward(reference_model)(jnp.asarray(stream))
+        stream_ref = full_forward(reference)(jnp.asarray(stream))
         progress.tick("full forward over whole rows")
     for arm in cache_arms:
         dtype = CACHE_ARMS[arm]
-        logp = cache_log_probs(reference_model, stream, args.cache_prefill, dtype, progress, arm)
-        totals = np.array(_score(logp, stream_ref, jnp.asarray(stream_targets), jnp.ones(stream_targets.shape, bool)),
-                          np.float64)
+        logp = cache_log_probs(reference, stream, args.cache_prefill, dtype, progress, arm)
+        totals = _score(logp, stream_ref, jnp.asarray(stream_targets), jnp.ones(stream_targets.shape, bool))
         if arm == "cache_float32":
-            stream_ref = logp
-        tokens = greedy(reference_model, prompts, args.new_tokens, dtype, progress, arm)
-        share, identical = agreement(tokens)
-        results[arm] = dict(weights="fp32", quantize="-", cache=dtype, bytes=parameter_bytes(reference_model),
-                            perplexity=math.exp(totals[0] / totals[2]), kl=totals[1] / totals[2],
-                            kl_to="full forward" if arm == "cache_float32" else "fp32 cache",
-                            tokens=int(totals[2]), agreement=share, identical_prompts=identical)
+            stream_ref = logp  # the other caches' reference
+        tokens = greedy(reference, prompts, args.new_tokens, dtype, progress, arm)
+        results[arm] = _figures(totals, weights="fp32", quantize="-", cache=dtype, bytes=parameter_bytes(reference),
+                                kl_to="full forward" if arm == "cache_float32" else "fp32 cache", **agreement(tokens))
     return results
 
 
