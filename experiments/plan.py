@@ -10,7 +10,9 @@ lowered to StableHLO for it, which checks every sharding and shape. Prints the b
 parameters, gradients, AdamW state (2 moments, in their dtype) and the activations the step holds
 (`experiments/plan_memory.py`: saved tensors per layer, one layer's backward, the expert-parallel
 exchange buffers, dropless the worst case of P x the device's rows, with
-`model.expert_capacity_factor` cf x them; the logits; the pipeline's microbatch buffers). The
+`model.expert_capacity_factor` cf x them; the logits of one outer microbatch; the microbatches
+each pipeline schedule keeps in flight and its buffers). AdamW moments are split over `data` as
+well (ZeRO-1). The
 `auto` implementation choices (expert exchange, grouped matmul) are made for `--platform`, not for
 this host, in the lowered program and in the count: the 671B TPU plan lowers the ragged all to
 all and `ragged_dot`.
