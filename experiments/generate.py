@@ -68,12 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, type=mesh_sizes,
                    help="device mesh to load onto, e.g. fsdp=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
     p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
+    add_weight_flags(p)
+    return p.parse_args(argv)
+
+
+def add_weight_flags(p: argparse.ArgumentParser) -> None:
+    """--weights / --quantize / --quant_group (experiments.serve's too): load_pretrained's arguments."""
     p.add_argument("--weights", default=None, choices=["fp8", "int8", "int4"],
                    help="hold the projections quantized (default: dense, in --dtype)")
     p.add_argument("--quantize", default=None, choices=["experts", "all"],
                    help="with --weights: the routed experts or every projection (default: all for fp8, else experts)")
     p.add_argument("--quant_group", type=int, default=128, help="with --weights=int8|int4: rows per scale")
-    return p.parse_args(argv)
 
 
 def mesh_sizes(text: str) -> dict[str, int]:

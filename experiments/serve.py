@@ -2,7 +2,8 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
-        [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]]
+        [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
+        [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
@@ -14,6 +15,9 @@ its devices hold (load_pretrained(mesh=...), the rules table sharding/rules.py: 
 routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every
 step runs under the mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process
 drives all the mesh's devices (a multi-host server would need every process to run the same steps).
+--weights, --quantize and --quant_group are experiments.generate's: the projections held quantized as
+they load (load_pretrained(weights=...)), FP8 in 128x128 blocks or int8/int4 with a scale per
+--quant_group rows; with --mesh each quantized leaf (values and scales) is built per shard.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import time
 
 import sharding
-from experiments.generate import mesh_sizes
+from experiments.generate import add_weight_flags, mesh_sizes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, type=mesh_sizes,
                    help="device mesh to serve on, e.g. tensor=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
     p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
+    add_weight_flags(p)
     return p.parse_args(argv)
 
 
@@ -58,11 +63,16 @@ def build(args: argparse.Namespace):
     from dsv3_jax import load_pretrained
     from dsv3_jax.checkpoint import run_folder
     from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
+    from dsv3_jax.model import quant as model_quant
     from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
 
     run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
-    model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules)
+    model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
+                            quantize=args.quantize, quant_group=args.quant_group)
+    if args.weights:
+        logging.info("projections held as %s (%s): %.1f MB of parameter arrays", args.weights,
+                     args.quantize or model_quant.default_targets(args.weights), model_quant.parameter_bytes(model) / 1e6)
     chat = ChatTokenizer(tokenizer_file(args.checkpoint, args.tokenizer or (run.tokenizer if run else None)))
     if chat.tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "

@@ -1,7 +1,9 @@
 """Run by test_quantized_load.py in a subprocess with 8 fake CPU devices: quantized loads onto a
-fsdp=2 x expert=4 mesh (FP8 experts from an FP8 folder, int4 everywhere from fp32) give the
-single-device quantized model's logits, with and without the context mesh (expert parallelism),
-the experts' q and scales split over `expert`.
+fsdp=2 x expert=4 mesh (FP8 experts and FP8 everywhere from an FP8 folder, int4 everywhere from
+fp32) give the single-device quantized model's logits under the context mesh (expert parallelism),
+the experts' q and scales split over `expert`. FP8 everywhere is the sensitive one: its activations
+are rounded to e4m3 before every projection, so a norm summed in partial sums over `fsdp` (one fp32
+rounding off) flipped an element and moved the logits by 2e-2 (dsv3_jax/model/norm.py).
 
     python -m tests.checkpoint._quant_mesh FP8_HF_DIR FP32_HF_DIR
 """
@@ -29,7 +31,8 @@ def logits(model):
 
 def main(fp8_dir, fp32_dir):
     mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
-    for folder, weights, which in ((fp8_dir, "fp8", "experts"), (fp32_dir, "int4", "all")):
+    cases = ((fp8_dir, "fp8", "experts"), (fp8_dir, "fp8", "all"), (fp32_dir, "int4", "all"))
+    for folder, weights, which in cases:
         kw = dict(weights=weights, quantize=which, quant_group=16, compute_dtype="float32")
         one = logits(load_pretrained(folder, **kw))
         model = load_pretrained(folder, mesh=mesh, **kw)

@@ -111,4 +111,4 @@ def test_quantized_loads_on_a_mesh(hf_folders):
     res = run_module("tests.checkpoint._quant_mesh", hf_folders["fp8"], hf_folders["fp32"],
                      env=workers.fake_device_env(), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("rel err") == 2, res.stdout
+    assert res.stdout.count("rel err") == 3, res.stdout

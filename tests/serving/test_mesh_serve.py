@@ -1,17 +1,21 @@
 """`python -m experiments.serve --mesh=tensor=2,expert=4` on 8 fake CPU devices (MLA heads on
 `tensor`, experts on `expert`, run expert-parallel) answers 8 concurrent greedy requests with the
 tokens of the single-device server (the shared one), with and without MTP speculation, and compiles
-nothing after its warm-up."""
+nothing after its warm-up; with `--weights=fp8` / `--weights=int4` (every projection quantized, each
+shard built where it lives) as the single-device server holding the same quantized weights.
+`experiments.generate --mesh` likewise."""
 
 import concurrent.futures
 
 import numpy as np
 import openai
+import pytest
 
 from tests import helpers
 from tests.serving.conftest import serve_process
 
 MESH = "--mesh=tensor=2,expert=4"
+WEIGHTS = {"fp8": ["--weights=fp8"], "int4": ["--weights=int4", "--quantize=all", "--quant_group=16"]}
 
 
 def _answers(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -27,19 +31,35 @@ def _answers(url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(ask, range(len(prompts))))
 
 
-def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
+def _prompts() -> list[list[int]]:
     rng = np.random.RandomState(24)
-    prompts = [rng.randint(3, 2000, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 8)]
-    want = _answers(server[0], server[1], prompts)
+    return [rng.randint(3, 2000, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 8)]
+
+
+def _mesh_servers_answer(checkpoint, tmp_path, want, *weights):
+    """The mesh server, with and without --use_mtp, gives `want` for `_prompts()`."""
     env = helpers.fake_device_env(8)
-    for flags in ([MESH], [MESH, "--use_mtp"]):
+    for flags in ([MESH, *weights], [MESH, *weights, "--use_mtp"]):
         log = tmp_path / "mesh.log"
-        with serve_process(served_checkpoint, log, *flags, "--max_batch=8", env=env) as url:
-            got = _answers(url, server[1], prompts)
+        with serve_process(checkpoint, log, *flags, "--max_batch=8", env=env) as url:
+            got = _answers(url, checkpoint.name, _prompts())
         text = log.read_text()
         assert got == want, (flags, text[-3000:])
         assert "on the mesh {'pipeline': 1, 'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}" in text, text[-3000:]
         assert "compiled after warm-up" not in text, (flags, text[-3000:])
+
+
+def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
+    _mesh_servers_answer(served_checkpoint, tmp_path, _answers(server[0], server[1], _prompts()))
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_quantized_mesh_server_answers_as_one_device(served_checkpoint, tmp_path, fmt):
+    log = tmp_path / "one.log"
+    with serve_process(served_checkpoint, log, *WEIGHTS[fmt]) as url:
+        want = _answers(url, served_checkpoint.name, _prompts())
+    assert f"projections held as {fmt} (all)" in log.read_text()
+    _mesh_servers_answer(served_checkpoint, tmp_path, want, *WEIGHTS[fmt])
 
 
 def _generate(checkpoint, *flags) -> list[str]:
@@ -57,3 +77,11 @@ def test_mesh_generate_answers_as_one_device(served_checkpoint):
     assert sum(line.startswith("--- ") for line in want) == 3, want
     assert _generate(served_checkpoint, MESH) == want
     assert _generate(served_checkpoint, MESH, "--use_mtp") == want
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_quantized_mesh_generate_answers_as_one_device(served_checkpoint, fmt):
+    """With --use_mtp only (its prefill, draft and verify steps cover the plain decode's forward):
+    the server test above runs both."""
+    want = _generate(served_checkpoint, *WEIGHTS[fmt])
+    assert _generate(served_checkpoint, MESH, "--use_mtp", *WEIGHTS[fmt]) == want
