@@ -16,7 +16,7 @@ expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - sweep: for each config variant of --variants (bench_workers.VARIANTS: width, head count, top-k,
   expert groups and vocabulary changed; default bench_workers.GRID): the train step (--sweep_train),
   the prefill to the first token (`generate(..., 1)`) of each --sweep_prefill point and decode at
-  --sweep_decode; a table of every ratio to transformers and each measure's minimum over the grid.
+  each --sweep_decode point (batch 8 after 1K and after 4K prompts); a table of every ratio to transformers and each measure's minimum over the grid.
   --quick shrinks every shape (for the CLI test).
 Every worker is a fresh process; frameworks alternate within a repeat and the order flips between
 repeats. Medians over repeats; ratios are taken between figures of the same run. Writes the JSON
@@ -296,7 +296,8 @@ def main(argv=None) -> None:
     p.add_argument("--sweep_train", default="8x256", help="sweep: train step BATCHxSEQ")
     p.add_argument("--sweep_prefill", default="4096x1,1024x8", type=lambda s: s.split(","),
                    help="sweep: prefill points PROMPTxBATCH")
-    p.add_argument("--sweep_decode", default="1024x8", type=lambda s: s.split(","), help="sweep: decode points")
+    p.add_argument("--sweep_decode", default="1024x8,4096x8", type=lambda s: s.split(","),
+                   help="sweep: decode points PROMPTxBATCH (issue 27 asks decode at 4K)")
     p.add_argument("--sweep_measures", default="train,prefill,decode", type=lambda s: s.split(","),
                    help="sweep: which of train, prefill, decode to run")
     p.add_argument("--prefill_repeats", type=int, default=2, help="sweep: timed prefills per process")

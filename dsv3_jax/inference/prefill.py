@@ -77,7 +77,9 @@ def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Ar
     last = lengths_B - 1 - start  # the row's last prompt token, as an index into this chunk
     here = (last >= 0) & (last < width)
     last = jnp.clip(last, 0, width - 1)
-    first = jnp.where(here, sample(out.logits[rows, last], key, sampling), carry.first)
+    # The head at each row's last token only: the chunk's other logits are never read, and with
+    # them unused the compiled step drops the [B, W, V] head (a third of a chunk's work at V 8K).
+    first = jnp.where(here, sample(model.logits(out.hidden[rows, last]), key, sampling), carry.first)
     counts = carry.expert_counts
     if counts is not None:
         counts = counts + out.router_stats.expert_counts

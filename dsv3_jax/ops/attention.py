@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+CAUSAL_BLOCK = 128  # query rows per block of `causal_attention_lse` (keys past a block's last row are skipped)
+
 
 def causal_mask(segment_ids_BxT: jax.Array | None, batch: int, length: int) -> jax.Array:
     """bool [B, 1, T, S]: key s is visible from query t if s <= t and both lie in one document."""
@@ -43,14 +45,25 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
     return _heads_first(out_BxHxTxV)
 
 
-def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: float) -> tuple[jax.Array, jax.Array]:
+def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: float,
+                         block: int = CAUSAL_BLOCK) -> tuple[jax.Array, jax.Array]:
     """Forward only: causal attention within one call and its log-normaliser -> (out [B, T, H, V]
     in q's dtype, lse [B, T, H] float32), for merging with attention over keys held elsewhere (a
-    prefill chunk's cached prefix, `latent_attention.attend_expanded`)."""
-    batch, length = q_BxTxHxK.shape[:2]
-    out, res = _attention_fwd(_heads_first(q_BxTxHxK), _heads_first(k_BxTxHxK), _heads_first(v_BxTxHxV),
-                              causal_mask(None, batch, length), softmax_scale)
-    return _heads_first(out), jnp.transpose(res[-1][..., 0], (0, 2, 1))
+    prefill chunk's cached prefix, `latent_attention.attend_expanded`).
+
+    Queries go `block` rows at a time, each block against the keys up to its last row only: a
+    512-token chunk computes 10 of the 16 [128, 128] score tiles that the square would."""
+    length = q_BxTxHxK.shape[1]
+    q, k, v = _heads_first(q_BxTxHxK), _heads_first(k_BxTxHxK), _heads_first(v_BxTxHxV)
+    outs, lses = [], []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        mask_1x1xWxS = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
+        out, res = _attention_fwd(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask_1x1xWxS, softmax_scale)
+        outs.append(out)
+        lses.append(res[-1][..., 0])
+    out_BxHxTxV, lse_BxHxT = jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+    return _heads_first(out_BxHxTxV), jnp.transpose(lse_BxHxT, (0, 2, 1))
 
 
 def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,

@@ -43,3 +43,17 @@ def test_gradients_equal_plain_autodiff():
     ref = jax.grad(lambda *a: loss(attn.attention_reference, *a), (0, 1, 2))(q, k, v)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [4, 128])
+def test_causal_attention_lse_in_query_blocks_equals_numpy(block):
+    """Query blocks of 4 rows over T = 9 (4, 4, then 1: keys past each block skipped) and one block
+    over the whole call give numpy's causal attention and its log-normaliser."""
+    q, k, v, _ = _problem(seed=2)
+    out, lse = jax.jit(lambda *a: attn.causal_attention_lse(*a, softmax_scale=0.3, block=block))(q, k, v)
+    ones = np.ones(q.shape[:2], np.int32)
+    np.testing.assert_allclose(out, numpy_attention(q, k, v, ones, 0.3), rtol=1e-5, atol=1e-6)
+    s = np.einsum("bthk,bshk->bhts", np.asarray(q), np.asarray(k)) * 0.3
+    s = np.where(np.tril(np.ones((9, 9), bool)), s, -np.inf)
+    want_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    np.testing.assert_allclose(lse, np.transpose(want_lse, (0, 2, 1)), rtol=1e-5, atol=1e-5)
