@@ -44,37 +44,50 @@ def head_nll(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array, weigh
     """
     if chunk < 1:
         raise ValueError(f"head_nll: {chunk=} must be >= 1")
-    return _head_nll(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk, jnp.dtype(compute_dtype))
+    return _head_nll(chunk, jnp.dtype(compute_dtype).name)(h_BxTxD, w_DxV, targets_BxT, weights_BxT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _head_nll(h, w, targets, weights, chunk, compute_dtype):
-    nll = _scan(h, w, targets, weights, chunk, compute_dtype, grads=False)[0]
-    return jnp.sum(nll * weights.astype(jnp.float32))
+@functools.cache
+def _head_nll(chunk: int, compute_dtype: str):
+    """The custom-VJP function for one (chunk, dtype)."""
+
+    @jax.custom_vjp
+    def fn(h, w, targets, weights):
+        nll, _, _ = _scan(h, w, targets, weights, chunk, compute_dtype, want_dh=False, want_dw=False)
+        return jnp.sum(nll * weights.astype(jnp.float32))
+
+    def fwd(h, w, targets, weights):
+        """Forms only the gradients asked for: a head held constant (LoRA) skips h^T d z."""
+        nll, dh, dw = _scan(h.value, w.value, targets.value, weights.value, chunk, compute_dtype,
+                            want_dh=h.perturbed, want_dw=w.perturbed)
+        loss = jnp.sum(nll * weights.value.astype(jnp.float32))
+        return loss, (nll.astype(weights.value.dtype) if weights.perturbed else None, dh, dw)
+
+    def bwd(res, g):
+        nll, dh, dw = res  # d loss / d weights = nll
+        return _scaled(g, dh), _scaled(g, dw), None, _scaled(g, nll)
+
+    fn.defvjp(fwd, bwd, symbolic_zeros=True)
+    return fn
 
 
-def _fwd(h, w, targets, weights, chunk, compute_dtype):
-    nll, dh, dw = _scan(h, w, targets, weights, chunk, compute_dtype, grads=True)
-    return jnp.sum(nll * weights.astype(jnp.float32)), (nll, dh, dw, targets, weights)
+def _scaled(g, x):
+    return None if x is None else (g * x).astype(x.dtype)
 
 
-def _bwd(chunk, compute_dtype, res, g):
-    nll, dh, dw, targets, weights = res
-    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, (g * nll).astype(weights.dtype)
-
-
-_head_nll.defvjp(_fwd, _bwd)
-
-
-def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, grads: bool):
-    """Per-token nll [B, T] (unweighted), and with `grads` d h [B, T, D] and d W [D, V] of the weighted sum."""
-    b, t, d = h_BxTxD.shape
+def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: bool, want_dw: bool):
+    """Per-token nll [B, T] (unweighted) and, as asked, d h [B, T, D] and d W [D, V] of the weighted
+    sum (None when not asked)."""
+    b, t, _ = h_BxTxD.shape
     n = -(-t // chunk)
     pad = n * chunk - t
 
     def split(x):  # [B, T, ...] -> [N, B, C, ...], padded positions at the end
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    def merge(x):  # [N, B, C, ...] -> [B, T, ...]
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
 
     w = w_DxV.astype(dt)
     xs = (split(h_BxTxD), split(targets_BxT), split(weights_BxT.astype(jnp.float32)))
@@ -85,19 +98,15 @@ def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, grads: bo
         z = jnp.einsum("BCD,DV->BCV", h, w, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(z, axis=-1)
         nll = lse - jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0]
-        if not grads:
-            return dw_DxV, (nll,)
+        if not (want_dh or want_dw):
+            return dw_DxV, (nll, None)
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2)
         dz = (wt[..., None] * (jnp.exp(z - lse[..., None]) - (vocab_ids == tgt[..., None]))).astype(dt)
-        dh = jnp.einsum("BCV,DV->BCD", dz, w, preferred_element_type=jnp.float32)
-        dw_DxV = dw_DxV + jnp.einsum("BCD,BCV->DV", h, dz, preferred_element_type=jnp.float32)
-        return dw_DxV, (nll, dh.astype(h_BxTxD.dtype))
+        dh = (jnp.einsum("BCV,DV->BCD", dz, w, preferred_element_type=jnp.float32).astype(h_BxTxD.dtype)
+              if want_dh else None)
+        if want_dw:
+            dw_DxV = dw_DxV + jnp.einsum("BCD,BCV->DV", h, dz, preferred_element_type=jnp.float32)
+        return dw_DxV, (nll, dh)
 
-    dw, out = jax.lax.scan(step, jnp.zeros(w_DxV.shape, jnp.float32), xs)
-
-    def merge(x):  # [N, B, C, ...] -> [B, T, ...]
-        return jnp.moveaxis(x, 0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
-
-    if not grads:
-        return (merge(out[0]),)
-    return merge(out[0]), merge(out[1]), dw.astype(w_DxV.dtype)
+    dw, (nll, dh) = jax.lax.scan(step, jnp.zeros(w_DxV.shape, jnp.float32) if want_dw else None, xs)
+    return merge(nll), None if dh is None else merge(dh), None if dw is None else dw.astype(w_DxV.dtype)

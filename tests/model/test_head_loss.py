@@ -45,6 +45,10 @@ def test_chunked_loss_and_gradients_equal_numpy(chunk):
         np.testing.assert_allclose(dh, want_dh, atol=1e-5)
         np.testing.assert_allclose(dw, want_dw, atol=1e-5)
         np.testing.assert_allclose(dweights, want_nll, atol=1e-5)  # d loss / d w_bt = nll_bt
+    # A constant head (LoRA training) skips its gradient; d h stays the same.
+    dh_only = jax.grad(lambda h: head_nll(h, w, targets, weights, chunk=chunk))
+    for fn in (dh_only, jax.jit(dh_only)):
+        np.testing.assert_allclose(fn(h), want_dh, atol=1e-5)
 
 
 def test_chunked_equals_the_whole_logits_under_a_scaled_cotangent():
