@@ -16,6 +16,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
 EXPERT_EXCHANGES = ("auto", "ragged", "padded")
 ATTENTION_IMPLS = ("xla", "pallas")
+HEAD_LOSS_IMPLS = ("chunked", "full")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
 
@@ -95,6 +96,9 @@ class ModelConfig:
     moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, tiled grouped matmul on CPU (the lowering's platform)
     moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
     attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
+    # The training loss's head: chunked applies it fused with the cross-entropy a chunk of tokens at
+    # a time (ops/head_loss.py; never the whole [B, T, V] logits); full: the logits, then the loss.
+    head_loss_impl: str = "chunked"
     fp8_matmul: bool = False  # MLA, MLP and expert projections through the FP8 block-scaled kernels
     # Expert parallelism (mesh expert > 1; sharding/expert_parallel.py). None: dropless, each
     # device's receive buffer holds the worst case (P x its own rows); cf: buffers of cf x the
@@ -247,6 +251,8 @@ class ModelConfig:
             raise ConfigError(f"expert_capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.head_loss_impl not in HEAD_LOSS_IMPLS:
+            raise ConfigError(f"head_loss_impl must be one of {HEAD_LOSS_IMPLS}, got {self.head_loss_impl!r}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}")
         if (self.pipeline_schedule == "circular") != (self.pipeline_repeats > 1):

@@ -66,8 +66,8 @@ def capture(overrides: dict, batch_rows: int, seq_len: int, weights: str | None 
     batch = next(make_data(c, c.model.vocab_size)[0])
 
     def loss(p, r):
-        out = _forward(graphdef, p, r, batch, with_mtp=True)
-        return losses.training_losses(out, batch, mtp_weight=0.3, balance_weight=1e-4).total
+        out, head = _forward(graphdef, p, r, batch, with_mtp=True)
+        return losses.training_losses(out, batch, mtp_weight=0.3, balance_weight=1e-4, head=head).total
 
     dispatch.routed_experts = recording
     try:

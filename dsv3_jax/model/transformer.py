@@ -41,6 +41,7 @@ class ModelOutput(NamedTuple):
     mtp_logits: jax.Array | None  # float32 [M, B, T, V]; depth k at i predicts t_{i+k+1}
     mtp_router_stats: RouterStats | None  # leaves stacked [M, ...]
     cache: ModelCache | None = None  # the updated cache when one was given
+    mtp_hidden: jax.Array | None = None  # [M, B, T, D] the MTP depths' head inputs (mtp_logits before the head)
 
 
 def check_tokens(tokens, vocab_size: int) -> None:
@@ -120,12 +121,12 @@ class DeepSeekV3(nnx.Module):
         if self.moe_layers is not None:
             x, stats, moe = self._moe_stack(x, ctx, moe)
         h = self.norm(x)
-        mtp_logits = mtp_stats = None
+        mtp_h = mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:
             mtp_h, mtp_stats = run_mtp(self.mtp, h, emb, ctx, remat=cfg.remat)
             mtp_logits = self.logits(mtp_h)
         new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
-        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, new_cache)
+        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, new_cache, mtp_h)
 
     def _moe_stack(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None):
         """The MoE layers: in pipeline stages on a mesh with a `pipeline` axis (training), else scanned."""

@@ -5,7 +5,11 @@ here from the segment ids, so a token never predicts one from another document. 
 carry `loss_mask` (1 on assistant tokens): then only assistant tokens are targets, in the main loss,
 the MTP losses and the eval loss alike, each a mean over the targets it counts.
 
-Letters: B batch, T positions (inputs), V vocab, M MTP depths, L MoE layers.
+With a `Head` the losses apply the output head themselves to the hidden states (`ModelOutput.hidden`,
+`mtp_hidden`), fused with the cross-entropy a chunk of tokens at a time (`head_loss_impl`), so a
+train step never holds the [B, T, V] logits; without one they read `ModelOutput.logits`.
+
+Letters: B batch, T positions (inputs), D model, V vocab, M MTP depths, L MoE layers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax.ops.cross_entropy import token_nll
+from dsv3_jax.ops.head_loss import head_nll
+
+# Tokens per chunk of the chunked head loss: on CPU, 256-512 ran the head and its loss 1.5-2x faster
+# than the whole logits for B8 x T256 at V 4096-12000 (docs/benchmarks.md); [256, V] fp32 logits
+# are 132 MB at the 671B vocabulary.
+HEAD_CHUNK_TOKENS = 256
 
 
 class Losses(NamedTuple):
@@ -23,6 +33,18 @@ class Losses(NamedTuple):
     lm: jax.Array  # [] next-token cross-entropy, mean over valid tokens
     mtp: jax.Array  # [] MTP cross-entropy averaged over depths (0 without MTP)
     balance: jax.Array  # [] sequence-wise balance loss averaged over MoE layers, before alpha
+
+
+class Head(NamedTuple):
+    """The output head as the losses apply it (the model's `logits` without the matmul's output)."""
+
+    weight_DxV: jax.Array
+    compute_dtype: str  # the matmul's inputs; fp32 accumulation
+    impl: str  # chunked | full (ModelConfig.head_loss_impl)
+
+    @classmethod
+    def of(cls, model) -> "Head":
+        return cls(model.head[...], model.config.compute_dtype, model.config.head_loss_impl)
 
 
 def inputs_and_targets(batch: dict, depth: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -55,30 +77,49 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax
     return jnp.sum(nll * m), jnp.sum(m)
 
 
-def mean_cross_entropy(logits_BxTxV, targets_BxT, mask_BxT) -> jax.Array:
-    total, count = cross_entropy(logits_BxTxV, targets_BxT, mask_BxT)
+def head_cross_entropy(head: Head, h_BxTxD: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy` of the logits h W without forming them when `head.impl` is chunked."""
+    m = mask_BxT.astype(jnp.float32)
+    if head.impl == "full":
+        logits = jnp.einsum("BTD,DV->BTV", h_BxTxD.astype(head.compute_dtype),
+                            head.weight_DxV.astype(head.compute_dtype), preferred_element_type=jnp.float32)
+        return cross_entropy(logits, targets_BxT, mask_BxT)
+    chunk = max(1, HEAD_CHUNK_TOKENS // h_BxTxD.shape[0])  # positions per chunk
+    return head_nll(h_BxTxD, head.weight_DxV, targets_BxT, m, chunk=chunk, compute_dtype=head.compute_dtype), jnp.sum(m)
+
+
+def mean_cross_entropy(logits_BxTxV, targets_BxT, mask_BxT, head: Head | None = None) -> jax.Array:
+    """Mean -log p(target) over masked tokens; with `head`, the first argument is the hidden states [B, T, D]."""
+    total, count = (cross_entropy(logits_BxTxV, targets_BxT, mask_BxT) if head is None
+                    else head_cross_entropy(head, logits_BxTxV, targets_BxT, mask_BxT))
     return total / jnp.maximum(count, 1.0)
 
 
-def mtp_loss(mtp_logits_MxBxTxV: jax.Array, batch: dict) -> jax.Array:
-    """L_MTP = (1/M) sum_k CE_k (paper eq. 25 before lambda); depth k predicts t_{i+k+1}."""
+def mtp_loss(mtp_logits_MxBxTxV: jax.Array, batch: dict, head: Head | None = None) -> jax.Array:
+    """L_MTP = (1/M) sum_k CE_k (paper eq. 25 before lambda); depth k predicts t_{i+k+1}.
+    With `head`, the first argument is the depths' hidden states [M, B, T, D]."""
     depths = mtp_logits_MxBxTxV.shape[0]
     per_depth = []
     for k in range(1, depths + 1):
         _, targets, mask = inputs_and_targets(batch, depth=k)
-        per_depth.append(mean_cross_entropy(mtp_logits_MxBxTxV[k - 1], targets, mask))
+        per_depth.append(mean_cross_entropy(mtp_logits_MxBxTxV[k - 1], targets, mask, head))
     return jnp.mean(jnp.stack(per_depth))
 
 
-def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: float) -> Losses:
+def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: float,
+                    head: Head | None = None) -> Losses:
     """Combines a `ModelOutput` into the DeepSeek-V3 training objective.
 
+    With `head` (`Head.of(model)`) the cross-entropies apply it to `output.hidden` and
+    `output.mtp_hidden` (the logits are then unused and a jitted step never computes them).
     The balance loss is averaged over all MoE layers, main and MTP alike, so alpha does not
     scale with depth.
     """
     _, targets, mask = inputs_and_targets(batch)
-    lm = mean_cross_entropy(output.logits, targets, mask)
-    mtp = jnp.zeros((), jnp.float32) if output.mtp_logits is None else mtp_loss(output.mtp_logits, batch)
+    main, depths = (output.logits, output.mtp_logits) if head is None else (output.hidden, output.mtp_hidden)
+    lm = mean_cross_entropy(main, targets, mask, head)
+    mtp = jnp.zeros((), jnp.float32) if depths is None else mtp_loss(depths, batch, head)
     return objective(lm, mtp, (output.router_stats, output.mtp_router_stats), mtp_weight=mtp_weight,
                      balance_weight=balance_weight)
 

@@ -33,8 +33,9 @@ def _forward(graphdef, params, biases, batch, *, with_mtp: bool, dropout_key=Non
     model = _model(graphdef, params, biases, dropout_key)
     inputs, _, _ = losses.inputs_and_targets(batch)
     t = inputs.shape[1]
-    return model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
-                         with_mtp=with_mtp)
+    out = model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
+                        with_mtp=with_mtp)
+    return out, losses.Head.of(model)
 
 
 def _counts(stats):
@@ -70,8 +71,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         micro = pipeline.outer_microbatches(rows, jax.sharding.get_abstract_mesh(), model.config.outer_microbatches)
         if micro > 1:  # no device holds its whole batch's logits
             return _losses_in_microbatches(model, batch, micro, mtp_weight=mtp_weight, balance_weight=balance_weight)
-        out = _forward(graphdef, params, biases, batch, with_mtp=True, dropout_key=key)
-        parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight)
+        out, head = _forward(graphdef, params, biases, batch, with_mtp=True, dropout_key=key)
+        parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight, head=head)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
 
@@ -145,8 +146,8 @@ def make_eval_step(graphdef: nnx.GraphDef, jit_kwargs: dict | None = None):
     """Returns jitted `eval_step(state, batch) -> (summed next-token NLL, valid tokens)`."""
 
     def eval_step(state: TrainState, batch: dict):
-        out = _forward(graphdef, state.params, state.router_bias, batch, with_mtp=False)
+        out, head = _forward(graphdef, state.params, state.router_bias, batch, with_mtp=False)
         _, targets, mask = losses.inputs_and_targets(batch)
-        return losses.cross_entropy(out.logits, targets, mask)
+        return losses.head_cross_entropy(head, out.hidden, targets, mask)
 
     return jax.jit(eval_step, **(jit_kwargs or {}))

@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
         moe_impl="auto",  # tiled grouped matmul on CPU, ragged_dot on TPU/GPU
         moe_tile_size=128,  # tile bound of the tiled grouped matmul
         attention_impl="xla",  # "pallas" for the flash kernel
+        head_loss_impl="chunked",  # head + cross-entropy fused per token chunk; "full": whole logits
         fp8_matmul=False,  # True: MLA, MLP and expert matmuls in FP8 (1x128 / 128x128 block scales)
         expert_capacity_factor=ml_collections.config_dict.placeholder(float),  # None: dropless; cf x the rows
         expert_exchange="auto",  # ragged_all_to_all on TPU/GPU, padded all_to_all on CPU

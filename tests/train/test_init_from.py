@@ -41,7 +41,7 @@ def test_build_model_takes_the_checkpoint_weights_and_the_config_policy(hf_folde
 
 # A value for each run field other than the tiny config's (and the checkpoint's) own.
 CHANGED = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "moe_impl": "dense", "moe_tile_size": 64,
-           "attention_impl": "pallas", "fp8_matmul": True, "expert_capacity_factor": 1.25,
+           "attention_impl": "pallas", "fp8_matmul": True, "head_loss_impl": "full", "expert_capacity_factor": 1.25,
            "expert_exchange": "padded", "remat": True, "pipeline_microbatches": 4, "pipeline_repeats": 2,
            "pipeline_schedule": "1f1b"}
 
