@@ -7,8 +7,8 @@ the decode step lowered for the mesh.
 
 Nothing is allocated: the model is its shapes (`nnx.eval_shape`), the mesh a
 `jax.sharding.AbstractMesh`, and the server's own decode step (`dsv3_jax/serving/runner.py`, the
-step `experiments.serve --mesh` runs) is traced and lowered for each platform, which checks every
-sharding and shape on that mesh.
+step `experiments.serve --mesh --weights` runs, with the weights held in the deployment's format) is
+traced and lowered for each platform, which checks every sharding and shape on that mesh.
 
 Per device (GB = 1e9 bytes):
 - weights: each parameter's shard (`sharding/rules.py`, the table `load_pretrained(mesh=...)`
@@ -33,7 +33,8 @@ A plan fits a chip when the total stays under `--headroom` (default 0.9) of its 
 batch for each context is the largest multiple of the token shards that fits.
 
 `--check_compiled` also compiles the decode step for this host's devices (the mesh must use them
-all, e.g. 8 fake CPU devices; fp32/bf16 weights, since the quantized forward is not in the model)
+all, e.g. 8 fake CPU devices; fp32/bf16 weights: the check is of the activations and the cache, and
+XLA:CPU would widen quantized weights)
 and prints XLA's per-device memory_analysis() beside the plan. Use fp32 there: XLA:CPU computes
 bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program does.
 """
@@ -56,6 +57,7 @@ import sharding
 from dsv3_jax import DeepSeekV3, ModelConfig
 from dsv3_jax.inference.cache import CACHE_DTYPES, cache_bytes_per_token, init_cache
 from dsv3_jax.inference.sampling import RowSampling
+from dsv3_jax.model import quant as quant_model
 from dsv3_jax.model.params import logical_axes
 from sharding.rules import key_name
 from dsv3_jax.serving import runner as runner_lib
@@ -110,9 +112,9 @@ class Deployment:
 
 def _matrix_split(path: tuple[str, ...], axes: tuple) -> tuple[int, int] | None:
     """(first, last) dims of a linear weight's contraction axes, or None for what no format quantizes
-    (embedding, head, norms, router). Stacked leading dims (`layers`, `expert`) come first."""
+    (embedding, head, norms, router, MTP's eh_proj: `dsv3_jax/model/quant.py`). Stacked leading dims (`layers`, `expert`) come first."""
     name = ".".join(path)
-    if len(axes) < 2 or name in ("embed", "head") or ".gate." in name or name.endswith(".weight"):
+    if len(axes) < 2 or name in ("embed", "head") or ".gate." in name or name.endswith((".weight", "eh_proj")):
         return None
     first = sum(a in ("layers", "expert") for a in axes[:2])
     if len(axes) - first < 2:
@@ -139,8 +141,36 @@ def quantized_bytes(shape: tuple[int, ...], split: tuple[int, int] | None, route
     return n * bits / 8 + 4.0 * rows * math.ceil(contract / group)
 
 
-def abstract_model(cfg: ModelConfig):
-    return nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+# --weights -> (format, projections) of `dsv3_jax/model/quant.py` for the model whose decode step is lowered
+QUANTIZED = {"fp8": ("fp8", "all"), "int8": ("int8", "all"), "int4": ("int4", "all"),
+             "int8_experts": ("int8", "experts"), "int4_experts": ("int4", "experts")}
+
+
+def abstract_model(cfg: ModelConfig, weights: str = "bf16", group: int = 128):
+    """The model as shapes, its projections held in `weights`' format (QArray leaves: the decode
+    step lowered is the one `experiments.serve --weights` runs)."""
+    if weights not in QUANTIZED:
+        return nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    fmt, which = QUANTIZED[weights]
+    return nnx.eval_shape(lambda: quant_model.quantize_model(DeepSeekV3(cfg, rngs=nnx.Rngs(0)), fmt, which, group))
+
+
+def _leaf_shardings(model, mesh, table) -> dict:
+    """{state leaf path: NamedSharding}: each parameter by its logical axes; a quantized one's q and
+    scale by theirs (`quant.physical_axes`), as `load_pretrained(mesh=...)` places them."""
+    where = {}
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        path, axes = tuple(str(p) for p in path), logical_axes(var)
+        if isinstance(var, quant_model.QuantizedWeight):
+            qa = var[...]
+            q_axes, s_axes = quant_model.physical_axes(axes, qa.fmt, qa.contract)
+            where[path + ("q",)] = sharding.named_sharding(q_axes, qa.q.shape, mesh, table)
+            where[path + ("scale",)] = sharding.named_sharding(s_axes, qa.scale.shape, mesh, table)
+        else:
+            where[path] = sharding.named_sharding(axes, var.shape, mesh, table)
+    return where
 
 
 def weight_bytes(model, mesh, dep: Deployment) -> float:
@@ -236,8 +266,7 @@ def decode_step_args(cfg: ModelConfig, model, mesh, dep: Deployment, rules=None)
     """(jitted decode step of the runner, its arguments as ShapeDtypeStructs on `mesh`): every slot."""
     graphdef, state = nnx.split(model)
     table = sharding.get_rules(rules or dep.rules)
-    where = {tuple(str(p) for p in path): sharding.named_sharding(logical_axes(var), var.shape, mesh, table)
-             for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Variable)}
+    where = _leaf_shardings(model, mesh, table)
     state_sds = jax.tree_util.tree_map_with_path(
         lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where[_path(path)]), state)
     drafts = cfg.num_mtp_layers if dep.use_mtp else 0
@@ -330,13 +359,14 @@ def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tup
     largest = {c: largest_batch(cfg, dep, c, headroom=headroom, model=model) for c in CONTEXTS
                if c <= cfg.max_position_embeddings}
     print("  largest batch that fits: " + ", ".join(f"{b} x {c}" for c, b in largest.items()), file=out)
-    lowered = {}
+    lowered, held = {}, abstract_model(cfg, dep.weights, dep.group)
     for platform in platforms:
         t0 = time.perf_counter()
-        text = lower_decode(cfg, model, dataclasses.replace(dep, max_batch=max(dep.max_batch, 1)), platform).as_text()
+        text = lower_decode(cfg, held, dataclasses.replace(dep, max_batch=max(dep.max_batch, 1)), platform).as_text()
         lowered[platform] = time.perf_counter() - t0
         print(f"  decode step lowered for {platform} on the abstract {n}-device mesh in {lowered[platform]:.1f}s: "
-              f"{text.count('all_to_all')} all-to-alls ({text.count('ragged_all_to_all')} ragged)", file=out)
+              f"{text.count('all_to_all')} all-to-alls ({text.count('ragged_all_to_all')} ragged), weights held "
+              f"{dep.weights}", file=out)
     return {"plan": p, "largest": largest, "lowered": lowered}
 
 

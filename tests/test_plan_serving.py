@@ -2,8 +2,11 @@
 decode step lowered for TPU and CUDA on an abstract mesh, and the plan within 25% of XLA's
 memory_analysis() of the same step compiled on 8 fake CPU devices."""
 
+import dataclasses
+import math
 import sys
 
+import jax
 import pytest
 
 from dsv3_jax import ModelConfig
@@ -61,11 +64,33 @@ def test_weight_bytes_follow_the_parameter_count():
     assert 0.5 * size["bf16"] < size["fp8"] < 0.6 * size["bf16"]
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_decode_step_lowers_expert_parallel(platform):
-    """The server's decode step on an abstract 8-device mesh: the routed experts exchange tokens by
-    the ragged all-to-all (the collective TPU and GPU run)."""
+MESH = {"tensor": 2, "expert": 4}
+
+
+@pytest.mark.parametrize("weights", [w for w in ps.WEIGHTS if w in ps.QUANTIZED])
+def test_weight_formulas_equal_the_quantized_models_shards(weights):
+    """The planner's per-device weight bytes (formulas on the bf16 shapes) equal the bytes of the
+    shards of the model actually quantized (`quantize_model`'s q and scale arrays, placed by
+    `load_pretrained(mesh=...)`'s rules) on an abstract tensor=2 x expert=4 mesh."""
     cfg = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
-    dep = ps.Deployment("v5p", {"tensor": 2, "expert": 4}, "bf16", max_batch=8, context=256, use_mtp=True)
-    text = ps.lower_decode(cfg, ps.abstract_model(cfg), dep, platform).as_text()
+    mesh = ps.sharding.abstract_mesh(MESH, 8)
+    held = ps.abstract_model(cfg, weights)
+    where = ps._leaf_shardings(held, mesh, ps.sharding.get_rules("default"))
+    leaves = jax.tree_util.tree_leaves_with_path(ps.nnx.state(held))
+    shards = sum(math.prod(where[ps._path(p)].shard_shape(x.shape)) * x.dtype.itemsize for p, x in leaves)
+    assert any(x.dtype.itemsize == 1 for _, x in leaves)  # held quantized
+    assert ps.weight_bytes(ps.abstract_model(cfg), mesh, ps.Deployment("h100", MESH, weights)) == shards
+
+
+@pytest.mark.parametrize("platform, weights, stored", [("tpu", "fp8", "f8E4M3FN"), ("cuda", "int4", "ui8")])
+def test_decode_step_lowers_expert_parallel(platform, weights, stored):
+    """The server's decode step on an abstract 8-device mesh, the weights held in the deployment's
+    format: the routed experts exchange tokens by the ragged all-to-all (the collective TPU and GPU
+    run) and the program takes the quantized arrays (fp8 values, int4 packed in bytes)."""
+    cfg = ModelConfig.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
+    dep = ps.Deployment("v5p", MESH, weights, max_batch=8, context=256, use_mtp=True)
+    text = ps.lower_decode(cfg, ps.abstract_model(cfg, weights), dep, platform).as_text()
     assert "ragged_all_to_all" in text
+    assert stored in text
+    assert stored not in ps.lower_decode(cfg, ps.abstract_model(cfg), dataclasses.replace(dep, weights="bf16"),
+                                         platform).as_text()
