@@ -52,8 +52,11 @@ def test_xla_cost_analysis_counts_the_ledgers_matmuls():
     computes the whole masked T x T square, twice the ledger's causal half; the rest is XLA's
     elementwise work (norms, rope, softmax, loss), a few percent at width 256."""
     d, batch, seq = 256, 2, 64
+    # head_loss_impl="full": the lowered (not yet compiled) program of the chunked head still holds
+    # the forward's unused logits, which only the compiler removes
     cfg = ModelConfig.tiny(num_layers=1, num_dense_layers=1, num_mtp_layers=0, hidden_size=d,
-                           intermediate_size=2 * d, q_lora_rank=3 * d // 4, kv_lora_rank=d // 2)
+                           intermediate_size=2 * d, q_lora_rank=3 * d // 4, kv_lora_rank=d // 2,
+                           head_loss_impl="full")
     tx = optax.sgd(0.1)
     graphdef, state = jax.eval_shape(lambda: state_lib.init_train_state(DeepSeekV3(cfg, rngs=nnx.Rngs(0)), tx, 0))
     step = step_lib.make_train_step(graphdef, tx, lambda s: 0.1, mtp_weight=0.0, balance_weight=0.0,

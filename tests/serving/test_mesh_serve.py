@@ -36,10 +36,11 @@ def _prompts() -> list[list[int]]:
     return [rng.randint(3, 2000, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 8)]
 
 
-def _mesh_servers_answer(checkpoint, tmp_path, want, *weights):
-    """The mesh server, with and without --use_mtp, gives `want` for `_prompts()`."""
+def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--use_mtp",))):
+    """The mesh server, in each of `modes` (default: with and without --use_mtp), gives `want` for
+    `_prompts()`."""
     env = helpers.fake_device_env(8)
-    for flags in ([MESH, *weights], [MESH, *weights, "--use_mtp"]):
+    for flags in ([MESH, *weights, *mode] for mode in modes):
         log = tmp_path / "mesh.log"
         with serve_process(checkpoint, log, *flags, "--max_batch=8", env=env) as url:
             got = _answers(url, checkpoint.name, _prompts())
@@ -55,11 +56,14 @@ def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
 def test_quantized_mesh_server_answers_as_one_device(served_checkpoint, tmp_path, fmt):
+    """fp8 with and without MTP; int4 with MTP only (its prefill, draft and verify steps run the
+    plain decode's forward too; one server start less in the suite)."""
     log = tmp_path / "one.log"
     with serve_process(served_checkpoint, log, *WEIGHTS[fmt]) as url:
         want = _answers(url, served_checkpoint.name, _prompts())
     assert f"projections held as {fmt} (all)" in log.read_text()
-    _mesh_servers_answer(served_checkpoint, tmp_path, want, *WEIGHTS[fmt])
+    modes = ((), ("--use_mtp",)) if fmt == "fp8" else (("--use_mtp",),)
+    _mesh_servers_answer(served_checkpoint, tmp_path, want, *WEIGHTS[fmt], modes=modes)
 
 
 def _generate(checkpoint, *flags) -> list[str]:
@@ -79,9 +83,8 @@ def test_mesh_generate_answers_as_one_device(served_checkpoint):
     assert _generate(served_checkpoint, MESH, "--use_mtp") == want
 
 
-@pytest.mark.parametrize("fmt", WEIGHTS)
-def test_quantized_mesh_generate_answers_as_one_device(served_checkpoint, fmt):
-    """With --use_mtp only (its prefill, draft and verify steps cover the plain decode's forward):
-    the server test above runs both."""
-    want = _generate(served_checkpoint, *WEIGHTS[fmt])
-    assert _generate(served_checkpoint, MESH, "--use_mtp", *WEIGHTS[fmt]) == want
+def test_quantized_mesh_generate_answers_as_one_device(served_checkpoint):
+    """int4 with --use_mtp (its prefill, draft and verify steps cover the plain decode's forward);
+    fp8 on the mesh is the server test's above, through the same load and forward."""
+    want = _generate(served_checkpoint, *WEIGHTS["int4"])
+    assert _generate(served_checkpoint, MESH, "--use_mtp", *WEIGHTS["int4"]) == want
