@@ -176,7 +176,7 @@ def quant_grouped_matmul_t(dy_MxN, w_q, w_scale, group_sizes, *, fmt: str, group
     """dy [M,N] . W_g^T -> [M,K] in dy's dtype (fp32 accumulation): the x-gradient of
     `quant_grouped_matmul`. One quantization group of K at a time: its rows of every expert
     dequantised ([G, group, N]) and contracted by `ragged_dot`; rows beyond sum(group_sizes) give 0."""
-    m, (g, kq, n) = dy_MxN.shape[0], w_q.shape
+    m, kq = dy_MxN.shape[0], w_q.shape[1]
     rows = group // 2 if fmt == "int4" else group
     q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
 

@@ -21,10 +21,12 @@ update, x W_e + scale * (x A_e) B_e, inside the grouped matmul: ragged_dot with 
 B, the tile loop reading tile j's expert's A and B beside its weights (and adding their gradients
 into that expert's slot), the dense reference through every expert's adapter, then select.
 Adapters are per layer ([E, ...]) even where the weights are a layer stack read at `layer`. The
-FP8 path takes none (the adapters would run in the compute dtype beside FP8 weights: not built).
+kernel paths (FP8, int8/int4 Pallas) run them beside the kernel through ragged_dot, in the compute
+dtype.
 
 Quantized experts (`dsv3_jax.ops.quant.QArray`, frozen: inference, and QLoRA whose gradients reach
-x and the adapters, the tile loop's backward giving the weights a zero cotangent): the tile loop dequantises its
+x and the adapters; the tile loop's backward gives the weights a zero cotangent, the Pallas int
+kernel and the stored-FP8 kernel have backwards for x alone): the tile loop dequantises its
 tile's expert, ragged_dot walks K one scale group at a time over every expert, the dense reference
 dequantises the stack; stored FP8 experts run the block-scaled grouped kernel on their own blocks.
 No path holds every expert of a layer in the compute dtype except the dense reference.

@@ -39,8 +39,9 @@ def _jnp_path(x, qa):
 def test_kernel_matches_jnp_path_and_numpy(fmt, style):
     x, qa = _operands(fmt)
     bs = BlockSizes(block_m=32, block_n=128 if style == "tpu" else 64, block_k=64)
-    out, vjp = jax.vjp(lambda x: quant_grouped_matmul(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32), fmt=fmt,
-                                                       group=qa.group, block_sizes=bs, backend=style, interpret=True), x)
+    kernel = functools.partial(quant_grouped_matmul, fmt=fmt, group=qa.group, block_sizes=bs, backend=style,
+                               interpret=True)
+    out, vjp = jax.vjp(lambda x: kernel(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32)), x)
     dy = np.random.default_rng(1).normal(size=out.shape)
     dx = vjp(jnp.asarray(dy, jnp.float32))[0]  # QLoRA's backward: dx through the frozen weights
     ref = quant_grouped_matmul_reference(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32), fmt=fmt, group=qa.group)
