@@ -374,7 +374,7 @@ def _impl_for(weights, impl: str) -> str:
     return impl
 
 
-def _check_adapters(adapters, impl: str):
+def _check_adapters(adapters):
     if len(adapters) not in (0, 6):
         raise ValueError(f"expert adapters are six arrays (a1, b1, a3, b3, a2, b2), got {len(adapters)}")
 
@@ -392,7 +392,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     on a CPU host gets ragged_dot)."""
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
     impl = _impl_for(stacked, impl)
-    _check_adapters(adapters, impl)
+    _check_adapters(adapters)
     masks = adapter_masks(lora_dropout if adapters else None, *x_MxD.shape, stacked[0].shape[-1], x_MxD.dtype)
     lora = {"lora_scale": lora_scale, "masks": masks} if adapters else {}
 
@@ -449,7 +449,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
     `adapters`: the local experts' LoRA arrays, as in `grouped_expert_mlp`.
     """
     impl = _impl_for((w1_ExDxF, w3_ExDxF, w2_ExFxD), impl)
-    _check_adapters(adapters, impl)
+    _check_adapters(adapters)
     e = w1_ExDxF.shape[0]
     rows = sort_by_expert(jnp.where(valid_R, expert_R, e)[:, None], e)  # padding: expert e, no group
     x_MxD = x_RxD[rows.token_M]
