@@ -11,6 +11,11 @@ which is what the plain-jnp `quant_grouped_matmul_reference` does per expert. Ro
 in `fp8_grouped_matmul` (each group's rows padded to `block_m`, a tile -> group map by scalar
 prefetch on TPU, an ordinary input on Triton; unused tiles skipped). Rows beyond
 sum(group_sizes) give 0. Letters: M rows, G groups (experts), K in, N out, Kq stored K rows.
+
+Differentiable in x (QLoRA trains adapters over a frozen quantized base): the weights and scales
+get zero cotangents, and dx = dy W_g^T (`quant_grouped_matmul_t`) walks K one quantization group
+at a time, each group's rows of every expert dequantised and contracted by `ragged_dot` (sparse on
+TPU/GPU), so no whole expert stack is ever held in x's dtype.
 """
 
 from __future__ import annotations
@@ -137,14 +142,57 @@ def _check(x, w_q, w_scale, group_sizes, fmt, group):
 def quant_grouped_matmul(x, w_q, w_scale, group_sizes, *, fmt: str, group: int, out_dtype=None,
                          block_sizes: BlockSizes | None = None, backend=None, interpret=None):
     """x [M,K] (bf16/f32), w_q [G,K,N] int8 or [G,K/2,N] uint8/int8 packed, w_scale [G,K/group,N] f32,
-    group_sizes [G] -> [M,N] in `out_dtype` (default x's)."""
+    group_sizes [G] -> [M,N] in `out_dtype` (default x's). Differentiable in x only (frozen weights)."""
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
     _check(x, w_q, w_scale, group_sizes, fmt, group)
     bk = min(bs.block_k, round_up(x.shape[1], group))
     bs = dataclasses.replace(bs, block_k=bk if be.style == "tpu" else _backend.next_pow2(bk))
     bs.validate(be, group)
-    out_dtype = out_dtype or x.dtype
+    return _frozen_weights_mm((fmt, group, out_dtype or x.dtype, bs, be), x, w_q, w_scale, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
+    return _kernel(static, x, w_q, w_scale, group_sizes)
+
+
+def _frozen_fwd(static, x, w_q, w_scale, group_sizes):
+    return _kernel(static, x, w_q, w_scale, group_sizes), (jnp.zeros((0,), x.dtype), w_q, w_scale, group_sizes)
+
+
+def _frozen_bwd(static, res, dy_MxN):
+    """dx = dy W^T per row's group; the frozen weights' (and the sizes') cotangents are zero."""
+    fmt, group = static[:2]
+    x_like, w_q, w_scale, group_sizes = res
+    dx = quant_grouped_matmul_t(dy_MxN.astype(x_like.dtype), w_q, w_scale, group_sizes, fmt=fmt, group=group)
+    return dx, None, None, None
+
+
+_frozen_weights_mm.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def quant_grouped_matmul_t(dy_MxN, w_q, w_scale, group_sizes, *, fmt: str, group: int):
+    """dy [M,N] . W_g^T -> [M,K] in dy's dtype (fp32 accumulation): the x-gradient of
+    `quant_grouped_matmul`. One quantization group of K at a time: its rows of every expert
+    dequantised ([G, group, N]) and contracted by `ragged_dot`; rows beyond sum(group_sizes) give 0."""
+    m, kq = dy_MxN.shape[0], w_q.shape[1]
+    rows = group // 2 if fmt == "int4" else group
+    q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
+
+    def k_group(j):  # columns [j*group, (j+1)*group) of dx
+        q_j = lax.dynamic_slice_in_dim(q, j * rows, rows, axis=1)
+        w_GxgxN = dequantize_reference(q_j, lax.dynamic_slice_in_dim(w_scale, j, 1, axis=1), fmt=fmt, group=group,
+                                       dtype=dy_MxN.dtype)
+        return lax.ragged_dot(dy_MxN, jnp.swapaxes(w_GxgxN, 1, 2), group_sizes.astype(jnp.int32),
+                              preferred_element_type=jnp.float32).astype(dy_MxN.dtype)
+
+    parts_JxMxg = lax.map(k_group, jnp.arange(kq // rows))
+    return jnp.moveaxis(parts_JxMxg, 0, 1).reshape(m, kq // rows * group)
+
+
+def _kernel(static, x, w_q, w_scale, group_sizes):
+    fmt, group, out_dtype, bs, be = static
     (m, k), (g, _, n) = x.shape, w_q.shape
     q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
     bm, bn = bs.block_m, bs.block_n

@@ -12,7 +12,8 @@ Three grouped-matmul implementations compute the same function:
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
 - `pallas`: int8/int4 quantized experts through `pallas_kernels.quant_grouped_matmul` (dequantised
-  per weight tile; `auto` picks it off CPU for such experts), inference only.
+  per weight tile; `auto` picks it off CPU for such experts), expert adapters beside it through
+  ragged_dot; its backward (QLoRA) gives x the gradient through the dequantised weights.
 
 Expert LoRA: `adapters`, six arrays (a1 [E, D, r], b1 [E, r, F], a3 [E, D, r], b3 [E, r, F],
 a2 [E, F, r], b2 [E, r, D]), add to each of a row's three projections its own expert's low-rank
@@ -20,10 +21,12 @@ update, x W_e + scale * (x A_e) B_e, inside the grouped matmul: ragged_dot with 
 B, the tile loop reading tile j's expert's A and B beside its weights (and adding their gradients
 into that expert's slot), the dense reference through every expert's adapter, then select.
 Adapters are per layer ([E, ...]) even where the weights are a layer stack read at `layer`. The
-FP8 path takes none (the adapters would run in the compute dtype beside FP8 weights: not built).
+kernel paths (FP8, int8/int4 Pallas) run them beside the kernel through ragged_dot, in the compute
+dtype.
 
 Quantized experts (`dsv3_jax.ops.quant.QArray`, frozen: inference, and QLoRA whose gradients reach
-x and the adapters, the tile loop's backward giving the weights a zero cotangent): the tile loop dequantises its
+x and the adapters; the tile loop's backward gives the weights a zero cotangent, the Pallas int
+kernel and the stored-FP8 kernel have backwards for x alone): the tile loop dequantises its
 tile's expert, ragged_dot walks K one scale group at a time over every expert, the dense reference
 dequantises the stack; stored FP8 experts run the block-scaled grouped kernel on their own blocks.
 No path holds every expert of a layer in the compute dtype except the dense reference.
@@ -85,17 +88,22 @@ def _ragged_quantized(lhs_MxK, w: QArray, sizes_E):
     return acc.astype(lhs_MxK.dtype)
 
 
-def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0, masks=()):
-    def mm(lhs, rhs):
-        if isinstance(rhs, QArray):
-            return _ragged_quantized(lhs, rhs, sizes_E)
-        return jax.lax.ragged_dot(lhs, rhs, sizes_E, preferred_element_type=jnp.float32).astype(lhs.dtype)
+def _ragged_mm(lhs_MxK, rhs, sizes_E):
+    if isinstance(rhs, QArray):
+        return _ragged_quantized(lhs_MxK, rhs, sizes_E)
+    return jax.lax.ragged_dot(lhs_MxK, rhs, sizes_E, preferred_element_type=jnp.float32).astype(lhs_MxK.dtype)
 
+
+def _ragged_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters, lora_scale: float = 1.0, masks=(),
+                weight_mm=_ragged_mm):
+    """The grouped SwiGLU, each projection `weight_mm(lhs, w, sizes)`: ragged_dot (a quantized stack
+    one K group at a time), or a kernel (`_kernel_quantized`, `_fp8_mm`); adapters through ragged_dot."""
     def proj(lhs, w, i):  # lhs W_e (+ scale * (lhs m_i A_e) B_e), each row with its own expert's matrices
-        y = mm(lhs, w)
+        y = weight_mm(lhs, w, sizes_E)
         if not adapters:
             return y
-        return y + lora_scale * mm(mm(_dropped(lhs, masks, i), adapters[2 * i]), adapters[2 * i + 1])
+        u = _ragged_mm(_dropped(lhs, masks, i), adapters[2 * i], sizes_E)
+        return y + lora_scale * _ragged_mm(u, adapters[2 * i + 1], sizes_E)
 
     return proj(_swiglu(proj(x_MxD, w1_ExDxF, 0), proj(x_MxD, w3_ExDxF, 1)), w2_ExFxD, 2)
 
@@ -289,26 +297,23 @@ def _frozen_cotangent(qa: QArray) -> QArray:
 _tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)
 
 
-def _fp8_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
+def _fp8_mm(lhs_MxK, rhs, sizes_E):
+    """The FP8 block-scaled grouped kernel: stored FP8 experts [E, N, K] with their blocks (no
+    requantisation, no bf16 copy; frozen, Dgrad only), or weights quantised per step (training)."""
     from dsv3_jax.ops.linear import fp8_grouped_matmul, fp8_grouped_matmul_stored
 
-    def mm(lhs, rhs):
-        if isinstance(rhs, QArray):  # stored FP8 [E, N, K] with its blocks: no requantisation, no bf16 copy
-            return fp8_grouped_matmul_stored(lhs, rhs.q, rhs.scale, sizes_E, lhs.dtype)
-        return fp8_grouped_matmul(lhs, rhs, sizes_E, lhs.dtype)
-
-    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+    if isinstance(rhs, QArray):
+        return fp8_grouped_matmul_stored(lhs_MxK, rhs.q, rhs.scale, sizes_E, lhs_MxK.dtype)
+    return fp8_grouped_matmul(lhs_MxK, rhs, sizes_E, lhs_MxK.dtype)
 
 
-def _pallas_mlp(x_MxD, sizes_E, w1_ExDxF, w3_ExDxF, w2_ExFxD):
-    """int8/int4 experts through the Pallas grouped kernel that dequantises one weight tile at a time
-    (pallas_kernels/quant_grouped_matmul.py): the tiled path's numerics, one kernel per projection."""
+def _kernel_quantized(lhs_MxK, w: QArray, sizes_E):
+    """An int8/int4 expert stack through the Pallas grouped kernel that dequantises one weight tile
+    at a time (pallas_kernels/quant_grouped_matmul.py): the tiled path's numerics. Differentiable in
+    lhs (QLoRA): its backward gives dx through the dequantised tiles and the frozen weights nothing."""
     from pallas_kernels.quant_grouped_matmul import quant_grouped_matmul
 
-    def mm(lhs, w: QArray):
-        return quant_grouped_matmul(lhs, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs.dtype)
-
-    return mm(_swiglu(mm(x_MxD, w1_ExDxF), mm(x_MxD, w3_ExDxF)), w2_ExFxD)
+    return quant_grouped_matmul(lhs_MxK, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs_MxK.dtype)
 
 
 def kernel_ready(weights) -> bool:
@@ -369,12 +374,9 @@ def _impl_for(weights, impl: str) -> str:
     return impl
 
 
-def _check_adapters(adapters, impl: str):
+def _check_adapters(adapters):
     if len(adapters) not in (0, 6):
         raise ValueError(f"expert adapters are six arrays (a1, b1, a3, b3, a2, b2), got {len(adapters)}")
-    if adapters and impl == "fp8":
-        raise ValueError("expert LoRA adapters do not run on the fp8 grouped kernel; set "
-                         "model.fp8_matmul=False or leave the routed experts out of the LoRA targets")
 
 
 def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, w3_ExDxF: jax.Array,
@@ -390,7 +392,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     on a CPU host gets ragged_dot)."""
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
     impl = _impl_for(stacked, impl)
-    _check_adapters(adapters, impl)
+    _check_adapters(adapters)
     masks = adapter_masks(lora_dropout if adapters else None, *x_MxD.shape, stacked[0].shape[-1], x_MxD.dtype)
     lora = {"lora_scale": lora_scale, "masks": masks} if adapters else {}
 
@@ -404,7 +406,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), **lora)
 
     def pallas():
-        return _pallas_mlp(x_MxD, rows.group_sizes_E, *one_layer())
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), weight_mm=_kernel_quantized, **lora)
 
     if impl == "auto":
         return jax.lax.platform_dependent(cpu=tiled, default=ragged)
@@ -419,7 +421,7 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     if impl == "dense":
         return _dense_mlp(x_MxD, rows, *one_layer(), **lora)
     if impl == "fp8":
-        return _fp8_mlp(x_MxD, rows.group_sizes_E, *one_layer())
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), weight_mm=_fp8_mm, **lora)
     raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense, fp8 or pallas")
 
 
@@ -447,7 +449,7 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
     `adapters`: the local experts' LoRA arrays, as in `grouped_expert_mlp`.
     """
     impl = _impl_for((w1_ExDxF, w3_ExDxF, w2_ExFxD), impl)
-    _check_adapters(adapters, impl)
+    _check_adapters(adapters)
     e = w1_ExDxF.shape[0]
     rows = sort_by_expert(jnp.where(valid_R, expert_R, e)[:, None], e)  # padding: expert e, no group
     x_MxD = x_RxD[rows.token_M]
@@ -460,18 +462,21 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
     def ragged():
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights, *adapters, **lora)
 
+    def pallas():
+        return _ragged_mlp(x_MxD, rows.group_sizes_E, *weights, *adapters, weight_mm=_kernel_quantized, **lora)
+
     if impl == "auto":
         y_MxD = jax.lax.platform_dependent(cpu=tiled, default=ragged)
     elif impl == "auto_quantized":
-        y_MxD = jax.lax.platform_dependent(cpu=tiled, default=lambda: _pallas_mlp(x_MxD, rows.group_sizes_E, *weights))
+        y_MxD = jax.lax.platform_dependent(cpu=tiled, default=pallas)
     elif impl == "pallas":
-        y_MxD = _pallas_mlp(x_MxD, rows.group_sizes_E, *weights)
+        y_MxD = pallas()
     elif impl == "tiled":
         y_MxD = tiled()
     elif impl == "ragged":
         y_MxD = ragged()
     elif impl == "fp8":
-        y_MxD = _fp8_mlp(x_MxD, rows.group_sizes_E, *weights)
+        y_MxD = _ragged_mlp(x_MxD, rows.group_sizes_E, *weights, *adapters, weight_mm=_fp8_mm, **lora)
     else:  # the dense reference computes every row, padding included (clamped to a real expert)
         clamped = rows._replace(expert_M=jnp.minimum(rows.expert_M, e - 1))
         y_MxD = grouped_expert_mlp(x_MxD, clamped, *weights, *adapters, impl=impl, max_tile=max_tile,

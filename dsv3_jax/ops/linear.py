@@ -180,15 +180,47 @@ def _grouped_bwd(out_dtype, res, dy_MxN):
 fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, out_dtype) -> jax.Array:
     """x . w for a weight stored in FP8 (e4m3 [N, K] with 128x128 `scale_inv` blocks, as released):
     the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
-    Inference only (no gradient). Returns [M, N] in `out_dtype`."""
+    Returns [M, N] in `out_dtype`. The weight is frozen (inference, QLoRA): the backward is Dgrad
+    alone, dy in 1x128 tiles against the stored blocks transposed (as `fp8_matmul`'s); w gets none."""
     return _kernels()[0](*_quantize_tokens(x_MxK), w_q_NxK, w_scale, out_dtype=out_dtype)
 
 
+def _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype):
+    y_MxN = _kernels()[0](*_quantize_tokens(x_MxK), w_q_NxK, w_scale, out_dtype=out_dtype)
+    return y_MxN, (w_q_NxK, w_scale, jnp.zeros((0,), x_MxK.dtype))
+
+
+def _stored_bwd(out_dtype, res, dy_MxN):
+    w_q_NxK, w_scale, x_like = res
+    dx_MxK = _kernels()[0](*_quantize_tokens(dy_MxN), w_q_NxK.T, w_scale.T, out_dtype=jnp.float32)
+    return dx_MxK.astype(x_like.dtype), None, None
+
+
+fp8_matmul_stored.defvjp(_stored_fwd, _stored_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def fp8_grouped_matmul_stored(x_MxK: jax.Array, w_q_GxNxK: jax.Array, w_scale: jax.Array, group_sizes_G: jax.Array,
                               out_dtype) -> jax.Array:
     """`fp8_matmul_stored` for rows sorted by group (experts), each through its group's stored
-    FP8 weight [N, K]. Returns [M, N] in `out_dtype`."""
+    FP8 weight [N, K]. Returns [M, N] in `out_dtype`; frozen weights: the backward is Dgrad alone."""
     return _kernels()[1](*_quantize_tokens(x_MxK), w_q_GxNxK, w_scale, group_sizes_G, out_dtype=out_dtype)
+
+
+def _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype):
+    y_MxN = _kernels()[1](*_quantize_tokens(x_MxK), w_q_GxNxK, w_scale, group_sizes_G, out_dtype=out_dtype)
+    return y_MxN, (w_q_GxNxK, w_scale, group_sizes_G, jnp.zeros((0,), x_MxK.dtype))
+
+
+def _grouped_stored_bwd(out_dtype, res, dy_MxN):
+    w_q, w_scale, sizes_G, x_like = res
+    dx_MxK = _kernels()[1](*_quantize_tokens(dy_MxN), jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_scale, 1, 2), sizes_G,
+                           out_dtype=jnp.float32)
+    return dx_MxK.astype(x_like.dtype), None, None, None
+
+
+fp8_grouped_matmul_stored.defvjp(_grouped_stored_fwd, _grouped_stored_bwd)

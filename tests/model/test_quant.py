@@ -101,3 +101,32 @@ def test_group_must_divide_contraction():
         quant.quantize(jnp.ones((48, 8)), "int8", contract=1, group=32, name="wq_b")
     with pytest.raises(ValueError, match="not a weight format"):
         quant.quantize(jnp.ones((48, 8)), "int3", contract=1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_qlora_gradients_through_quantized_experts_equal_dense(fmt):
+    """QLoRA's backward through a frozen quantized expert stack with per-expert adapters: dx and the
+    six adapter gradients of `auto` (int: platform_dependent over the tile loop, run here, and the
+    Pallas kernel, differentiated too; fp8: the FP8 grouped kernel's jnp twin) equal autodiff of the
+    dense path over the dequantised fp32 weights. The FP8 kernels quantise x and dy in 1x128 tiles
+    (DeepSeek-V3's recipe): within the fp8 bound there. The int kernel's own backward:
+    tests/pallas_kernels/test_kernel_quant_grouped_matmul.py."""
+    x, experts, weights, *ws = _problem(24, 2, 4, d=64, f=32, seed=3)
+    qs = [quant.quantize(w, fmt, contract=1, stack=1, group=32) for w in ws]
+    dense = [jnp.asarray(quant.dequantize(q), jnp.float32) for q in qs]
+    shapes = [(4, 64, 4), (4, 4, 32), (4, 64, 4), (4, 4, 32), (4, 32, 4), (4, 4, 64)]
+    adapters = [0.3 * jax.random.normal(jax.random.key(10 + i), s) for i, s in enumerate(shapes)]
+
+    dy = jax.random.normal(jax.random.key(9), x.shape)
+
+    def grads(impl, ws):
+        def loss(x, *ad):
+            return jnp.sum(dy * dispatch.routed_experts(x, experts, weights, *ws, *ad, impl=impl, lora_scale=2.0))
+        return jax.jit(jax.grad(loss, range(7)))(x, *adapters)
+
+    for got, ref in zip(grads("auto", qs), grads("dense", dense)):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        if fmt == "fp8":
+            assert 1 - 2 * np.sum(got * ref) / np.sum(got * got + ref * ref) < 2e-3  # as the fp8 forward's bound
+        else:
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

@@ -1,8 +1,10 @@
 """quant_grouped_matmul (int8 / int4 experts dequantised per tile) against the jnp path the model
-runs (dsv3_jax/ops/dispatch.py with a QArray) and numpy, interpreted in both kernel styles."""
+runs (dsv3_jax/ops/dispatch.py with a QArray) and numpy, interpreted in both kernel styles; its
+x-gradient (QLoRA over a frozen quantized base) against numpy's dy W^T."""
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,19 +39,24 @@ def _jnp_path(x, qa):
 def test_kernel_matches_jnp_path_and_numpy(fmt, style):
     x, qa = _operands(fmt)
     bs = BlockSizes(block_m=32, block_n=128 if style == "tpu" else 64, block_k=64)
-    out = quant_grouped_matmul(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32), fmt=fmt, group=qa.group,
-                               block_sizes=bs, backend=style, interpret=True)
+    kernel = functools.partial(quant_grouped_matmul, fmt=fmt, group=qa.group, block_sizes=bs, backend=style,
+                               interpret=True)
+    out, vjp = jax.vjp(lambda x: kernel(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32)), x)
+    dy = np.random.default_rng(1).normal(size=out.shape)
+    dx = vjp(jnp.asarray(dy, jnp.float32))[0]  # QLoRA's backward: dx through the frozen weights
     ref = quant_grouped_matmul_reference(x, qa.q, qa.scale, jnp.asarray(SIZES, jnp.int32), fmt=fmt, group=qa.group)
     jnp_path = _jnp_path(x, qa)
-    want, start = np.zeros_like(jnp_path), 0
+    want, want_dx, start = np.zeros_like(jnp_path), np.zeros(x.shape), 0
     for e, size in enumerate(SIZES):  # numpy on the independently decoded weights
         want[start:start + size] = np.asarray(x[start:start + size], np.float64) @ np_dequantize(qa)[e]
+        want_dx[start:start + size] = dy[start:start + size] @ np_dequantize(qa)[e].T
         start += size
     assert out.shape == (100, 160)
     for got in (out, ref):
         np.testing.assert_allclose(np.asarray(got), jnp_path, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(out)[sum(SIZES):] == 0)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)  # rows past the groups: 0
 
 
 def test_kernel_errors_name_the_shape():
@@ -65,7 +72,9 @@ def test_kernel_errors_name_the_shape():
 def test_kernel_lowers(fmt, style_, platform):
     x, qa = _operands(fmt, m=300, k=256, n=256, group=128)
     f = functools.partial(quant_grouped_matmul, fmt=fmt, group=128, backend=style_, interpret=False)
-    lowers(f, (x.astype(jnp.bfloat16), qa.q, qa.scale, jnp.array([100, 0, 150, 50], jnp.int32)), platform)
+    args = (x.astype(jnp.bfloat16), qa.q, qa.scale, jnp.array([100, 0, 150, 50], jnp.int32))
+    lowers(f, args, platform)
+    lowers(jax.grad(lambda x, *w: jnp.sum(f(x, *w).astype(jnp.float32))), args, platform)  # QLoRA's backward
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

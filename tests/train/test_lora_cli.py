@@ -1,10 +1,13 @@
 """LoRA through its command line: `python -m experiments.train --config=experiments/configs/lora.py
 --init_from=RUN` on a model pretrained here (tests/train/conftest.py, the one pretraining the SFT and
 pretraining CLI tests share) fine-tunes on the bundled chat set: the held-out SFT loss falls, only
-the adapters train, router biases stay; a run with adapter dropout resumes exactly from a
-checkpoint; on an fsdp=2 x expert=4 mesh it gives the single-device losses; the exports load in
-transformers and peft; QLoRA (an int4 base) trains its adapters alone and exports merged."""
+the adapters train, router biases stay; on an fsdp=2 x expert=4 mesh it gives the single-device
+losses; the exports load in transformers and peft; QLoRA (an int4 base, adapter dropout) trains
+its adapters alone, resumes exactly from a checkpoint and exports merged. Exports run convert's
+main in this process."""
 
+import contextlib
+import io
 import json
 import shutil
 import sys
@@ -23,6 +26,7 @@ LORA_STEPS = 8
 LORA = [f"--steps={LORA_STEPS}", "--config.data.seq_len=112", "--config.optimizer.peak_lr=1e-2",
         "--config.optimizer.warmup_steps=2", "--config.train.eval_every=4", "--config.train.checkpoint_every=2"]
 DROPOUT_RUN = ["--config.lora.dropout=0.1"]  # the default targets (what a PEFT folder carries), adapter dropout
+QLORA_RUN = ["--config.lora.base_weights=int4", *DROPOUT_RUN]  # the same over an int4 base
 
 
 def lora_command(workdir, pretrained, *flags, cache_dir):
@@ -85,26 +89,6 @@ def test_lora_lowers_the_held_out_sft_loss_and_trains_the_adapters_only(pretrain
     np.testing.assert_array_equal(after.read(bias), before.read(bias))
 
 
-def test_lora_run_with_dropout_resumes_exactly(pretrained, dropout_run, tmp_path, compile_cache):
-    """The dropout run (adapter dropout 0.1) cut back to its step-4 checkpoint, as a kill after
-    step 4 leaves it, and restarted: steps 5-8 (losses, gradient norms, held-out losses) equal the
-    uninterrupted run's: the dropout masks come from the checkpointed train-state key."""
-    reference_dir, reference = dropout_run
-    workdir = tmp_path / "run"
-    shutil.copytree(reference_dir, workdir)
-    for step in (workdir / "checkpoints").iterdir():
-        if step.name.isdigit() and int(step.name) > 4:
-            shutil.rmtree(step)
-    result = run_lora(workdir, pretrained, *DROPOUT_RUN, cache_dir=compile_cache)
-    assert "resumed from" in result.stderr and "at step 4" in result.stderr
-    resumed = read_records(workdir)
-    assert [r["step"] for r in resumed] == list(range(LORA_STEPS + 1))
-    for got, want in zip(resumed[5:], reference[5:]):
-        for key in (*COMPARED, "eval_loss", "pretrain_eval_loss"):
-            if key in want:
-                np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=f"step {got['step']} {key}")
-
-
 def _mesh_losses(workdir, pretrained, devices: int, *mesh) -> list[float]:
     """Two steps of expert LoRA on pretraining text rows of 32 tokens (the mesh is what is compared)."""
     env = workers.fake_device_env(XLA_FLAGS="--xla_cpu_collective_timeout_seconds=900 "
@@ -125,9 +109,15 @@ def test_lora_on_a_mesh_equals_one_device(pretrained, tmp_path):
 
 
 def _convert(*args, code=0):
-    out = run([sys.executable, "-m", "dsv3_jax.convert", "--to-hf", "--no-progress", *args], train_env(), timeout=600)
-    assert out.returncode == code, out.stderr[-3000:]
-    return out.stderr
+    """`python -m dsv3_jax.convert --to-hf ...` through its main in this process (no interpreter
+    and jax start per export); returns what it printed to stderr."""
+    from dsv3_jax import convert
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = convert.main(["--to-hf", "--no-progress", *map(str, args)])
+    assert got == code, err.getvalue()[-3000:]
+    return err.getvalue()
 
 
 def _close(got, want):
@@ -198,12 +188,15 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
     _close(np.asarray(again(tokens)), ours)
 
 
-def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, tmp_path, compile_cache):
-    """`--config.lora.base_weights=int4`: the held-out SFT loss falls; the checkpoint holds the base
-    as int4 (packed q, scales) bit-equal to quantizing the pretrained weights, and optimizer state
-    of exactly the adapters' size (measured on the stored arrays); cut back to step 4 and restarted,
-    the run repeats steps 5-8 exactly (the quantized base restored from its checkpoint); the merged
-    export (dequantized base + s A B) loads in transformers with the adapter model's logits."""
+def test_qlora_trains_adapters_over_an_int4_base_resumes_exactly_and_exports_merged(pretrained, tmp_path,
+                                                                                     compile_cache):
+    """`--config.lora.base_weights=int4` with adapter dropout 0.1: the held-out SFT loss falls; the
+    checkpoint holds the base as int4 (packed q, scales) bit-equal to quantizing the pretrained
+    weights, and optimizer state of exactly the adapters' size (measured on the stored arrays); cut
+    back to its step-4 checkpoint, as a kill after step 4 leaves it, and restarted, the run repeats
+    steps 5-8 (losses, gradient norms, held-out losses) exactly: the quantized base restored from
+    its checkpoint, the dropout masks from the checkpointed train-state key; the merged export
+    (dequantized base + s A B) loads in transformers with the adapter model's logits."""
     torch = pytest.importorskip("torch")
     import transformers
 
@@ -211,7 +204,7 @@ def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, 
     from dsv3_jax.checkpoint.run_folder import StateParams, find
 
     workdir = tmp_path / "qlora"
-    run_lora(workdir, pretrained, "--config.lora.base_weights=int4", cache_dir=compile_cache)
+    run_lora(workdir, pretrained, *QLORA_RUN, cache_dir=compile_cache)
     records = read_records(workdir)
     assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.05, (records[0], records[-1])
     state = StateParams(find(workdir))
@@ -230,10 +223,14 @@ def test_qlora_trains_adapters_over_an_int4_base_and_exports_merged(pretrained, 
     for step in (resumed_dir / "checkpoints").iterdir():
         if step.name.isdigit() and int(step.name) > 4:
             shutil.rmtree(step)
-    result = run_lora(resumed_dir, pretrained, "--config.lora.base_weights=int4", cache_dir=compile_cache)
-    assert "at step 4" in result.stderr
-    for got, want in zip(read_records(resumed_dir)[5:], records[5:]):
-        assert got["step"] == want["step"] and got["loss"] == want["loss"], (got, want)
+    result = run_lora(resumed_dir, pretrained, *QLORA_RUN, cache_dir=compile_cache)
+    assert "resumed from" in result.stderr and "at step 4" in result.stderr
+    resumed = read_records(resumed_dir)
+    assert [r["step"] for r in resumed] == list(range(LORA_STEPS + 1))
+    for got, want in zip(resumed[5:], records[5:]):
+        for key in (*COMPARED, "eval_loss", "pretrain_eval_loss"):
+            if key in want:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=f"step {got['step']} {key}")
 
     _convert(f"--ckpt={workdir}", f"--out={tmp_path / 'merged'}")
     model = load_pretrained(workdir, dtype="float32")  # the int4 base (from --init_from) + the run's adapters
