@@ -67,3 +67,13 @@ def reached_preemption(step: int) -> bool:
     from jax.experimental import multihost_utils
 
     return multihost_utils.reached_preemption_sync_point(step)
+
+
+def barrier(name: str, timeout_s: float = 3600.0) -> None:
+    """Waits until every process reaches the barrier `name`, through the coordination service (no
+    device collective). Nothing without jax.distributed (one process)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
