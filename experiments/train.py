@@ -279,7 +279,7 @@ def train(config) -> list[dict]:
     start = int(state.step)
 
     # The state is donated on every platform: this loop reads nothing from a state once the next step
-    # has it, and on CPU a buffer that an async save still views is copied by the runtime, not reused.
+    # has it (on CPU saves are synchronous: an async save's host views would keep the buffers alive).
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
                        bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True)
     first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
