@@ -61,12 +61,15 @@ def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
     """Builds `count` independently initialised layers stacked on a leading `layers` axis."""
 
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(layer_rngs):
+    def make_one(layer_rngs):
         return make_layer(layer_rngs)
 
-    stacked = make(rngs)
+    # Staged into a program (the sharded start's jit), one layer at a time: the RNG's uint32
+    # intermediates (~8x a leaf's shard) then exist for one layer, not for the whole stack at once.
+    # Run eagerly, all layers at once (vmap). Either way layer i draws from split key i: same values.
+    staged = isinstance(jnp.zeros(()), jax.core.Tracer)
+    over_layers = nnx.scan(make_one, in_axes=(0,), out_axes=0) if staged else nnx.vmap(make_one, in_axes=(0,), out_axes=0)
+    stacked = nnx.split_rngs(splits=count)(over_layers)(rngs)
     for _, node in nnx.iter_graph(stacked):
         if isinstance(node, nnx.Variable):
             node.set_metadata(logical_axes=(LAYERS,) + logical_axes(node))
