@@ -275,9 +275,9 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
     row = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharded.batch_sharding(mesh, rules))
     batch_sds = {"tokens": row, "segment_ids": row, "positions": row}
     if opts.check_compiled:  # a concrete mesh of this host's devices, lowered for them
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
             return jitted.trace(abstract, batch_sds, **kwargs).lower()
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), sharding.use_rules(rules):
         return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(opts.platform,))
 
 

@@ -27,8 +27,10 @@ from experiments.launch import local
 
 # The tiny config grown to a ~2.1 GB train state: 3 MoE layers + the MTP layer of 16 experts of
 # 512 x 1600 (each process holds a quarter of it on 4 processes).
-BIG = ["--config.model.hidden_size=512", "--config.model.intermediate_size=2048",
-       "--config.model.moe_intermediate_size=1600", "--config.model.num_routed_experts=16"]
+SIZES = {"hidden_size": 512, "intermediate_size": 2048, "moe_intermediate_size": 1600, "num_routed_experts": 16}
+# Per-layer remat, as the 671B config: the backward gathers a layer's weights again instead of
+# keeping every layer's gathered weights from the forward.
+BIG = [f"--config.model.{k}={v}" for k, v in SIZES.items()] + ["--config.model.remat=True"]
 # Short runs: a global batch of 8 rows (config.data.batch_size is per process), a checkpoint every
 # 2 steps, a metrics line every step, no eval.
 RUN = ["--config.data.seq_len=32", "--config.train.log_every=1",
@@ -44,7 +46,7 @@ def state_bytes() -> int:
     from experiments.configs.tiny import get_config
 
     d = get_config().model.to_dict()
-    d.update({f.split("=")[0].split(".")[-1]: int(f.split("=")[1]) for f in BIG})
+    d.update(SIZES)
     counts = ModelConfig.from_dict(d).param_counts()
     return 12 * (counts["total"] + counts["mtp"])
 

@@ -278,16 +278,26 @@ def train(config) -> list[dict]:
     del model  # its weights now live in the state (donated)
     start = int(state.step)
 
+    # The state is donated on every platform: this loop reads nothing from a state once the next step
+    # has it (on CPU saves are synchronous: an async save's host views would keep the buffers alive).
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
-                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable)
+                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True)
+    first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
     if on_mesh is None:
         train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
     else:
         mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
-                                                    **step_kwargs)
+                                                    on_mesh.rules, **step_kwargs)
 
         def train_step(state, batch):
             return mesh_step(state, on_mesh.place_batch(batch))
+
+        if jax.process_count() > 1 and jax.default_backend() == "cpu" and start < tc.steps:
+            # XLA:CPU's collectives (gloo) give a process 30 s to join the first one, and processes
+            # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
+            first_batch = next(train_iter)
+            mesh_step.compile(state, on_mesh.place_batch(first_batch))
+            multihost.barrier("train_step_compiled")
     eval_step = step_lib.make_eval_step(graphdef)
     if on_mesh is not None:
         host_eval_step = eval_step
@@ -314,7 +324,8 @@ def train(config) -> list[dict]:
         with checkpointing.Preemption() as preemption:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
-                state, m = train_step(state, next(train_iter))
+                batch, first_batch = (next(train_iter) if first_batch is None else first_batch), None
+                state, m = train_step(state, batch)
                 if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
                     _check_skips(*previous, tc.max_consecutive_skips)
                 # From the metrics, not the state: the next step donates the state's buffers.

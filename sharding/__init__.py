@@ -9,5 +9,5 @@ ppermute), multihost (jax.distributed start-up, per-process batch rows).
 """
 
 from sharding.mesh import AXES, MeshError, abstract_mesh, check_divides, make_mesh, resolve_sizes
-from sharding.rules import (BATCH_AXES, PRESETS, STAGE_BATCH_AXES, ShardingRuleError, follow_params, get_rules,
-                            logical_to_spec, named_sharding, replicated, shards_of)
+from sharding.rules import (BATCH_AXES, PRESETS, STAGE_BATCH_AXES, ShardingRuleError, active_rules, follow_params,
+                            get_rules, logical_to_spec, named_sharding, replicated, shards_of, use_rules)

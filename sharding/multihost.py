@@ -67,3 +67,16 @@ def reached_preemption(step: int) -> bool:
     from jax.experimental import multihost_utils
 
     return multihost_utils.reached_preemption_sync_point(step)
+
+
+def barrier(name: str, timeout_s: float = 3600.0) -> None:
+    """Waits until every process reaches the barrier `name` (unique per run), through the
+    coordination service that `jax.distributed` started, not through a device collective: XLA:CPU
+    creates a collective's gloo context at its first call and gives the other processes 30 s to
+    join it, so `multihost_utils.sync_global_devices` (an all-gather) fails the same way as the
+    step's first collective when processes arrive minutes apart. Nothing with one process."""
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost as ocp_multihost  # its public coordination-service barrier
+
+    ocp_multihost.get_barrier_sync_fn()(key=name, timeout_ms=int(timeout_s * 1000))

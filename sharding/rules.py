@@ -20,6 +20,8 @@ of the moments, and XLA gathers the updated parameters back to their own shardin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Mapping, Sequence, Union
 
@@ -82,6 +84,27 @@ def get_rules(rules: str | Rules | None) -> dict[str, MeshAxes]:
             raise ShardingRuleError(f"unknown sharding preset {rules!r}; presets: {sorted(PRESETS)}")
         return dict(PRESETS[rules])
     return dict(rules)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sharding_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: str | Rules | None):
+    """The rules a program traced inside this block is partitioned by (beside `jax.set_mesh`): a
+    scanned layer stack constrains each layer's weights to them, so a layer's weights are gathered
+    inside the loop, one layer at a time, not the whole stack before it. jax's trace cache does not
+    see the rules: trace a jitted function under one set of rules only."""
+    token = _ACTIVE.set(get_rules(rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> dict[str, MeshAxes] | None:
+    """The rules of the innermost `use_rules` block, or None outside one."""
+    return _ACTIVE.get()
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

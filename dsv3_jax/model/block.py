@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import params
 from dsv3_jax.model.attention import MLA, LatentCache
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
@@ -85,8 +86,10 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
         x, (stats, entries_L) = scan(x_BxTxD, blocks, jnp.arange(num_layers))
         return x, stats, cache.write_layers(entries_L, ctx.positions)
 
+    constrain = params.layer_constraint(blocks)
+
     def body(x, block):
-        return block(x, ctx)
+        return constrain(block)(x, ctx)
 
     if remat:
         body = nnx.remat(body)

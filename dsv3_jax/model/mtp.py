@@ -53,8 +53,10 @@ def run_mtp(layers: MTPLayer, h_BxTxD: jax.Array, emb_BxTxD: jax.Array, ctx: Con
     depth = layers.eh_proj.shape[0]
     emb_next = jnp.stack([shift_left(emb_BxTxD, k) for k in range(1, depth + 1)])
 
+    constrain = params.layer_constraint(layers)
+
     def body(h, layer, emb):
-        h, stats = layer(h, emb, ctx)
+        h, stats = constrain(layer)(h, emb, ctx)
         return h, (h, stats)
 
     if remat:

@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import sharding
 
 LAYERS = "layers"
 
@@ -58,16 +61,42 @@ def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
     """Builds `count` independently initialised layers stacked on a leading `layers` axis."""
 
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(layer_rngs):
+    def make_one(layer_rngs):
         return make_layer(layer_rngs)
 
-    stacked = make(rngs)
+    # Staged into a program (the sharded start's jit), one layer at a time: the RNG's uint32
+    # intermediates (~8x a leaf's shard) then exist for one layer, not for the whole stack at once.
+    # Run eagerly, all layers at once (vmap). Either way layer i draws from split key i: same values.
+    staged = isinstance(jnp.zeros(()), jax.core.Tracer)
+    over_layers = nnx.scan(make_one, in_axes=(0,), out_axes=0) if staged else nnx.vmap(make_one, in_axes=(0,), out_axes=0)
+    stacked = nnx.split_rngs(splits=count)(over_layers)(rngs)
     for _, node in nnx.iter_graph(stacked):
         if isinstance(node, nnx.Variable):
             node.set_metadata(logical_axes=(LAYERS,) + logical_axes(node))
     return stacked
+
+
+def layer_constraint(stack: nnx.Module) -> Callable[[nnx.Module], nnx.Module]:
+    """For a layer stack [L, ...] run by a scan: the function the scan body applies to its layer,
+    which pins each weight to its slice of the stack's sharding under the context mesh and rules
+    (`jax.set_mesh`, `sharding.use_rules`). Without the pin XLA gathers what a layer needs of the
+    whole stack before the loop (every MoE layer's experts at once, and their gradients after it);
+    with it, each layer's weights are gathered inside the loop, and their gradients reduced there,
+    one layer at a time. The identity outside a mesh or without rules."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), sharding.active_rules()
+    if rules is None or mesh.empty or mesh.size == 1:
+        return lambda layer: layer
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    specs = jax.tree.map(lambda v: P(*sharding.logical_to_spec(logical_axes(v), v.shape, mesh, rules)[1:]),
+                         nnx.split(stack)[1], is_leaf=is_var)
+
+    def constrain(layer: nnx.Module) -> nnx.Module:
+        graphdef, state = nnx.split(layer)
+        state = jax.tree.map(lambda v, spec: v.replace(jax.lax.with_sharding_constraint(v[...], spec)),
+                             state, specs, is_leaf=is_var)
+        return nnx.merge(graphdef, state)
+
+    return constrain
 
 
 def dtype_of(name: str):

@@ -2,8 +2,8 @@
 
 A checkpoint is an `ocp.args.Composite` of `state` (the whole `TrainState`: parameters,
 optimizer state, router biases, step, RNG, skip counters) and `data` (the grain iterator's
-position), so a restore resumes at exactly the next batch. Saves are asynchronous: the step loop
-continues while the previous checkpoint is written; a crash mid-write leaves only an unfinished
+position), so a restore resumes at exactly the next batch. Saves are asynchronous (except on CPU,
+see `Checkpointer`): the step loop continues while the previous checkpoint is written; a crash mid-write leaves only an unfinished
 temporary folder, which Orbax ignores, so the last complete checkpoint is what a restart finds.
 
 `Preemption` turns SIGTERM (pre-emption) into a step, agreed by all processes, at which the run
@@ -12,6 +12,7 @@ saves a final checkpoint and exits cleanly instead of dying mid-step (or hanging
 
 from __future__ import annotations
 
+import ctypes
 import signal
 
 import jax
@@ -23,10 +24,17 @@ from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool | None = None):
+        """`async_save` None: asynchronous except on CPU. There device memory is host memory: an
+        async save holds the saved step's buffers (zero-copy host views) while the next step runs,
+        so that step cannot reuse them (donation) and the process holds two copies of its state;
+        a synchronous save writes them and lets them go before the next step."""
         if every < 1 or keep < 1:
             raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
         self.every = every
+        if async_save is None:
+            async_save = jax.default_backend() != "cpu"
+        self._async = async_save
         # The interval is applied here, not by Orbax, which also saves whenever no checkpoint exists yet.
         options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep,
                                                enable_async_checkpointing=async_save, create=True)
@@ -42,19 +50,37 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
+        release_freed_host_memory()
         return restored["state"]
 
     def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or `force`); returns whether a save started."""
         if step % self.every and not force:
             return False
-        return self.manager.save(step, force=True, args=ocp.args.Composite(
+        started = self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator)))
+        if not self._async:
+            release_freed_host_memory()
+        return started
 
     def close(self):
         """Waits for a pending async save, then releases the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def release_freed_host_memory() -> None:
+    """On CPU, hands the heap memory a save or restore freed back to the OS (glibc's malloc_trim).
+    A save's host copies (~0.85x the bytes written, measured) stay in the process once freed (the
+    I/O threads' malloc arenas), and the next step's temporaries came on top of them: a 2.1 GB
+    state on 8 fake devices peaked 1.7 GB higher in the step after a save than in the first step.
+    Nothing elsewhere (device memory is not the heap) or without glibc."""
+    if jax.default_backend() != "cpu":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def abstract_like(tree, shardings=None):

@@ -80,20 +80,28 @@ def place_batch(batch: dict, mesh, rules=None) -> dict:
 
 
 def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable,
-                            state_shardings: state_lib.TrainState, mesh, **step_kwargs):
+                            state_shardings: state_lib.TrainState, mesh, rules=None, **step_kwargs):
     """`make_train_step` whose outputs keep the state's shardings; inputs must already be placed.
 
     Runs under `jax.set_mesh(mesh)`, so with an `expert` axis the routed experts run expert-parallel
     (sharding/expert_parallel.py) and everything else is partitioned by XLA from the shardings.
+    `rules` (those the state's shardings came from; default: the `default` preset, as
+    `train_state_shardings`): the layer scans gather one layer's weights at a time (`sharding.use_rules`).
     """
     jit_kwargs = {"out_shardings": (state_shardings, sharding.replicated(mesh))}
     step = step_lib.make_train_step(graphdef, tx, schedule, jit_kwargs=jit_kwargs, **step_kwargs)
 
     def sharded_step(state, batch):
         # Traced under the mesh: the MoE layers see it and switch to all-to-all expert parallelism.
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
             return step(state, batch)
 
+    def compile(state, batch) -> None:
+        """Compiles the step for these arguments without running it (the call then finds it compiled)."""
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
+            step.func.lower(state, batch, **step.keywords).compile()
+
+    sharded_step.compile = compile
     return sharded_step
 
 

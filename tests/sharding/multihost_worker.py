@@ -45,11 +45,18 @@ def main(port: int, num_processes: int, process_id: int):
     state = state_lib.fresh_train_state(make_model, tx, 0, shardings)  # each process: its devices' shards
     step = sharded.make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **pw.LOSS_KW)
     row_sharding = sharded.batch_sharding(mesh)
-    curve = []
-    for batch in batches:
+
+    def global_batch(batch):
         rows = multihost.process_rows(row_sharding, batch["tokens"].shape)
         local = {k: v[rows] for k, v in batch.items()}  # what this process's data loader would read
-        state, metrics = step(state, multihost.global_batch(local, row_sharding, pw.BATCH))
+        return multihost.global_batch(local, row_sharding, pw.BATCH)
+
+    if num_processes > 1:  # as the trainer: compiled on both before the first collective (gloo's 30 s join)
+        step.compile(state, global_batch(batches[0]))
+        multihost.barrier("multihost_worker_compiled")
+    curve = []
+    for batch in batches:
+        state, metrics = step(state, global_batch(batch))
         curve.append(float(metrics["loss"]))
     # A replicated reduction every process can read: the sum of squares of every parameter.
     sq = jax.jit(lambda p: sum(jax.numpy.sum(x * x) for x in jax.tree.leaves(p)),

@@ -206,3 +206,35 @@ def test_adam_moments_are_split_over_data_zero_1():
             assert any("data" in ((e,) if isinstance(e, str) else e or ()) for e in sh.spec), sh.spec
             assert np.prod(sh.shard_shape(leaf.shape)) * 2 == np.prod(param_sh.shard_shape(leaf.shape))
     assert shardings.opt_state[0].count.spec == P()
+
+
+@pytest.mark.parametrize("preset, mesh_sizes", [("default", {"fsdp": 8}), ("default", {"fsdp": 2, "expert": 4}),
+                                                ("expert_tensor", {"expert": 4, "tensor": 2})])
+def test_scan_body_pins_each_layer_to_its_slice_of_the_stack_sharding(preset, mesh_sizes):
+    """Inside a layer scan, `layer_constraint` pins every weight of the layer to the spec the rules
+    give its stack, less the layer axis (so XLA gathers one layer at a time), and does nothing
+    without rules."""
+    import jax
+    from dsv3_jax.model import params as params_lib
+
+    cfg = ModelConfig.tiny().replace(num_layers=5)
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    graphdef, stacked = nnx.split(model.moe_layers)
+    mesh = sharding.abstract_mesh(mesh_sizes, 8)
+    _, params, biases = state_lib.split_model(model)
+    want = sorted(str(P(*sh.spec[1:])) for variables in (params, biases)
+                  for path, (_, sh) in sharded.variable_shardings(variables, mesh, sharding.get_rules(preset)).items()
+                  if path[0] == "moe_layers")
+
+    def pinned():
+        def first_layer(stack_state):  # a new function each time: jax's trace cache does not see the rules
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stack_state))
+            return nnx.split(params_lib.layer_constraint(model.moe_layers)(layer))[1]
+
+        jaxpr = jax.make_jaxpr(first_layer)(stacked)
+        return sorted(str(e.params["sharding"].spec) for e in jaxpr.eqns if e.primitive.name == "sharding_constraint")
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert pinned() == []
+        with sharding.use_rules(preset):
+            assert pinned() == want
