@@ -15,8 +15,8 @@ from tests.sharding import workers
 TOL = 1e-5
 
 
-def run_worker(*args):
-    rows = workers.run_worker("tests.sharding.parity_worker", *args, timeout=1500)
+def run_worker(*args, timeout: int = 1500):
+    rows = workers.run_worker("tests.sharding.parity_worker", *args, timeout=timeout)
     assert [r["mesh"] for r in rows] == [a for a in args if not a.startswith("--")]
     return rows
 
@@ -45,7 +45,7 @@ def test_pipeline_schedules_match_one_device():
     # two empty), whose backwards run by hand. Even splits of those two: tests/sharding/test_pipeline.py.
     meshes = ["pipeline=2,expert=2,data=2", "pipeline=4,data=2", "pipeline=4,data=2:circular",
               "pipeline=4,data=2:1f1b", "pipeline=4,data=2:dualpipev"]
-    rows = run_worker("--num_layers=7", *meshes)
+    rows = run_worker("--num_layers=7", *meshes, timeout=3000)  # the work of the two workers it replaces
     assert [r["moe_layers"] for r in rows] == [6] * len(meshes)
     for row in rows:
         check(row)
