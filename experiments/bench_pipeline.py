@@ -20,9 +20,10 @@ DualPipeV's theory column is its table's own count: the idle share of the forwar
 and the backward table's F, B and W slots (sharding/dualpipev.py:schedule_table), each slot a
 half-stage chunk; its b / a theory is that of the units (U(M) = a' M + b': b' / a').
 
-All runs happen side by side in one process (the machine is shared and noisy), median of several
-repeats. Stages are fake CPU devices here, which share the host's cores; that scales a and b
-alike, so the ratios hold even though absolute times are not those of real chips.
+All runs happen side by side in one process (the machine is shared and noisy): every (schedule, M)
+is compiled first, then timed in rounds that alternate them, median over the rounds. Stages are
+fake CPU devices here, which share the host's cores; that scales a and b alike, so the ratios hold
+even though absolute times are not those of real chips.
 
     python -m experiments.bench_pipeline [--stages 4 --layers 8 --microbatches 1 2 4 8 16]
 """
@@ -78,15 +79,6 @@ def main() -> None:
     def layer(p, x, side):
         return x + jnp.tanh(x @ p["w1"]) @ p["w2"], None
 
-    def timed(fn, *a) -> float:
-        jax.block_until_ready(fn(*a))  # warm
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-
     s = args.stages
     mesh = sharding.make_mesh({"pipeline": s}, devices=jax.devices()[:s])
     rng = np.random.default_rng(0)
@@ -107,24 +99,39 @@ def main() -> None:
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
     ms = np.asarray(args.microbatches, np.float64)
-    print(f"{'schedule':>9} {'M':>4} {'temp MiB':>9} {'step ms':>9} {'bubble measured':>16} {'theory':>7}")
+    runs, temps = {}, {}  # (schedule, M) -> (compiled step, its inputs) / temporaries MiB
     for schedule in args.schedules:
         step = make_step(schedule)
-        temps, times = [], []
         for m in args.microbatches:
             xs = jnp.asarray(rng.standard_normal((m, args.rows, args.dim)), jnp.float32)
             compiled = step.lower(stacked, xs).compile()
-            temps.append(compiled.memory_analysis().temp_size_in_bytes / 2 ** 20)
-            times.append(timed(compiled, stacked, xs))
-        a, b = np.polyfit(ms, times, 1)
-        slope = np.polyfit(ms, temps, 1)[0]
-        for m, mem, t in zip(args.microbatches, temps, times):
-            print(f"{schedule:>9} {m:>4} {mem:>9.2f} {t * 1e3:>9.1f} {1 - a * m / t:>16.3f} "
+            temps[schedule, m] = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+            runs[schedule, m] = (compiled, xs)
+            jax.block_until_ready(compiled(stacked, xs))  # warm
+    # Timed in rounds: each round runs every (M, schedule) once, alternating, so that load on the
+    # shared machine falls on all of them alike; the median over rounds is reported.
+    times = {key: [] for key in runs}
+    for _ in range(args.repeats):
+        for m in args.microbatches:
+            for schedule in args.schedules:
+                compiled, xs = runs[schedule, m]
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(stacked, xs))
+                times[schedule, m].append(time.perf_counter() - t0)
+    print(f"{'schedule':>9} {'M':>4} {'temp MiB':>9} {'step ms':>9} {'bubble measured':>16} {'theory':>7}")
+    for schedule in args.schedules:
+        t = np.asarray([np.median(times[schedule, m]) for m in args.microbatches])
+        mem = np.asarray([temps[schedule, m] for m in args.microbatches])
+        a, b = np.polyfit(ms, t, 1)
+        slope = np.polyfit(ms, mem, 1)[0]
+        for m, mem_m, t_m in zip(args.microbatches, mem, t):
+            print(f"{schedule:>9} {m:>4} {mem_m:>9.2f} {t_m * 1e3:>9.1f} {1 - a * m / t_m:>16.3f} "
                   f"{theory(schedule, m):>7.3f}", flush=True)
+        formula = {"gpipe": "(S-1)/(M+S-1)", "1f1b": "(S-1)/(M+S-1)", "circular": "(S-1)/(R*M+S-1)",
+                   "dualpipev": "the table's idle share"}[schedule]
         print(f"{schedule:>9} fit t(M) = {a * 1e3:.2f} ms * M + {b * 1e3:.2f} ms: b / a = {b / a:.2f} microbatches "
-              f"(theory {theory_ratio(schedule):.2f}); temporaries grow {slope:.3f} MiB per microbatch "
-              f"= {slope / boundary:.1f} x one microbatch's stack input", flush=True)
-
+              f"(theory {theory_ratio(schedule):.2f}; bubble {formula}); temporaries grow {slope:.3f} MiB per "
+              f"microbatch = {slope / boundary:.1f} x one microbatch's stack input", flush=True)
 
 if __name__ == "__main__":
     main()

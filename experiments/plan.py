@@ -78,6 +78,7 @@ class Options(NamedTuple):
     platform: str = "tpu"  # lowering platform of the abstract plan
     lower: bool = True  # trace and lower the train step
     check_compiled: bool = False  # compile on this host's devices and compare memory_analysis()
+    compile_init: bool = True  # with check_compiled: compile the fresh init too
 
     @property
     def lowering_platform(self) -> str:
@@ -162,7 +163,7 @@ def plan(config, opts: Options = Options()) -> dict:
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
                 stack_tokens // micro, outer, stack)
     init_compiled = report_init(cfg, tx, config.train.seed, shardings, mesh, n, opts)
-    lowered_s, compiled = None, None
+    lowered_s, compiled, memory = None, None, None
     if opts.lower:
         t0 = time.perf_counter()
         lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config, opts)
@@ -175,6 +176,7 @@ def plan(config, opts: Options = Options()) -> dict:
               f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
         if opts.check_compiled:
             m = lowered.compile().memory_analysis()
+            memory = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
             compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
             # Per device: memory_analysis() of the SPMD executable. The donated state is both an
             # argument and an (aliased) output, counted once; gradients and activations are temporaries.
@@ -183,7 +185,7 @@ def plan(config, opts: Options = Options()) -> dict:
                   f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
                   f"plan total / compiled = {total / compiled:.3f}")
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
-            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled,
+            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled, "compiled_memory": memory,
             "state_bytes": params_b + bias_b + opt_b, "init_compiled_bytes": init_compiled}
 
 
@@ -254,7 +256,7 @@ def report_init(cfg: ModelConfig, tx, seed: int, shardings, mesh, n: int, opts: 
     print(f"train state init lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}"
           f"{n}-device mesh in {time.perf_counter() - t0:.1f}s: its outputs per device {out_b / GiB:.3f} GiB "
           f"(each device initialises only its shards)")
-    if not opts.check_compiled:
+    if not (opts.check_compiled and opts.compile_init):
         return None
     m = lowered.compile().memory_analysis()
     print(f"init compiled on this host, memory_analysis() per device: outputs {m.output_size_in_bytes / GiB:.3f} GiB "

@@ -51,7 +51,10 @@ plan is checked against `memory_analysis()` of the compiled step (tests/sharding
 the TPU program's rows (`ragged_dot`, ragged exchange) follow the same count and have not been
 compared with a TPU compile. Not counted: the copy of the AdamW moments XLA:CPU makes for the
 update (it reads the old moments after writing the new ones in place), and on an uneven
-pipeline the stage weights gathered each step.
+pipeline (or DualPipeV when 2S does not divide L) what the gather into stage slots materialises:
+on the tiny even DualPipeV case, before `sharding/dualpipev.py:v_layout`, it was the whole stack's
+weights on every stage. The pipelined tiny steps (GPipe, 1F1B, DualPipeV on pipeline=4 x data=2)
+are checked against the compiler like the others.
 """
 
 from __future__ import annotations

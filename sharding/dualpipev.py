@@ -53,6 +53,36 @@ def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndar
     return np.asarray(index, np.int32), np.asarray(valid)
 
 
+def v_layout(stacked, *, mesh, axis: str = "pipeline"):
+    """The [L, ...] stack in V slot order ([S * 2K, ...], `v_layer_slots`), split over `axis`.
+
+    When 2S divides L, the stored layout (layer axis on `axis`: stage q holds chunks 2q and 2q + 1)
+    is turned into the V's by two ppermutes of one chunk each: even chunks 2q go to rank(2q), odd
+    ones to rank(2q + 1), both injective (a chunk c < S lands on rank c, of c's parity; c >= S on
+    2S - 1 - c, of the other parity), and each rank receives one of each (r and 2S - 1 - r differ
+    in parity). Each stage moves its own weights only. Otherwise (padding slots) the stack is
+    gathered by layer index, which XLA does by all-gathering the whole stack on every stage.
+    """
+    s = mesh.shape[axis]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if num_layers % (2 * s):
+        index, _ = v_layer_slots(num_layers, s)
+        return jax.tree.map(lambda a: a[index], stacked)
+    k = num_layers // (2 * s)
+    rank = lambda c: c if c < s else 2 * s - 1 - c  # noqa: E731
+
+    def body(local):  # [2K, ...]: chunks 2q, 2q + 1 of this stage q
+        even = jax.lax.ppermute(jax.tree.map(lambda a: a[:k], local), axis, [(q, rank(2 * q)) for q in range(s)])
+        odd = jax.lax.ppermute(jax.tree.map(lambda a: a[k:], local), axis, [(q, rank(2 * q + 1)) for q in range(s)])
+        first_even = jax.lax.axis_index(axis) % 2 == 0  # chunk r (slot 0) is even on even ranks
+        return jax.tree.map(lambda e, o: jnp.where(first_even, jnp.concatenate([e, o]), jnp.concatenate([o, e])),
+                            even, odd)
+
+    specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), stacked)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names={axis},
+                         check_vma=False)(stacked)
+
+
 _FIELDS = ("f_on", "f_v", "f_m", "f_in", "f_res", "f_loc", "b_on", "b_v", "b_m", "b_in", "b_res", "b_w", "b_loc",
            "w_on", "w_v", "w_m", "w_res", "w_slot", "a_below", "a_above", "g_below", "g_above")
 
@@ -184,7 +214,7 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
     s, m = mesh.shape[axis], x_MxB_.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
-    params = jax.tree.map(lambda a: a[index], stacked)
+    params = v_layout(stacked, mesh=mesh, axis=axis)
     fwd_table, bwd_table = schedule_table(s, m, backward=False), schedule_table(s, m)
 
     @jax.custom_vjp

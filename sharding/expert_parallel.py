@@ -63,22 +63,29 @@ def is_active(mesh, expert_axis: str = "expert") -> bool:
     return mesh is not None and not mesh.empty and mesh.shape.get(expert_axis, 1) > 1
 
 
-TOKEN_AXES = ("data", "fsdp", "expert")  # axes whose devices hold different tokens
+# Axes whose devices hold different tokens (rules.BATCH_AXES, in its order): `pipeline` too, where
+# it is not manual, i.e. outside the pipelined stack (the MTP layer), whose rows are split over it.
+TOKEN_AXES = ("data", "fsdp", "expert", "pipeline")
 SPLIT_AXES = ("tensor",)  # axes whose devices hold the same tokens: each takes a share of them here
+
+
+def _axis_size(mesh, axis: str) -> int:
+    """`axis`'s size, 1 where the mesh lacks it or it is manual (inside a shard_map over it)."""
+    return 1 if axis in getattr(mesh, "manual_axes", ()) else mesh.shape.get(axis, 1)
 
 
 def splits_tokens(mesh, token_axes: Sequence[str] = TOKEN_AXES) -> bool:
     """True when `mesh` splits tokens over any of `token_axes`."""
-    return mesh is not None and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in token_axes)
+    return mesh is not None and not mesh.empty and any(_axis_size(mesh, a) > 1 for a in token_axes)
 
 
 def shard_axes(mesh, num_tokens: int, token_axes: Sequence[str] = TOKEN_AXES,
                split_axes: Sequence[str] = SPLIT_AXES) -> tuple[str, ...]:
     """Mesh axes the shard_map splits the tokens over: the `token_axes` the mesh has, then each of
     `split_axes` that still divides the tokens (module docstring)."""
-    axes = tuple(a for a in token_axes if mesh.shape.get(a, 1) > 1)
+    axes = tuple(a for a in token_axes if _axis_size(mesh, a) > 1)
     for a in split_axes:
-        if mesh.shape.get(a, 1) > 1 and num_tokens % math.prod(mesh.shape[b] for b in axes + (a,)) == 0:
+        if _axis_size(mesh, a) > 1 and num_tokens % math.prod(mesh.shape[b] for b in axes + (a,)) == 0:
             axes += (a,)
     return axes
 

@@ -201,7 +201,9 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
             else:
                 first = xs[jnp.minimum(t, m - 1)]
             inp = jnp.where(stage == 0, first, buf)
-            chunk = jax.tree.map(lambda a: a[rnd], by_round)
+            # One round: the stage's slots as they are, loop-invariant, so autodiff keeps them once
+            # rather than a copy per tick (indexed by the traced round, [ticks, K, ...] of weights).
+            chunk = (local_params, local_valid) if repeats == 1 else jax.tree.map(lambda a: a[rnd], by_round)
             y, aux = _run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
             return (jax.lax.ppermute(y, axis, perm), loop), (y, aux)
 
@@ -397,8 +399,27 @@ def outer_microbatches(batch: int, mesh, requested: int = 0) -> int:
 def map_microbatches(fn: Callable, args: Any, m: int) -> Any:
     """`fn` over the `m` microbatches of `args` (a pytree of [B, ...] leaves, `split_microbatches`)
     one after another, each rematerialised in the backward (only its inputs are kept): fn's outputs
-    stacked [M, ...]. A device's block of rows stays on it when its row count divides by `m`."""
-    return jax.lax.map(jax.checkpoint(fn), jax.tree.map(lambda a: split_microbatches(a, m), args))
+    stacked [M, ...]. A device's block of rows stays on it when its row count divides by `m`, and
+    inside the loop each microbatch's rows (and fn's outputs with rows) are held split over the
+    mesh's batch axes (rules.BATCH_AXES): without that, XLA:SPMD kept a microbatch's activations
+    whole over `pipeline` in the dense layers (partial sums all-reduced over the weight's split)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_AXES if not mesh.empty and mesh.shape.get(a, 1) > 1
+                 and a not in mesh.manual_axes)
+
+    rows = jax.tree.leaves(args)[0].shape[0] // m
+    shards = math.prod(mesh.shape[a] for a in axes)
+
+    def rows_split(tree):  # [rows, ...] leaves of one microbatch stay split over the batch axes
+        if not axes or rows % shards:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P(axes, *([None] * (a.ndim - 1))))
+                            if a.ndim and a.shape[0] == rows else a, tree)
+
+    def body(xs):
+        return rows_split(fn(rows_split(xs)))
+
+    return jax.lax.map(jax.checkpoint(body), jax.tree.map(lambda a: split_microbatches(a, m), args))
 
 
 def stage_batch_shards(mesh) -> int:

@@ -91,7 +91,8 @@ def run(state, step, batches, place):
 
 
 def main(args: list[str]) -> None:
-    """args: meshes like `data=2,expert=4` (`pipeline=4,data=2:1f1b`: under that pipeline schedule),
+    """args: meshes like `data=2,expert=4` (`pipeline=4,data=2:1f1b`: under that pipeline schedule,
+    `:circular` with 2 rounds),
     and `--name=value` model overrides (e.g. --num_layers=4)."""
     overrides = {k[2:]: int(v) for k, v in (a.split("=", 1) for a in args if a.startswith("--"))}
     meshes = [a for a in args if not a.startswith("--")]
@@ -101,11 +102,13 @@ def main(args: list[str]) -> None:
     ref_loss, ref_grads = grads(state.params, state.router_bias, batches[0])
     ref_step = step_lib.make_train_step(graphdef, tx, schedule, **LOSS_KW)
     ref_state, ref_curve = run(state, ref_step, batches, lambda b: b)
+    base_graphdef, base_grads = graphdef, grads
     for text in meshes:
         mesh_text, _, pipe_schedule = text.partition(":")  # `pipeline=4,data=2:1f1b`: under that schedule
-        if pipe_schedule:
-            graphdef = state_lib.init_train_state(DeepSeekV3(cfg.replace(pipeline_schedule=pipe_schedule),
-                                                             rngs=nnx.Rngs(0)), tx, 0)[0]
+        graphdef, grads = base_graphdef, base_grads
+        if pipe_schedule:  # `circular` runs 2 rounds
+            run_cfg = cfg.replace(pipeline_schedule=pipe_schedule, pipeline_repeats=2 if pipe_schedule == "circular" else 1)
+            graphdef = state_lib.init_train_state(DeepSeekV3(run_cfg, rngs=nnx.Rngs(0)), tx, 0)[0]
             grads = grad_fn(graphdef)
         mesh = sharding.make_mesh(parse_mesh(mesh_text))
         shardings = sharded.train_state_shardings(model, state, mesh)

@@ -1,6 +1,7 @@
 """Plans and compiles the train step of a small model on 8 fake CPU devices for several meshes,
 in one process: per case, the plan's total bytes per device and XLA's (memory_analysis()), as
-one JSON line each. Argument: a JSON list of cases {"name", "mesh": {...}, "model": {...}}."""
+one JSON line each, with the plan's rows and memory_analysis()'s fields. Argument: a JSON list of
+cases {"name", "mesh": {...}, "model": {...}}."""
 
 import contextlib
 import json
@@ -27,9 +28,9 @@ def config_for(case: dict):
 def main():
     for case in json.loads(sys.argv[1]):
         with contextlib.redirect_stdout(sys.stderr):  # the plan's table goes to stderr, results to stdout
-            out = plan_lib.plan(config_for(case), plan_lib.Options(check_compiled=True))
-        print(json.dumps({"name": case["name"], "plan": out["total_bytes"], "compiled": out["compiled_bytes"]}),
-              flush=True)
+            out = plan_lib.plan(config_for(case), plan_lib.Options(check_compiled=True, compile_init=False))
+        print(json.dumps({"name": case["name"], "plan": out["total_bytes"], "compiled": out["compiled_bytes"],
+                          "rows": out["rows"], "memory": out["compiled_memory"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ def train_losses(workdir, devices: int, *mesh_flags) -> list[float]:
     return [r["loss"] for r in records], out.stderr
 
 
-# Every axis through the command line at least once; each of these meshes' step is held per array
-# against one device in tests/sharding/test_parity.py (data=8, fsdp=8 and pipeline=4 there only).
+# Every axis through the command line at least once, pipeline=4 under DualPipeV (the schedule chosen
+# on the command line, issue 23 acceptance 1); each mesh's step, and fsdp=8 and the pipeline x
+# expert mesh, are held per array against one device in tests/sharding/test_parity.py.
 MESHES = {"ep": {"data": 2, "expert": 4}, "fsdp_tp_ep": {"fsdp": 2, "tensor": 2, "expert": 2},
-          "pp_ep": {"pipeline": 2, "expert": 2, "data": 2}}
+          "pp4_dualpipev": {"pipeline": 4, "data": 2}}
+MODEL_FLAGS = {"pp4_dualpipev": ["--config.model.pipeline_schedule=dualpipev"]}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,8 @@ def one_device_curve(tmp_path_factory):
 @pytest.mark.parametrize("name", MESHES)
 def test_mesh_overrides_give_the_single_device_loss_curve(tmp_path, one_device_curve, name):
     sizes = dict.fromkeys(("data", "fsdp", "tensor", "expert", "pipeline"), 1) | MESHES[name]
-    curve, log = train_losses(tmp_path, 8, *(f"--config.mesh.{a}={n}" for a, n in sizes.items()))
+    curve, log = train_losses(tmp_path, 8, *(f"--config.mesh.{a}={n}" for a, n in sizes.items()),
+                              *MODEL_FLAGS.get(name, []))
     assert "mesh {" in log and all(f"'{a}': {n}" in log for a, n in MESHES[name].items()), log[-2000:]
     assert curve == pytest.approx(one_device_curve, rel=1e-5), (name, curve, one_device_curve)
 
