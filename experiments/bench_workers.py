@@ -7,6 +7,7 @@ frameworks (the issue-11 config) in ISSUE_CONFIG; `small` from experiments/confi
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -53,16 +54,25 @@ def model_config(name: str, experts: int | None = None):
 
 
 # ----------------------------------------------------------------------------------- workers
-def _timed_steps(run_step, steps: int) -> tuple[float, list[float]]:
+def _timed_steps(run_step, steps: int, cpu: list | None = None) -> tuple[float, list[float]]:
+    """Seconds of the first call and of each of `steps` more; `cpu` (a list) gets each timed call's
+    CPU seconds (user + system, all threads of the process)."""
     start = time.perf_counter()
     run_step()
     first = time.perf_counter() - start
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, used = time.perf_counter(), _cpu_s()
         run_step()
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(_cpu_s() - used)
     return first, times
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def jax_train_workload(name, experts, batch, seq):
@@ -96,8 +106,9 @@ def jax_train_workload(name, experts, batch, seq):
 
 
 def jax_train(name, experts, batch, seq, steps):
-    first, times = _timed_steps(jax_train_workload(name, experts, batch, seq), steps)
-    return {"first_step_s": first, "step_s": times, "peak": jax_peak()}
+    cpu = []
+    first, times = _timed_steps(jax_train_workload(name, experts, batch, seq), steps, cpu)
+    return {"first_step_s": first, "step_s": times, "cpu_step_s": cpu, "peak": jax_peak()}
 
 
 def hf_model(cfg):
@@ -123,8 +134,9 @@ def hf_train(name, experts, batch, seq, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    first, times = _timed_steps(run_step, steps)
-    return {"first_step_s": first, "step_s": times, "peak": torch_peak()}
+    cpu = []
+    first, times = _timed_steps(run_step, steps, cpu)
+    return {"first_step_s": first, "step_s": times, "cpu_step_s": cpu, "peak": torch_peak()}
 
 
 def jax_decode_workload(prompt, batch, new_tokens, name: str = "issue"):
