@@ -171,6 +171,8 @@ def summarize(results: dict, args) -> dict:
             step = statistics.median(statistics.median(r["step_s"]) for r in ok)
             tokens = kw.get("batch", 8) * kw.get("seq", 256)
             row.update(step_s=step, tokens_per_s=tokens / step)
+            if all(r.get("cpu_step_s") for r in ok):  # CPU seconds a step: the work, less the waits for a core
+                row["cpu_step_s"] = statistics.median(statistics.median(r["cpu_step_s"]) for r in ok)
             if "first_step_s" in ok[0]:
                 row["compile_s"] = ok[0]["first_step_s"] - step
                 cfg = workers().model_config(kw["name"], kw["experts"])
@@ -237,6 +239,15 @@ def sweep_table(rows: dict) -> list[str]:
             per_fw.append(f"{min(got):.2f}x" if got else "-")
         mins.append(" / ".join(per_fw))
     lines.append("| **minimum** | " + " | ".join(f"**{c}**" for c in mins) + " |")
+    cpu = []
+    for variant in variants:
+        ref = rows.get(f"{variant}: train | hf", {})
+        got = [(fw, rows.get(f"{variant}: train | {fw}", {})) for fw in fws]
+        if ref.get("cpu_step_s") and all(row.get("cpu_step_s") for _, row in got):
+            cpu.append(f"{variant} " + " / ".join(f"{ref['cpu_step_s'] / row['cpu_step_s']:.2f}x" for _, row in got))
+    if cpu:  # on a loaded machine wall time also counts the waits for a core, which CPU time does not
+        lines += ["", "Train step by CPU seconds (user + system, all threads) a step, transformers' over "
+                  "dsv3-jax's: " + ", ".join(cpu) + "."]
     return lines
 
 
@@ -370,7 +381,8 @@ def _short(r: dict) -> str:
     if "error" in r:
         return "failed"
     if "step_s" in r:
-        return f"median step {statistics.median(r['step_s']):.3f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
+        cpu = f" (CPU {statistics.median(r['cpu_step_s']):.3f} s)" if r.get("cpu_step_s") else ""
+        return f"median step {statistics.median(r['step_s']):.3f} s{cpu}, peak RSS {r['peak_rss_gb']:.2f} GB"
     if "prefill_s" in r:
         return "prefill to the first token s: " + ", ".join(f"{s:.3f}" for s in r["prefill_s"])
     return "decode (first to last token) s: " + ", ".join(f"{s:.3f}" for s in r["decode_s"])

@@ -38,7 +38,7 @@ def capture(overrides: dict, batch_rows: int, seq_len: int, weights: str | None 
     from dsv3_jax import DeepSeekV3, load_pretrained
     from dsv3_jax.ops import dispatch
     from dsv3_jax.train import losses, state as state_lib
-    from dsv3_jax.train.step import _forward
+    from dsv3_jax.train.step import _forward, _model
     from experiments.fp8_experiment import run_config
     from experiments.train import make_data, model_config
 
@@ -66,7 +66,7 @@ def capture(overrides: dict, batch_rows: int, seq_len: int, weights: str | None 
     batch = next(make_data(c, c.model.vocab_size)[0])
 
     def loss(p, r):
-        out, head = _forward(graphdef, p, r, batch, with_mtp=True)
+        out, head = _forward(_model(graphdef, p, r), batch, with_mtp=True)
         return losses.training_losses(out, batch, mtp_weight=0.3, balance_weight=1e-4, head=head).total
 
     dispatch.routed_experts = recording

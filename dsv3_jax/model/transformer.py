@@ -172,11 +172,11 @@ class DeepSeekV3(nnx.Module):
         def after(args):
             model, (tokens, pos, seg, x, extra) = rebuild(), args
             ctx, h = model._context(tokens, pos, seg, None, False), model.norm(x)
-            mtp_logits = mtp_stats = None
+            mtp_h = mtp_logits = mtp_stats = None
             if model.mtp is not None:
                 mtp_h, mtp_stats = run_mtp(model.mtp, h, model.embed_tokens(tokens), ctx, remat=cfg.remat)
                 mtp_logits = model.logits(mtp_h)
-            return head_fn(ModelOutput(model.logits(h), h, None, mtp_logits, mtp_stats), extra)
+            return head_fn(ModelOutput(model.logits(h), h, None, mtp_logits, mtp_stats, None, mtp_h), extra)
 
         return pipeline.map_microbatches(after, (*inputs, x, extras), microbatches), stats
 

@@ -2,7 +2,8 @@
 
 Letters: B batch, T positions, N chunks, C positions per chunk, D model, V vocab.
 
-loss = sum_bt w_bt (logsumexp(z_bt) - z_bt[target_bt]) with z = h W; d z = w (softmax(z) - onehot).
+loss = sum_bt w_bt (logsumexp(z_bt) - z_bt[target_bt]) with z = h W; d z = w (softmax(z) - onehot),
+both from ops/cross_entropy.py (`nll_and_lse`, `nll_grad`), the formula of `token_nll`'s backward.
 
 `head_nll` never forms the [B, T, V] logits: the positions are cut into chunks of C (the last one
 padded with zero weights); each chunk's logits [B, C, V] give its loss and, in the same pass, its
@@ -18,6 +19,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from dsv3_jax.ops.cross_entropy import nll_and_lse, nll_grad
 
 
 def head_nll_reference(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array, weights_BxT: jax.Array,
@@ -96,12 +99,10 @@ def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: 
         h, tgt, wt = x
         h = h.astype(dt)
         z = jnp.einsum("BCD,DV->BCV", h, w, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        nll = lse - jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0]
+        nll, lse = nll_and_lse(z, tgt)
         if not (want_dh or want_dw):
             return dw_DxV, (nll, None)
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2)
-        dz = (wt[..., None] * (jnp.exp(z - lse[..., None]) - (vocab_ids == tgt[..., None]))).astype(dt)
+        dz = nll_grad(z, tgt, lse, wt).astype(dt)  # the token's weight is its loss's cotangent
         dh = (jnp.einsum("BCV,DV->BCD", dz, w, preferred_element_type=jnp.float32).astype(h_BxTxD.dtype)
               if want_dh else None)
         if want_dw:

@@ -29,8 +29,7 @@ def _model(graphdef, params, biases, dropout_key=None):
     return model
 
 
-def _forward(graphdef, params, biases, batch, *, with_mtp: bool, dropout_key=None):
-    model = _model(graphdef, params, biases, dropout_key)
+def _forward(model, batch, *, with_mtp: bool):
     inputs, _, _ = losses.inputs_and_targets(batch)
     t = inputs.shape[1]
     out = model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
@@ -71,7 +70,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         micro = pipeline.outer_microbatches(rows, jax.sharding.get_abstract_mesh(), model.config.outer_microbatches)
         if micro > 1:  # no device holds its whole batch's logits
             return _losses_in_microbatches(model, batch, micro, mtp_weight=mtp_weight, balance_weight=balance_weight)
-        out, head = _forward(graphdef, params, biases, batch, with_mtp=True, dropout_key=key)
+        out, head = _forward(model, batch, with_mtp=True)
         parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight, head=head)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
@@ -115,12 +114,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 def _losses_in_microbatches(model, batch: dict, micro: int, *, mtp_weight: float, balance_weight: float):
     """`loss_fn`'s result with the layers outside the MoE stack run in `micro` slices of the batch
     (`DeepSeekV3.forward_in_microbatches`): per slice the summed NLL and target count of the main
-    head and each MTP depth, added up before the means, so the losses are the whole batch's."""
-    depths = model.config.num_mtp_layers
+    head and each MTP depth, added up before the means, so the losses are the whole batch's. The
+    head is applied by the losses (`losses.head_cross_entropy`), as on the plain path."""
+    depths, head = model.config.num_mtp_layers, losses.Head.of(model)
 
     def sums(out, rows):
-        parts = [losses.cross_entropy(out.logits, *losses.inputs_and_targets(rows)[1:])]
-        parts += [losses.cross_entropy(out.mtp_logits[k - 1], *losses.inputs_and_targets(rows, depth=k)[1:])
+        parts = [losses.head_cross_entropy(head, out.hidden, *losses.inputs_and_targets(rows)[1:])]
+        parts += [losses.head_cross_entropy(head, out.mtp_hidden[k - 1], *losses.inputs_and_targets(rows, depth=k)[1:])
                   for k in range(1, depths + 1)]
         return parts, out.mtp_router_stats
 
@@ -146,7 +146,7 @@ def make_eval_step(graphdef: nnx.GraphDef, jit_kwargs: dict | None = None):
     """Returns jitted `eval_step(state, batch) -> (summed next-token NLL, valid tokens)`."""
 
     def eval_step(state: TrainState, batch: dict):
-        out, head = _forward(graphdef, state.params, state.router_bias, batch, with_mtp=False)
+        out, head = _forward(_model(graphdef, state.params, state.router_bias), batch, with_mtp=False)
         _, targets, mask = losses.inputs_and_targets(batch)
         return losses.head_cross_entropy(head, out.hidden, targets, mask)
 
