@@ -75,10 +75,21 @@ def _fp8_fwd(x_MxK, w_KxN, out_dtype):
     return y_MxN, (_quantize_tokens_t(x_MxK), (w_q, w_s), *_dtype_carriers(x_MxK, w_KxN))
 
 
+def _dgrad(dy_MxN, w_q, w_s, sizes_G=None):
+    """dx = dy . w^T in FP8, the recipe's Dgrad: dy in 1x128 tiles against the weight's stored
+    128x128 blocks transposed (last two axes swapped); rows sorted by group when `sizes_G` is given.
+    Returns fp32 [M, K]."""
+    mm, grouped = _kernels()[:2]
+    w_t = (jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_s, -1, -2))
+    if sizes_G is None:
+        return mm(*_quantize_tokens(dy_MxN), *w_t, out_dtype=jnp.float32)
+    return grouped(*_quantize_tokens(dy_MxN), *w_t, sizes_G, out_dtype=jnp.float32)
+
+
 def _fp8_bwd(out_dtype, res, dy_MxN):
     (xt_q, xt_s), (w_q, w_s), x_like, w_like = res
     mm = _kernels()[0]
-    dx_MxK = mm(*_quantize_tokens(dy_MxN), w_q.T, w_s.T, out_dtype=jnp.float32)
+    dx_MxK = _dgrad(dy_MxN, w_q, w_s)
     dw_KxN = mm(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
     return dx_MxK.astype(x_like.dtype), dw_KxN.astype(w_like.dtype)
 
@@ -169,9 +180,8 @@ def _grouped_fwd(x_MxK, w_GxKxN, sizes_G, out_dtype):
 
 def _grouped_bwd(out_dtype, res, dy_MxN):
     (xt_q, xt_s), (w_q, w_s), sizes_G, x_like, w_like = res
-    _, grouped, wgrad = _kernels()
-    w_t = (jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2))
-    dx_MxK = grouped(*_quantize_tokens(dy_MxN), *w_t, sizes_G, out_dtype=jnp.float32)
+    wgrad = _kernels()[2]
+    dx_MxK = _dgrad(dy_MxN, w_q, w_s, sizes_G)
     (dyt_q, dyt_s), tile_group = _group_aligned_t(dy_MxN, sizes_G)
     dw_GxKxN = wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
     return dx_MxK.astype(x_like.dtype), dw_GxKxN.astype(w_like.dtype), None
@@ -186,7 +196,7 @@ def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, 
     the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
     Returns [M, N] in `out_dtype`. The weight is frozen (inference, QLoRA): the backward is Dgrad
     alone, dy in 1x128 tiles against the stored blocks transposed (as `fp8_matmul`'s); w gets none."""
-    return _kernels()[0](*_quantize_tokens(x_MxK), w_q_NxK, w_scale, out_dtype=out_dtype)
+    return _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype)[0]
 
 
 def _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype):
@@ -196,8 +206,7 @@ def _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype):
 
 def _stored_bwd(out_dtype, res, dy_MxN):
     w_q_NxK, w_scale, x_like = res
-    dx_MxK = _kernels()[0](*_quantize_tokens(dy_MxN), w_q_NxK.T, w_scale.T, out_dtype=jnp.float32)
-    return dx_MxK.astype(x_like.dtype), None, None
+    return _dgrad(dy_MxN, w_q_NxK, w_scale).astype(x_like.dtype), None, None
 
 
 fp8_matmul_stored.defvjp(_stored_fwd, _stored_bwd)
@@ -208,7 +217,7 @@ def fp8_grouped_matmul_stored(x_MxK: jax.Array, w_q_GxNxK: jax.Array, w_scale: j
                               out_dtype) -> jax.Array:
     """`fp8_matmul_stored` for rows sorted by group (experts), each through its group's stored
     FP8 weight [N, K]. Returns [M, N] in `out_dtype`; frozen weights: the backward is Dgrad alone."""
-    return _kernels()[1](*_quantize_tokens(x_MxK), w_q_GxNxK, w_scale, group_sizes_G, out_dtype=out_dtype)
+    return _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype)[0]
 
 
 def _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype):
@@ -218,9 +227,7 @@ def _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype):
 
 def _grouped_stored_bwd(out_dtype, res, dy_MxN):
     w_q, w_scale, sizes_G, x_like = res
-    dx_MxK = _kernels()[1](*_quantize_tokens(dy_MxN), jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_scale, 1, 2), sizes_G,
-                           out_dtype=jnp.float32)
-    return dx_MxK.astype(x_like.dtype), None, None, None
+    return _dgrad(dy_MxN, w_q, w_scale, sizes_G).astype(x_like.dtype), None, None, None
 
 
 fp8_grouped_matmul_stored.defvjp(_grouped_stored_fwd, _grouped_stored_bwd)
