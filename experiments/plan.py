@@ -158,6 +158,9 @@ def plan(config, opts: Options = Options()) -> dict:
     rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
             ("gradients", params_b), (f"AdamW moments (2 x {'/'.join(moment_dtypes)})", opt_b)]
     rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
+    slot_b = _slot_copy_bytes(cfg, state, shardings, mesh, stack)
+    if slot_b:
+        rows.append(("stage slot copy of the stack: weights + gradients", slot_b))
     total = sum(v for _, v in rows)
 
     _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
@@ -187,6 +190,26 @@ def plan(config, opts: Options = Options()) -> dict:
     return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
             "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled, "compiled_memory": memory,
             "state_bytes": params_b + bias_b + opt_b, "init_compiled_bytes": init_compiled}
+
+
+def _slot_copy_bytes(cfg: ModelConfig, state, shardings, mesh, stack) -> int:
+    """Bytes per device of the stage's own copy of its layer slots, weights and their gradients,
+    where the schedule does not run the stored layout (sharding/pipeline.py:to_slots, dualpipev.py:
+    v_layout): the uneven split (S does not divide L), circular rounds, and DualPipeV's V. Each slot
+    holds one layer whole over `pipeline`, split over the stored spec's other axes only."""
+    if stack is None or "moe_layers" not in state.params:
+        return 0
+    stages, layers = mesh.shape["pipeline"], cfg.num_moe_layers
+    if cfg.pipeline_schedule in ("gpipe", "1f1b") and layers % stages == 0:
+        return 0
+    per_layer = 0
+    for leaf, named in zip(jax.tree.leaves(state.params["moe_layers"]),
+                           jax.tree.leaves(shardings.params["moe_layers"])):
+        others = math.prod(mesh.shape[a] for entry in named.spec for a in ((entry,) if isinstance(entry, str)
+                           else entry or ()) if a != "pipeline")
+        per_layer += math.prod(leaf.shape[1:]) * jnp.dtype(leaf.dtype).itemsize // others
+    held = stack.slots * (2 if cfg.pipeline_schedule == "dualpipev" else 1)  # DualPipeV: two chunks a stage
+    return 2 * held * per_layer
 
 
 def _experts_split(state, shardings, mesh) -> bool:

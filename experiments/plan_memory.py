@@ -50,11 +50,10 @@ peak in XLA:CPU's buffer assignment of the compiled step (`--xla_dump_to`). The 
 plan is checked against `memory_analysis()` of the compiled step (tests/sharding/test_plan.py);
 the TPU program's rows (`ragged_dot`, ragged exchange) follow the same count and have not been
 compared with a TPU compile. Not counted: the copy of the AdamW moments XLA:CPU makes for the
-update (it reads the old moments after writing the new ones in place), and on an uneven
-pipeline (or DualPipeV when 2S does not divide L) what the gather into stage slots materialises:
-on the tiny even DualPipeV case, before `sharding/dualpipev.py:v_layout`, it was the whole stack's
-weights on every stage. The pipelined tiny steps (GPipe, 1F1B, DualPipeV on pipeline=4 x data=2)
-are checked against the compiler like the others.
+update (it reads the old moments after writing the new ones in place). The stage's copy of its
+layer slots (uneven splits, circular rounds, DualPipeV's V) is not an activation: experiments/plan.py
+counts it (`_slot_copy_bytes`). The pipelined tiny steps (GPipe, 1F1B with an uneven split,
+DualPipeV on pipeline=4 x data=2) are checked against the compiler like the others.
 """
 
 from __future__ import annotations

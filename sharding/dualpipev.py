@@ -53,20 +53,23 @@ def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndar
     return np.asarray(index, np.int32), np.asarray(valid)
 
 
-def v_layout(stacked, *, mesh, axis: str = "pipeline"):
+def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
     """The [L, ...] stack in V slot order ([S * 2K, ...], `v_layer_slots`), split over `axis`.
 
     When 2S divides L, the stored layout (layer axis on `axis`: stage q holds chunks 2q and 2q + 1)
     is turned into the V's by two ppermutes of one chunk each: even chunks 2q go to rank(2q), odd
     ones to rank(2q + 1), both injective (a chunk c < S lands on rank c, of c's parity; c >= S on
     2S - 1 - c, of the other parity), and each rank receives one of each (r and 2S - 1 - r differ
-    in parity). Each stage moves its own weights only. Otherwise (padding slots) the stack is
-    gathered by layer index, which XLA does by all-gathering the whole stack on every stage.
+    in parity). Each stage moves its own weights only. Otherwise (padding slots) `pipeline.to_slots`
+    moves them with one all_to_all given the stack's `stored_specs`; without those the stack is
+    gathered by layer index, which XLA did by all-gathering the whole stack on every stage.
     """
     s = mesh.shape[axis]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if num_layers % (2 * s):
         index, _ = v_layer_slots(num_layers, s)
+        if stored_specs is not None:
+            return pl.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
         return jax.tree.map(lambda a: a[index], stacked)
     k = num_layers // (2 * s)
     rank = lambda c: c if c < s else 2 * s - 1 - c  # noqa: E731
@@ -208,13 +211,14 @@ def schedule_table(num_stages: int, num_microbatches: int, *, backward: bool = T
     return Table(table, len(rows), *sizes, busy=busy / (kinds * s * len(rows)))
 
 
-def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline"):
+def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline",
+          stored_specs=None):
     """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
     forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient."""
     s, m = mesh.shape[axis], x_MxB_.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
-    params = v_layout(stacked, mesh=mesh, axis=axis)
+    params = v_layout(stacked, mesh=mesh, axis=axis, stored_specs=stored_specs)
     fwd_table, bwd_table = schedule_table(s, m, backward=False), schedule_table(s, m)
 
     @jax.custom_vjp

@@ -7,9 +7,10 @@ K = ceil(L / C) layer slots; each stage holds R * K slots.
 Layers: the stack is cut into C chunks, balanced like `stage_layers` (58 MoE layers on 16 stages:
 10 stages of 4 and 6 of 3); chunk c = r * S + s runs on stage s in round r. With R = 1 and S
 dividing L this is the stored layout (layer axis sharded on `pipeline`: no data moves). Otherwise
-the [L, ...] stack is gathered into stage-major [S * R * K, ...] slots every step, padding slots
-are identity (a validity mask skips them), and the rules shard such a stack over `pipeline` on
-another dimension (rules.py), so the gather is a ZeRO-style all-gather. Each stage computes all
+the [L, ...] stack is moved into stage-major [S * R * K, ...] slots every step, padding slots
+are identity (a validity mask skips them); the rules shard such a stack over `pipeline` on
+another dimension (rules.py), and `to_slots` hands each stage its slots with one all_to_all (each
+stage then holds a copy of its slots and their gradients beside the stored shards). Each stage computes all
 its slots, padding included: an uneven split costs as much as K layers per chunk.
 
 The 3 dense first layers, the embedding, the head and MTP are not staged: they run outside the
@@ -103,13 +104,62 @@ def layer_slots(num_layers: int, num_stages: int, repeats: int = 1) -> tuple[np.
     return np.asarray(index, np.int32), np.asarray(valid)
 
 
-def pad_layers(stacked: Any, num_stages: int, repeats: int = 1) -> tuple[Any, jax.Array]:
-    """([S * R * K, ...] slot params, bool validity) for an [L, ...] stack (as is when R = 1, S | L)."""
+def pad_layers(stacked: Any, num_stages: int, repeats: int = 1, *, mesh=None, axis: str = "pipeline",
+               stored_specs: Any = None) -> tuple[Any, jax.Array]:
+    """([S * R * K, ...] slot params, bool validity) for an [L, ...] stack (as is when R = 1, S | L).
+    With `stored_specs` (the stack's PartitionSpecs) the slots are moved by `to_slots`."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if repeats == 1 and num_layers % num_stages == 0:
         return stacked, jnp.ones((num_layers,), bool)
     index, valid = layer_slots(num_layers, num_stages, repeats)
+    if stored_specs is not None:
+        return to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis), jnp.asarray(valid)
     return jax.tree.map(lambda x: x[index], stacked), jnp.asarray(valid)
+
+
+def _axis_dim(spec, axis: str) -> int | None:
+    """The dimension a PartitionSpec splits over mesh axis `axis`, or None."""
+    for dim, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return dim
+    return None
+
+
+def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: str = "pipeline") -> Any:
+    """stacked[index] ([S * K, ...] slots, stage-major, split over `axis` on the slot dimension) for
+    an [L, ...] stack stored with `stored_specs` (PartitionSpecs; the layer axis cannot take `axis`
+    when S does not divide L, so a later dimension d holds it, rules.py). Each stage gathers the
+    slots of every stage from its own d-slice (local) and one tiled all_to_all over `axis` swaps
+    them: stage s ends with its K slots whole on d. No stage holds more than its slots' share of a
+    weight; the plain gather `stacked[index]` leaves that to XLA's partitioner (on an even DualPipeV
+    V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
+    not split over `axis` is replicated there: each stage takes its slots. A dimension split over
+    `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
+    order differs). The backward is the transpose (all_to_all back, local scatter-add)."""
+    s = mesh.shape[axis]
+    table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
+    leaves, treedef = jax.tree.flatten(stacked)
+    specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
+    if len(specs) != len(leaves):
+        raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
+    dim_of = [_axis_dim(spec, axis) for spec in specs]
+
+    def in_spec(a, d):
+        return P() if d is None else P(*([None] * d), axis)
+
+    def body(*local):
+        stage = jax.lax.axis_index(axis)
+        out = []
+        for a, d in zip(local, dim_of):
+            if d is None:
+                out.append(jnp.take(a, table_SxK[stage], axis=0))
+            else:
+                out.append(jax.lax.all_to_all(a[index], axis, 0, d, tiled=True))
+        return tuple(out)
+
+    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_spec(a, d) for a, d in zip(leaves, dim_of)),
+                          out_specs=tuple(P(axis) for _ in leaves), axis_names={axis}, check_vma=False)(*leaves)
+    return jax.tree.unflatten(treedef, moved)
 
 
 def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
@@ -123,7 +173,7 @@ def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
                    axis: str = "pipeline", repeats: int = 1, schedule: str | None = None,
-                   return_activity: bool = False):
+                   return_activity: bool = False, stored_specs: Any = None):
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
@@ -134,7 +184,8 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     lays the stack out as a V of 2S chunks with a forward and backward of its own
     (sharding/dualpipev.py). Side inputs get no gradient under those two. Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second
     output per layer and microbatch, and with `return_activity` also the fraction of stage-ticks of
-    the forward that did work.
+    the forward that did work. `stored_specs` (PartitionSpecs of `stacked`, optional) lets an
+    uneven split move each stage's layers with `to_slots` instead of a gather.
     """
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
@@ -150,10 +201,11 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
         from sharding import dualpipev  # here: dualpipev builds on this module
-        out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis)
+        out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis,
+                                   stored_specs=stored_specs)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
         return (out, aux, busy) if return_activity else (out, aux)
-    params, valid = pad_layers(stacked, s, repeats)
+    params, valid = pad_layers(stacked, s, repeats, mesh=mesh, axis=axis, stored_specs=stored_specs)
     if schedule == "gpipe" or schedule == "circular":
         out, aux, activity = _gpipe(layer_fn, params, valid, x_MxB_, side_M_, mesh=mesh, axis=axis, repeats=repeats)
     else:

@@ -118,7 +118,7 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
         layer = jax.checkpoint(layer)
     side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
     y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh,
-                                       repeats=repeats, schedule=schedule)
+                                       repeats=repeats, schedule=schedule, stored_specs=params.stack_specs(state))
     stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1),
                         jnp.mean(stats.dropped_fraction, axis=1))
     return pipeline.merge_microbatches(y), stats

@@ -99,5 +99,16 @@ def layer_constraint(stack: nnx.Module) -> Callable[[nnx.Module], nnx.Module]:
     return constrain
 
 
+def stack_specs(state) -> list | None:
+    """PartitionSpecs of a layer stack's weights ([L, ...], in the order of `jax.tree.leaves(state)`)
+    under the context mesh and rules, or None outside a mesh or without rules."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), sharding.active_rules()
+    if rules is None or mesh.empty or mesh.size == 1:
+        return None
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return [sharding.logical_to_spec(logical_axes(v), v.shape, mesh, rules)
+            for v in jax.tree.leaves(state, is_leaf=is_var)]
+
+
 def dtype_of(name: str):
     return jnp.dtype(name)

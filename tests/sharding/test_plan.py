@@ -93,17 +93,23 @@ def test_671b_pipeline_on_16_uneven_stages_lowers_and_fits():
 
 # The tiny config (experiments/configs/tiny.py) on 8 fake CPU devices: expert parallelism with data
 # parallelism, FSDP (experts gathered per layer), dropless expert=8 with per-layer remat, a capacity
-# factor, and the pipelined stack (8 MoE layers on pipeline=4 x data=2, remat) under GPipe, 1F1B and
-# DualPipeV. The reference is XLA's own figure for the compiled step. (At the helpers' shrunk sizes,
-# D = 32, the plan over-counts data=2,expert=4 by 1.43: the estimate is for real widths.)
+# factor, and the pipelined stack on pipeline=4 x data=2 (remat): GPipe and DualPipeV with 8 MoE
+# layers (the stored layout; DualPipeV's V moved by ppermutes), 1F1B with 9 (3, 2, 2, 2: the uneven
+# split, its slots moved by `pipeline.to_slots`; the plan counts the stage's slot copy). The reference
+# is XLA's own figure for the compiled step. (At the helpers' shrunk sizes, D = 32, the plan
+# over-counts data=2,expert=4 by 1.43: the estimate is for real widths.)
 PIPE = {"num_layers": 9, "remat": True}
 COMPILED_CASES = [
     {"name": "data=2,expert=4", "mesh": {"data": 2, "expert": 4}, "model": {}},
     {"name": "fsdp=8", "mesh": {"data": 1, "fsdp": 8}, "model": {}},
     {"name": "expert=8,remat", "mesh": {"data": 1, "expert": 8}, "model": {"remat": True}},
     {"name": "expert=8,cf=1", "mesh": {"data": 1, "expert": 8}, "model": {"expert_capacity_factor": 1.0}},
-    *({"name": f"pipeline=4,data=2,{s}", "mesh": {"pipeline": 4, "data": 2}, "model": {**PIPE, "pipeline_schedule": s}}
-      for s in ("gpipe", "1f1b", "dualpipev")),
+    {"name": "pipeline=4,data=2,gpipe", "mesh": {"pipeline": 4, "data": 2},
+     "model": {**PIPE, "pipeline_schedule": "gpipe"}},
+    {"name": "pipeline=4,data=2,1f1b,9 MoE layers", "mesh": {"pipeline": 4, "data": 2},
+     "model": {**PIPE, "num_layers": 10, "pipeline_schedule": "1f1b"}},
+    {"name": "pipeline=4,data=2,dualpipev", "mesh": {"pipeline": 4, "data": 2},
+     "model": {**PIPE, "pipeline_schedule": "dualpipev"}},
 ]
 
 
