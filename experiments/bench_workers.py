@@ -75,8 +75,8 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
-def jax_train_workload(name, experts, batch, seq):
-    """A callable running one train step (fwd + bwd + clipped AdamW) on a fixed random batch."""
+def jax_train_parts(name, experts, batch, seq):
+    """(jitted train step, initial train state, a fixed random batch) of a bench config."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -96,6 +96,14 @@ def jax_train_workload(name, experts, batch, seq):
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     data = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
             "positions": jnp.broadcast_to(jnp.arange(seq + 1, dtype=jnp.int32), tokens.shape)}
+    return train_step, state, data
+
+
+def jax_train_workload(name, experts, batch, seq):
+    """A callable running one train step (fwd + bwd + clipped AdamW) on a fixed random batch."""
+    import jax
+
+    train_step, state, data = jax_train_parts(name, experts, batch, seq)
     holder = [state]
 
     def run_step():
