@@ -1,6 +1,6 @@
 """Peak memory of a multi-process start and resume (issue 22, acceptance 1): N processes x K fake CPU
 devices run `python -m experiments.train` on a model whose train state (fp32 parameters + two AdamW
-moments) is ~2.1 GB, on a mesh that splits it over all devices; each process's peak RSS
+moments) is ~1.85 GB, on a mesh that splits it over all devices; each process's peak RSS
 (`/usr/bin/time -v`) is compared with the same run of the tiny default, on a fresh start and on a
 resume after SIGKILL, and the loss curve with one process holding all devices.
 
@@ -25,9 +25,13 @@ import time
 
 from experiments.launch import local
 
-# The tiny config grown to a ~2.1 GB train state: 3 MoE layers + the MTP layer of 16 experts of
-# 512 x 1600 (each process holds a quarter of it on 4 processes).
-SIZES = {"hidden_size": 512, "intermediate_size": 2048, "moe_intermediate_size": 1600, "num_routed_experts": 16}
+# The tiny config grown to a ~1.85 GB train state in the 671B's proportions: 13 MoE layers + the
+# MTP layer of 16 experts of 512 x 400, so one layer is ~1/14 of the state (1/61 at 671B). Under
+# plain fsdp each device gathers one layer's weights and gradients at a time; with 3 layers of
+# 512 x 1600 (a layer ~1/4 of a 2.08 GB state) that alone was ~0.9 x the state per process.
+# Each process holds a quarter of the state on 4 processes.
+SIZES = {"hidden_size": 512, "intermediate_size": 2048, "moe_intermediate_size": 400, "num_routed_experts": 16,
+         "num_layers": 14}
 # Per-layer remat, as the 671B config: the backward gathers a layer's weights again instead of
 # keeping every layer's gathered weights from the forward.
 BIG = [f"--config.model.{k}={v}" for k, v in SIZES.items()] + ["--config.model.remat=True"]
@@ -41,7 +45,7 @@ STEPS = 6
 
 def state_bytes() -> int:
     """fp32 parameters + 2 fp32 moments of the BIG model (ModelConfig's own count; its `total`
-    leaves out the MTP layer, which the train state holds as well: 2.084 GB, not 1.574)."""
+    leaves out the MTP layer, which the train state holds as well: 1.851 GB, not 1.718)."""
     from dsv3_jax import ModelConfig
     from experiments.configs.tiny import get_config
 
