@@ -15,8 +15,9 @@ its slots, padding included: an uneven split costs as much as K layers per chunk
 
 The 3 dense first layers, the embedding, the head and MTP are not staged: they run outside the
 pipelined stack with the batch rows split over `pipeline` as well (rules.BATCH_AXES), so each
-stage does 1/S of that work rather than all of it. The stack's input is gathered over `pipeline`
-(stage 0 feeds it in), and its output, produced on the last stage, is returned to every stage.
+stage does 1/S of that work rather than all of it. Under GPipe and circular the stack's input is
+gathered over `pipeline` (stage 0 feeds it in), and its output, produced on the last stage, is
+returned to every stage (the hand-run schedules keep both split: below).
 Those outer layers also run in microbatches of their own (`map_microbatches`, by default one row
 per device at a time: `outer_microbatches`), one after another and each recomputed in the
 backward, so a device never holds its whole batch's logits or an outer layer's working set.
@@ -41,6 +42,13 @@ keeps only its inputs; the backward re-runs each stage's forward under `jax.vjp`
 - dualpipev (sharding/dualpipev.py): 2S chunks in a V over the stages, forward and backward chunks
   of different microbatches in one unit, the weight-gradient half of each backward deferred.
 Their price is one more forward of the stack (as `remat` pays per layer); side inputs get no gradient.
+Under both, when S divides M, the stack's input, output and their gradients stay split over the
+stages on the microbatch dimension (`StageBatch`, `splits_stack_batch`; the model splits its batch
+with `split_stage_microbatches`, so that each stage's microbatches are rows it already holds): the
+first stage reads x and writes its gradient, the stage producing y (1F1B's last, DualPipeV's first)
+writes it and reads its cotangent, one microbatch per tick through a psum over `pipeline` of the
+owning stage's slot, so no stage holds a whole-batch [M, ...] buffer. (That psum moves 2 (S - 1) / S
+microbatches per tick and device where a gather moves each microbatch once; memory is the point.)
 """
 
 from __future__ import annotations
@@ -177,7 +185,9 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
-    (None for none); both replicated over `axis` (other mesh axes stay automatic). `schedule`
+    (None for none); side replicated over `axis`, x too except under 1f1b and dualpipev when S
+    divides M: split there on the microbatch dimension, as is y (`splits_stack_batch`; other mesh
+    axes stay automatic). `schedule`
     (default: gpipe, or circular when `repeats` R > 1) is one of SCHEDULES: circular makes each
     microbatch go round the ring of stages R times, stage s holding chunks s, S + s, ... (needs
     M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`); dualpipev
@@ -199,10 +209,11 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
         raise ValueError(f"the circular schedule (repeats={repeats}) needs at least as many microbatches as "
                          f"stages: {m} < {s}")
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    split = splits_stack_batch(schedule, m, s)
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
         from sharding import dualpipev  # here: dualpipev builds on this module
         out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis,
-                                   stored_specs=stored_specs)
+                                   stored_specs=stored_specs, split=split)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
         return (out, aux, busy) if return_activity else (out, aux)
     params, valid = pad_layers(stacked, s, repeats, mesh=mesh, axis=axis, stored_specs=stored_specs)
@@ -211,7 +222,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     else:
         even = num_layers % s == 0
         run = _hand_backward(layer_fn, np.ones(num_layers, bool) if even else layer_slots(num_layers, s)[1],
-                             mesh=mesh, axis=axis)
+                             mesh=mesh, axis=axis, split=split)
         out, aux = run(params, x_MxB_, side_M_)
         activity = m / (m + s - 1)  # the forward runs as GPipe's
     aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
@@ -228,13 +239,65 @@ def _run_chunk(layer_fn: LayerFn, chunk_params, chunk_valid, x, side):
     return jax.lax.scan(body, x, (chunk_params, chunk_valid))
 
 
-def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int):
+def splits_stack_batch(schedule: str | None, num_microbatches: int, num_stages: int) -> bool:
+    """Whether the stack's whole-batch arrays (its input, output, their gradients) stay split over
+    the stages on the microbatch dimension, M / S microbatches each (`StageBatch`): under the
+    hand-run backwards (1f1b, dualpipev) when S divides M; replicated over the stages otherwise."""
+    return schedule in ("1f1b", "dualpipev") and num_stages > 1 and num_microbatches % num_stages == 0
+
+
+class StageBatch:
+    """A [M, ...] batch of microbatches inside shard_map over `axis`: split (stage q holds
+    microbatches q * M / S .. (q + 1) * M / S - 1, the local array [M / S, ...]) or replicated
+    ([M, ...] on every stage). Only one stage reads each microbatch (the stack's input on the first
+    stage) or produces it (the output, the input gradient), one microbatch per tick: a split batch
+    moves it between its owner and that stage with a psum over `axis` of the owner's slot (the other
+    stages add zeros), so no stage holds the whole batch."""
+
+    def __init__(self, split: bool, num_microbatches: int, *, axis: str, num_stages: int):
+        self.split, self.axis = split, axis
+        self.per_stage = num_microbatches // num_stages if split else num_microbatches
+
+    def spec(self) -> P:
+        return P(self.axis) if self.split else P()
+
+    def read(self, local_M_: jax.Array, i: jax.Array) -> jax.Array:
+        """Microbatch i, on every stage."""
+        if not self.split:
+            return local_M_[i]
+        mine = local_M_[i % self.per_stage]
+        owner = jax.lax.axis_index(self.axis) == i // self.per_stage
+        return jax.lax.psum(jnp.where(owner, mine, jnp.zeros_like(mine)), self.axis)
+
+    def write(self, local_M_: jax.Array, value: jax.Array, i: jax.Array, on: jax.Array, src: int) -> jax.Array:
+        """Stores stage `src`'s `value` as microbatch i when `on` (the same on every stage)."""
+        stage = jax.lax.axis_index(self.axis)
+        if self.split:
+            value = jax.lax.psum(jnp.where(stage == src, value, jnp.zeros_like(value)), self.axis)
+            keep, slot = on & (stage == i // self.per_stage), i % self.per_stage
+        else:
+            keep, slot = on & (stage == src), i
+        return jax.lax.dynamic_update_index_in_dim(local_M_, jnp.where(keep, value, local_M_[slot]), slot, 0)
+
+    def result(self, local_M_: jax.Array, src: int) -> jax.Array:
+        """The written batch as the shard_map's output (`spec`): replicated, stage `src`'s, summed."""
+        if self.split:
+            return local_M_
+        stage = jax.lax.axis_index(self.axis)
+        return jax.lax.psum(jnp.where(stage == src, local_M_, jnp.zeros_like(local_M_)), self.axis)
+
+
+def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
+           hand: bool = False, split: bool = False):
     """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
-    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes."""
+    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes.
+    `hand` (the forward of a hand-run backward, never differentiated by jax): the last stage writes
+    each output as it is produced (`StageBatch`), x and y split over `axis` when `split`."""
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     ticks = repeats * m + s - 1
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side):
         stage = jax.lax.axis_index(axis)
@@ -242,7 +305,7 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
         by_round = jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), (local_params, local_valid))
 
         def tick(carry, t):
-            buf, loop = carry
+            buf, loop, outs = carry
             step = jnp.clip(t - stage, 0, repeats * m - 1)
             rnd, micro = step // m, step % m  # this stage runs microbatch `micro` of round `rnd`
             if repeats > 1:  # stage 0 keeps what comes round the ring until its next round starts
@@ -251,18 +314,24 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
                 loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(keep, buf, loop[slot]), slot, 0)
                 first = jnp.where(t < m, xs[jnp.minimum(t, m - 1)], loop[t % m])
             else:
-                first = xs[jnp.minimum(t, m - 1)]
+                first = batch.read(xs, jnp.minimum(t, m - 1))
             inp = jnp.where(stage == 0, first, buf)
             # One round: the stage's slots as they are, loop-invariant, so autodiff keeps them once
             # rather than a copy per tick (indexed by the traced round, [ticks, K, ...] of weights).
             chunk = (local_params, local_valid) if repeats == 1 else jax.tree.map(lambda a: a[rnd], by_round)
             y, aux = _run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
-            return (jax.lax.ppermute(y, axis, perm), loop), (y, aux)
+            if hand:  # the last stage finishes microbatch t - (S - 1)
+                done = t - (s - 1)
+                outs = batch.write(outs, y, jnp.maximum(done, 0), done >= 0, src=s - 1)
+            return (jax.lax.ppermute(y, axis, perm), loop, outs), (None if hand else y, aux)
 
         loop0 = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
-        _, (ys, auxs) = jax.lax.scan(tick, (jnp.zeros_like(xs[0]), loop0), jnp.arange(ticks))
-        # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
-        outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
+        outs0 = jnp.zeros_like(xs) if hand else jnp.zeros((), xs.dtype)
+        (_, _, outs), (ys, auxs) = jax.lax.scan(tick, (jnp.zeros_like(xs[0]), loop0, outs0), jnp.arange(ticks))
+        if hand:
+            outs = batch.result(outs, src=s - 1)
+        else:  # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
+            outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
 
         def per_slot(a):  # [ticks, K, ...] -> this stage's [R * K, M, ...]
             a = jax.lax.dynamic_slice_in_dim(a, stage, repeats * m, 0).reshape(repeats, m, *a.shape[1:])
@@ -274,18 +343,20 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
         activity = jax.lax.psum(busy, axis) / (s * ticks)
         return outs, auxs, activity
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P()),
-                         out_specs=(P(), P(axis), P()), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P()),
+                         out_specs=(batch.spec(), P(axis), P()), axis_names={axis},
                          check_vma=False)(params, valid, x_MxB_, side_M_)
 
 
-def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
+def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, split: bool = False):
     """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
-    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`)."""
+    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`); x, y and their
+    gradients split over `axis` on the microbatch dimension when `split` (`StageBatch`)."""
 
     @jax.custom_vjp
     def run(params, xs, side):
-        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1)
+        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1,
+                             hand=True, split=split)
         return out, aux
 
     def fwd(params, xs, side):
@@ -296,7 +367,7 @@ def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
         ct_y, ct_aux = ct
         ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]  # integer outputs: none
         grads, dxs = _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux,
-                                           mesh=mesh, axis=axis)
+                                           mesh=mesh, axis=axis, split=split)
         return grads, dxs, jax.tree.map(_zero_cotangent, side)
 
     run.defvjp(fwd, bwd)
@@ -319,7 +390,8 @@ def one_f_one_b_units(num_stages: int, num_microbatches: int) -> int:
     return 2 * (num_microbatches + num_stages - 1)
 
 
-def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str):
+def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str,
+                          split: bool = False):
     """Gradients (slot params [S * K, ...], x [M, ...]) of sum(y * ct_y) + sum(aux * ct_aux), run by
     the 1F1B schedule in one shard_map over `axis`.
 
@@ -329,12 +401,15 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
     (its parameters excepted: they are read again) in slot m mod S until the backward reads them;
     at most S - s microbatches are in flight on stage s, so this buffer does not grow with M. Weight
     gradients are added up as each backward produces them. An idle (stage, unit) runs neither branch
-    (`lax.switch` on the stage's own op).
+    (`lax.switch` on the stage's own op). x, ct_y and the x gradient are `StageBatch`es (split over
+    `axis` when `split`): each unit reads the first stage's x and the last stage's ct_y and stores
+    the first stage's input gradient, one microbatch each.
     """
     s = mesh.shape[axis]
     m = xs.shape[0]
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     aux_specs = [P(axis)] * len(ct_aux)
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
         stage = jax.lax.axis_index(axis)
@@ -360,47 +435,52 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
         stash0 = [jnp.zeros((s, *r.shape), r.dtype) for r in res_shapes]
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), local_params)
 
+        # recv_act / recv_grad: what came from the stage before / after; the first stage's comes
+        # from x, the last stage's from ct_y (read before the switch: a psum every stage joins)
         def forward(carry, recv_act, recv_grad, fm, bm):
-            stash, grads, dxs = carry
-            h = jnp.where(stage == 0, xs[fm], recv_act)
-            y, res = stash_of(local_params, h, side_of(fm))
+            stash, grads = carry
+            y, res = stash_of(local_params, recv_act, side_of(fm))
             stash = [jax.lax.dynamic_update_index_in_dim(b, r, fm % s, 0) for b, r in zip(stash, res)]
-            return (stash, grads, dxs), y, jnp.zeros_like(recv_grad)
+            return (stash, grads), y, jnp.zeros_like(recv_grad)
 
         def backward(carry, recv_act, recv_grad, fm, bm):
-            stash, grads, dxs = carry
+            stash, grads = carry
             saved = iter([b[bm % s] for b in stash])
             leaves = [param_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
             vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
-            g = jnp.where(stage == s - 1, ct_y[bm], recv_grad)
-            dp, dh = vjp_fn((g, [a[:, bm] for a in ct_aux]))
+            dp, dh = vjp_fn((recv_grad, [a[:, bm] for a in ct_aux]))
             grads = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dp)
-            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dh, bm, 0)
-            return (stash, grads, dxs), jnp.zeros_like(recv_act), dh
+            return (stash, grads), jnp.zeros_like(recv_act), dh
 
         def idle(carry, recv_act, recv_grad, fm, bm):
             return carry, jnp.zeros_like(recv_act), jnp.zeros_like(recv_grad)
 
         def unit(state, u):
-            carry, recv_act, recv_grad = state
+            carry, dxs, recv_act, recv_grad = state
             fm, bm = (u - stage) // 2, (u - (2 * s - 1 - stage)) // 2
             does_f = ((u - stage) % 2 == 0) & (fm >= 0) & (fm < m)
             does_b = ((u - stage) % 2 == 1) & (bm >= 0) & (bm < m)
             op = jnp.where(does_f, 1, jnp.where(does_b, 2, 0))
             fm, bm = jnp.clip(fm, 0, m - 1), jnp.clip(bm, 0, m - 1)
+            # the first stage forwards microbatch u / 2, the last one's backward reads (u - S) / 2
+            recv_act = jnp.where(stage == 0, batch.read(xs, jnp.clip(u // 2, 0, m - 1)), recv_act)
+            recv_grad = jnp.where(stage == s - 1, batch.read(ct_y, jnp.clip((u - s) // 2, 0, m - 1)), recv_grad)
             carry, send_act, send_grad = jax.lax.switch(op, (idle, forward, backward), carry, recv_act, recv_grad,
                                                         fm, bm)
+            first_b = (u - (2 * s - 1)) // 2  # the first stage's backward: the stack's input gradient
+            first_on = (u % 2 == 1) & (first_b >= 0) & (first_b < m)
+            dxs = batch.write(dxs, send_grad, jnp.clip(first_b, 0, m - 1), first_on, src=0)
             recv_act = jax.lax.ppermute(send_act, axis, [(i, i + 1) for i in range(s - 1)])
             recv_grad = jax.lax.ppermute(send_grad, axis, [(i + 1, i) for i in range(s - 1)])
-            return (carry, recv_act, recv_grad), None
+            return (carry, dxs, recv_act, recv_grad), None
 
-        init = ((stash0, grads0, jnp.zeros_like(xs)), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
-        ((_, grads, dxs), _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
+        init = ((stash0, grads0), jnp.zeros_like(xs), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
+        ((_, grads), dxs, _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, local_params)
-        return grads, jax.lax.psum(jnp.where(stage == 0, dxs, 0), axis)
+        return grads, batch.result(dxs, src=0)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P(), P(), aux_specs),
-                         out_specs=(param_specs, P()), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P(), batch.spec(), aux_specs),
+                         out_specs=(param_specs, batch.spec()), axis_names={axis},
                          check_vma=False)(params, valid, xs, side, ct_y, ct_aux)
 
 
@@ -415,6 +495,29 @@ def merge_microbatches(x_MxB_: jax.Array) -> jax.Array:
     """The inverse of `split_microbatches`."""
     m, mb = x_MxB_.shape[:2]
     return jnp.swapaxes(x_MxB_, 0, 1).reshape(m * mb, *x_MxB_.shape[2:])
+
+
+def split_stage_microbatches(x_Bx_: jax.Array, m: int, num_stages: int, batch_shards: int) -> jax.Array:
+    """[B, ...] -> [M, B / M, ...] for a stack whose batch stays split over the stages
+    (`splits_stack_batch`): with the rows in contiguous device blocks, `batch_shards` (the stage
+    batch shards, rules.STAGE_BATCH_AXES) major and the S stages minor (rules.BATCH_AXES), stage q's
+    microbatches q * M / S .. (q + 1) * M / S - 1 are made of rows every device (d, q) already holds:
+    the [M / S, ...] slice each stage keeps inside the stack is where it was, split over the batch
+    shards on its rows. Microbatch q * M / S + j takes block j of the M / S in each (d, q) block."""
+    b = x_Bx_.shape[0]
+    if m % num_stages or b % (m * batch_shards):
+        raise ValueError(f"{b} rows do not split into {m} microbatches over {num_stages} stages x "
+                         f"{batch_shards} batch shards")
+    rows = b // (m * batch_shards)
+    x = x_Bx_.reshape(batch_shards, num_stages, m // num_stages, rows, *x_Bx_.shape[1:])
+    return jnp.moveaxis(x, 0, 2).reshape(m, batch_shards * rows, *x_Bx_.shape[1:])
+
+
+def merge_stage_microbatches(x_MxB_: jax.Array, num_stages: int, batch_shards: int) -> jax.Array:
+    """The inverse of `split_stage_microbatches`."""
+    m, mb = x_MxB_.shape[:2]
+    x = x_MxB_.reshape(num_stages, m // num_stages, batch_shards, mb // batch_shards, *x_MxB_.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(m * mb, *x_MxB_.shape[2:])
 
 
 def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2, batch_shards: int = 1,
