@@ -143,14 +143,18 @@ def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: 
     V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
     not split over `axis` is replicated there: each stage takes its slots. A dimension split over
     `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
-    order differs). The backward is the transpose (all_to_all back, local scatter-add)."""
+    order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
+    comment below). The backward is the transpose (all_to_all back, local scatter-add)."""
     s = mesh.shape[axis]
     table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
     leaves, treedef = jax.tree.flatten(stacked)
     specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
     if len(specs) != len(leaves):
         raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
-    dim_of = [_axis_dim(spec, axis) for spec in specs]
+    # A layer axis split over `axis` (S divides L but the schedule's slots are not the stored
+    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `axis`:
+    # the all_to_all below would index a stage's own layers by global layer numbers.
+    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
 
     def in_spec(a, d):
         return P() if d is None else P(*([None] * d), axis)
