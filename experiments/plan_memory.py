@@ -43,7 +43,7 @@ backward layer at work) or, with per-layer remat, inside one layer's backward. C
   chunk of ceil(L / 2S) slots. Full-batch buffers [tokens, D]: GPipe keeps the stack's input and
   output; the hand-run backwards keep the input (their custom_vjp's residual), the output's
   cotangent and the input gradient, each split over the stages on the microbatch dimension (1/S of
-  the batch each) when S divides M (`pipeline.splits_stack_batch`: one microbatch at a time moves
+  the batch each) when S divides M (`sharding/stage_batch.py`: one microbatch at a time moves
   between its owner and the stage that reads or writes it), whole on every stage otherwise.
   DualPipeV adds its inboxes and the cotangents W waits on.
 
@@ -67,7 +67,7 @@ import jax.numpy as jnp
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.ops import dispatch
-from sharding import dualpipev, expert_parallel, pipeline
+from sharding import dualpipev, expert_parallel, pipeline, stage_batch
 
 
 class LayerGroup(NamedTuple):
@@ -89,7 +89,7 @@ class Stack(NamedTuple):
 
 def stack_schedule(schedule: str, stages: int, micro: int, num_layers: int, repeats: int = 1) -> Stack:
     """The pipelined stack's in-flight count under `schedule` (sharding/pipeline.py's SCHEDULES)."""
-    split = stages if pipeline.splits_stack_batch(schedule, micro, stages) else 1
+    split = stages if stage_batch.splits_stack_batch(schedule, micro, stages) else 1
     if schedule == "1f1b":
         return Stack(pipeline.slots_per_stage(num_layers, stages), stages, 3, split, 2)
     if schedule == "dualpipev":

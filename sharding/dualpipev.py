@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import pipeline as pl
+from sharding.stage_batch import StageBatch
 
 
 def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,7 +217,7 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
     """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
     forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient. x, y
     and their gradients are split over `axis` on the microbatch dimension when `split`
-    (`pipeline.StageBatch`)."""
+    (`stage_batch.StageBatch`)."""
     s, m = mesh.shape[axis], x_MxB_.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
@@ -261,13 +262,13 @@ def _ends(table: Table) -> dict:
 def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh, axis, split: bool = False):
     """The table's program. Forward-only (ct_y None): (y [M, ...], aux slots [S * 2K, M, ...]);
     otherwise (slot param grads, x grads [M, ...]). x, ct_y, y and the x gradient are
-    `pipeline.StageBatch`es: each unit reads x and ct_y for rank 0 and stores rank 0's y or input
+    `stage_batch.StageBatch`es: each unit reads x and ct_y for rank 0 and stores rank 0's y or input
     gradient, one microbatch each (`_ends`)."""
     s, m = mesh.shape[axis], xs.shape[0]
     backward = ct_y is not None
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     rows = {f: jnp.asarray(a) for f, a in table.rows.items()}
-    batch = pl.StageBatch(split, m, axis=axis, num_stages=s)
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
         stage = jax.lax.axis_index(axis)

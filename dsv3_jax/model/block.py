@@ -18,7 +18,7 @@ from dsv3_jax.model.attention import MLA, LatentCache
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
-from sharding import pipeline
+from sharding import pipeline, stage_batch
 
 
 class Context(NamedTuple):
@@ -117,9 +117,9 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
     if remat:
         layer = jax.checkpoint(layer)
     stages, shards = mesh.shape["pipeline"], pipeline.stage_batch_shards(mesh)
-    if pipeline.splits_stack_batch(schedule, m, stages):  # the batch stays split over the stages
-        split = lambda a: pipeline.split_stage_microbatches(a, m, stages, shards)  # noqa: E731
-        merge = lambda y: pipeline.merge_stage_microbatches(y, stages, shards)  # noqa: E731
+    if stage_batch.splits_stack_batch(schedule, m, stages):  # the batch stays split over the stages
+        split = lambda a: stage_batch.split_stage_microbatches(a, m, stages, shards)  # noqa: E731
+        merge = lambda y: stage_batch.merge_stage_microbatches(y, stages, shards)  # noqa: E731
     else:
         split, merge = lambda a: pipeline.split_microbatches(a, m), pipeline.merge_microbatches  # noqa: E731
     side = jax.tree.map(split, tuple(ctx))
