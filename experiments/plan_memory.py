@@ -42,7 +42,10 @@ backward layer at work) or, with per-layer remat, inside one layer's backward. C
   DualPipeV the stash slots its table assigns (`sharding/dualpipev.py:schedule_table`), each one
   chunk of ceil(L / 2S) slots. Full-batch buffers [tokens, D]: GPipe keeps the stack's input and
   output; the hand-run backwards keep the input (their custom_vjp's residual), the output's
-  cotangent and the input gradient. DualPipeV adds its inboxes and the cotangents W waits on.
+  cotangent and the input gradient, each split over the stages on the microbatch dimension (1/S of
+  the batch each) when S divides M (`sharding/stage_batch.py`: one microbatch at a time moves
+  between its owner and the stage that reads or writes it), whole on every stage otherwise.
+  DualPipeV adds its inboxes and the cotangents W waits on.
 
 The counts were read off the program: jax's saved residuals of one block and of
 `dispatch.local_expert_mlp` for each grouped-matmul implementation, and the buffers live at the
@@ -64,7 +67,7 @@ import jax.numpy as jnp
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.ops import dispatch
-from sharding import dualpipev, expert_parallel, pipeline
+from sharding import dualpipev, expert_parallel, pipeline, stage_batch
 
 
 class LayerGroup(NamedTuple):
@@ -80,17 +83,20 @@ class Stack(NamedTuple):
     slots: int  # layer slots whose saved tensors one microbatch in flight holds
     in_flight: int  # microbatches (or DualPipeV stash slots) in flight
     batch_buffers: int  # [stage tokens, D] buffers of the whole stack batch
+    batch_split: int  # stages each of those is split over (1: whole on every stage)
     micro_buffers: int  # [microbatch tokens, D] buffers (DualPipeV's inboxes and W's cotangents)
 
 
 def stack_schedule(schedule: str, stages: int, micro: int, num_layers: int, repeats: int = 1) -> Stack:
     """The pipelined stack's in-flight count under `schedule` (sharding/pipeline.py's SCHEDULES)."""
+    split = stages if stage_batch.splits_stack_batch(schedule, micro, stages) else 1
     if schedule == "1f1b":
-        return Stack(pipeline.slots_per_stage(num_layers, stages), stages, 3, 2)
+        return Stack(pipeline.slots_per_stage(num_layers, stages), stages, 3, split, 2)
     if schedule == "dualpipev":
         table = dualpipev.schedule_table(stages, micro)
-        return Stack(-(-num_layers // (2 * stages)), table.stash, 3, table.inbox_a + table.inbox_g + table.wait_w)
-    return Stack(pipeline.slots_per_stage(num_layers, stages, repeats), micro, 2, 0)
+        return Stack(-(-num_layers // (2 * stages)), table.stash, 3, split,
+                     table.inbox_a + table.inbox_g + table.wait_w)
+    return Stack(pipeline.slots_per_stage(num_layers, stages, repeats), micro, 2, 1, 0)
 
 
 class Program(NamedTuple):
@@ -209,6 +215,7 @@ def activation_bytes(cfg: ModelConfig, seq: int, groups: list[LayerGroup], *, pr
     out["logits (+grad)"] = 2 * (1 + cfg.num_mtp_layers) * logit_tokens * cfg.vocab_size * 4
     if stages > 1 and stack is not None:
         micro = groups[-1].live_tokens
-        out["pipeline buffers"] = (stack.batch_buffers * stack_tokens + stack.micro_buffers * micro) * d * b
+        whole = stack.batch_buffers * stack_tokens // stack.batch_split
+        out["pipeline buffers"] = (whole + stack.micro_buffers * micro) * d * b
     return out
 

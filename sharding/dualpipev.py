@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import pipeline as pl
+from sharding.stage_batch import StageBatch
 
 
 def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -212,9 +213,11 @@ def schedule_table(num_stages: int, num_microbatches: int, *, backward: bool = T
 
 
 def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline",
-          stored_specs=None):
+          stored_specs=None, split: bool = False):
     """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
-    forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient."""
+    forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient. x, y
+    and their gradients are split over `axis` on the microbatch dimension when `split`
+    (`stage_batch.StageBatch`)."""
     s, m = mesh.shape[axis], x_MxB_.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
@@ -223,7 +226,7 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
 
     @jax.custom_vjp
     def run(params, xs, side):
-        return _run(layer_fn, fwd_table, params, valid, xs, side, None, None, mesh=mesh, axis=axis)
+        return _run(layer_fn, fwd_table, params, valid, xs, side, None, None, mesh=mesh, axis=axis, split=split)
 
     def fwd(params, xs, side):
         return run(params, xs, side), (params, xs, side)
@@ -232,7 +235,8 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
         params, xs, side = res
         ct_y, ct_aux = ct
         ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]
-        grads, dxs = _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis)
+        grads, dxs = _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis,
+                          split=split)
         return grads, dxs, jax.tree.map(pl._zero_cotangent, side)
 
     run.defvjp(fwd, bwd)
@@ -241,13 +245,30 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
     return out, jax.tree.map(lambda a: a[slot_of_layer], aux)
 
 
-def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh, axis):
+def _ends(table: Table) -> dict:
+    """Per unit, the microbatch (0 when none) and whether rank 0 reads x (chunk 0's F), reads ct_y
+    (chunk 2S-1's B), writes the stack's output (chunk 2S-1's F) and its input gradient (chunk 0's
+    B): the only steps that touch the stack's whole-batch arrays, all on rank 0 (the V's two ends)."""
+    t = {f: a[:, 0] for f, a in table.rows.items()}
+    ends = {"x": (t["f_on"] > 0) & (t["f_in"] < 0), "ct": (t["b_on"] > 0) & (t["b_in"] < 0),
+            "y": (t["f_on"] > 0) & (t["f_v"] == 1), "dx": (t["b_on"] > 0) & (t["b_v"] == 0)}
+    out = {}
+    for name, on in ends.items():
+        micro = t["b_m"] if name in ("ct", "dx") else t["f_m"]
+        out[name + "_on"], out[name + "_m"] = jnp.asarray(on), jnp.asarray(np.where(on, micro, 0), np.int32)
+    return out
+
+
+def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh, axis, split: bool = False):
     """The table's program. Forward-only (ct_y None): (y [M, ...], aux slots [S * 2K, M, ...]);
-    otherwise (slot param grads, x grads [M, ...])."""
+    otherwise (slot param grads, x grads [M, ...]). x, ct_y, y and the x gradient are
+    `stage_batch.StageBatch`es: each unit reads x and ct_y for rank 0 and stores rank 0's y or input
+    gradient, one microbatch each (`_ends`)."""
     s, m = mesh.shape[axis], xs.shape[0]
     backward = ct_y is not None
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     rows = {f: jnp.asarray(a) for f, a in table.rows.items()}
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
         stage = jax.lax.axis_index(axis)
@@ -285,53 +306,53 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
             _, res_shapes = jax.eval_shape(stash_of, *chunk(0), xs[0], side_of(0))
             stash0 = [jnp.zeros((table.stash, *r.shape), r.dtype) for r in res_shapes]
             acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), by_chunk[0])
-            extra0 = (stash0, buffer(table.wait_w), acc0, jnp.zeros_like(xs))
+            extra0 = (stash0, buffer(table.wait_w), acc0)
         else:
             _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: pl._run_chunk(layer_fn, p, ok, h, e), *chunk(0),
                                            xs[0], side_of(0))
             aux0 = jax.tree.map(lambda a: jnp.zeros((2, m, *a.shape), a.dtype), aux_shapes)
-            extra0 = (jnp.zeros_like(xs), aux0)
+            extra0 = aux0
 
         def unit(carry, row_u):
-            inbox_a, inbox_g, extra = carry
+            (inbox_a, inbox_g, ends, extra), (row_u, e) = carry, row_u
             r = {f: a[stage] for f, a in row_u.items()}
+            x_in = batch.read(xs, e["x_m"])  # rank 0's input of chunk 0 (psums: every rank, every unit)
             if backward:
+                ct_in = batch.read(ct_y, e["ct_m"])  # rank 0's cotangent of chunk 2S - 1
+
                 def do_w(extra):
-                    stash, wait, acc, dxs = extra
+                    stash, wait, acc = extra
                     vjp_fn = vjp_of(stash, r["w_res"], r["w_v"])
                     dp, _ = vjp_fn((wait[r["w_slot"]], cot_aux(r["w_v"], r["w_m"])))
                     acc = jax.tree.map(lambda g, d: put(g, g[r["w_v"]] + d.astype(g.dtype), r["w_v"], 0), acc, dp)
-                    return stash, wait, acc, dxs
+                    return stash, wait, acc
 
                 def do_b(extra):
-                    stash, wait, acc, dxs = extra
-                    g = jnp.where(r["b_in"] < 0, ct_y[r["b_m"]], inbox_g[jnp.maximum(r["b_in"], 0)])
+                    stash, wait, acc = extra
+                    g = jnp.where(r["b_in"] < 0, ct_in, inbox_g[jnp.maximum(r["b_in"], 0)])
                     _, dh = vjp_of(stash, r["b_res"], r["b_v"])((g, cot_aux(r["b_v"], r["b_m"])))
-                    first = (stage == 0) & (r["b_v"] == 0)  # chunk 0: the stack's input gradient
-                    dxs = put(dxs, jnp.where(first, dh, dxs[r["b_m"]]), r["b_m"], 0)
-                    return (stash, put(wait, g, r["b_w"], 0), acc, dxs), dh
+                    return (stash, put(wait, g, r["b_w"], 0), acc), dh
 
                 def do_f(extra):
-                    stash, wait, acc, dxs = extra
-                    h = jnp.where(r["f_in"] < 0, xs[r["f_m"]], inbox_a[jnp.maximum(r["f_in"], 0)])
+                    stash, wait, acc = extra
+                    h = jnp.where(r["f_in"] < 0, x_in, inbox_a[jnp.maximum(r["f_in"], 0)])
                     y, res = stash_of(*chunk(r["f_v"]), h, side_of(r["f_m"]))
                     stash = [put(b, x, r["f_res"], 0) for b, x in zip(stash, res)]
-                    return (stash, wait, acc, dxs), y
+                    return (stash, wait, acc), y
 
                 extra = jax.lax.cond(r["w_on"] > 0, do_w, lambda e: e, extra)
                 extra, dh = jax.lax.cond(r["b_on"] > 0, do_b, lambda e: (e, zero), extra)
+                ends = batch.write(ends, dh, e["dx_m"], e["dx_on"], src=0)  # chunk 0: the input gradient
             else:
-                def do_f(extra):
-                    outs, aux = extra
-                    h = jnp.where(r["f_in"] < 0, xs[r["f_m"]], inbox_a[jnp.maximum(r["f_in"], 0)])
+                def do_f(aux):
+                    h = jnp.where(r["f_in"] < 0, x_in, inbox_a[jnp.maximum(r["f_in"], 0)])
                     y, a = pl._run_chunk(layer_fn, *chunk(r["f_v"]), h, side_of(r["f_m"]))
-                    last = (stage == 0) & (r["f_v"] == 1)  # chunk 2S - 1: the stack's output
-                    outs = put(outs, jnp.where(last, y, outs[r["f_m"]]), r["f_m"], 0)
-                    aux = jax.tree.map(lambda b, x: b.at[r["f_v"], r["f_m"]].set(x), aux, a)
-                    return (outs, aux), y
+                    return jax.tree.map(lambda b, x: b.at[r["f_v"], r["f_m"]].set(x), aux, a), y
 
                 dh = zero
             extra, y = jax.lax.cond(r["f_on"] > 0, do_f, lambda e: (e, zero), extra)
+            if not backward:
+                ends = batch.write(ends, y, e["y_m"], e["y_on"], src=0)  # chunk 2S - 1: the stack's output
             inbox_a = put(inbox_a, y, r["f_loc"], 0)
             inbox_g = put(inbox_g, dh, r["b_loc"], 0)
             up, down = [(i, i + 1) for i in range(s - 1)], [(i + 1, i) for i in range(s - 1)]
@@ -339,22 +360,22 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
             inbox_a = put(inbox_a, jax.lax.ppermute(y, axis, down), r["a_above"], 0)
             inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, up), r["g_below"], 0)
             inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, down), r["g_above"], 0)
-            return (inbox_a, inbox_g, extra), None
+            return (inbox_a, inbox_g, ends, extra), None
 
-        init = (buffer(table.inbox_a), buffer(table.inbox_g), extra0)
-        (_, _, extra), _ = jax.lax.scan(unit, init, rows)
+        # ends: the input gradient (backward) or the output (forward), [M or M / S, ...]
+        init = (buffer(table.inbox_a), buffer(table.inbox_g), jnp.zeros_like(xs), extra0)
+        (_, _, ends, extra), _ = jax.lax.scan(unit, init, (rows, _ends(table)))
         if backward:
-            _, _, acc, dxs = extra
+            _, _, acc = extra
             grads = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), acc, local_params)
-            return grads, jax.lax.psum(jnp.where(stage == 0, dxs, 0), axis)
-        outs, aux = extra
-        aux = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, m, *a.shape[3:]), aux)  # [2K, M, ...]
-        return jax.lax.psum(jnp.where(stage == 0, outs, 0), axis), aux
+            return grads, batch.result(ends, src=0)
+        aux = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, m, *a.shape[3:]), extra)  # [2K, M, ...]
+        return batch.result(ends, src=0), aux
 
     if backward:
-        out_specs = (param_specs, P())
-        in_specs = (param_specs, P(axis), P(), P(), P(), [P(axis)] * len(ct_aux))
+        out_specs = (param_specs, batch.spec())
+        in_specs = (param_specs, P(axis), batch.spec(), P(), batch.spec(), [P(axis)] * len(ct_aux))
     else:
-        out_specs, in_specs = (P(), P(axis)), (param_specs, P(axis), P(), P(), P(), P())
+        out_specs, in_specs = (batch.spec(), P(axis)), (param_specs, P(axis), batch.spec(), P(), P(), P())
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis},
                          check_vma=False)(params, jnp.asarray(valid), xs, side, ct_y, ct_aux)

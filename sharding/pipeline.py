@@ -15,8 +15,9 @@ its slots, padding included: an uneven split costs as much as K layers per chunk
 
 The 3 dense first layers, the embedding, the head and MTP are not staged: they run outside the
 pipelined stack with the batch rows split over `pipeline` as well (rules.BATCH_AXES), so each
-stage does 1/S of that work rather than all of it. The stack's input is gathered over `pipeline`
-(stage 0 feeds it in), and its output, produced on the last stage, is returned to every stage.
+stage does 1/S of that work rather than all of it. Under GPipe and circular the stack's input is
+gathered over `pipeline` (stage 0 feeds it in), and its output, produced on the last stage, is
+returned to every stage (the hand-run schedules keep both split: below).
 Those outer layers also run in microbatches of their own (`map_microbatches`, by default one row
 per device at a time: `outer_microbatches`), one after another and each recomputed in the
 backward, so a device never holds its whole batch's logits or an outer layer's working set.
@@ -41,6 +42,13 @@ keeps only its inputs; the backward re-runs each stage's forward under `jax.vjp`
 - dualpipev (sharding/dualpipev.py): 2S chunks in a V over the stages, forward and backward chunks
   of different microbatches in one unit, the weight-gradient half of each backward deferred.
 Their price is one more forward of the stack (as `remat` pays per layer); side inputs get no gradient.
+Under both, when S divides M, the stack's input, output and their gradients stay split over the
+stages on the microbatch dimension (sharding/stage_batch.py, whose `split_stage_microbatches` the
+model splits its batch with, so that each stage's microbatches are rows it already holds): the
+first stage reads x and writes its gradient, the stage producing y (1F1B's last, DualPipeV's first)
+writes it and reads its cotangent, one microbatch per tick through a psum over `pipeline` of the
+owning stage's slot, so no stage holds a whole-batch [M, ...] buffer. (That psum moves 2 (S - 1) / S
+microbatches per tick and device where a gather moves each microbatch once; memory is the point.)
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding.rules import BATCH_AXES, STAGE_BATCH_AXES
+from sharding.stage_batch import StageBatch, splits_stack_batch
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -135,14 +144,18 @@ def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: 
     V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
     not split over `axis` is replicated there: each stage takes its slots. A dimension split over
     `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
-    order differs). The backward is the transpose (all_to_all back, local scatter-add)."""
+    order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
+    comment below). The backward is the transpose (all_to_all back, local scatter-add)."""
     s = mesh.shape[axis]
     table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
     leaves, treedef = jax.tree.flatten(stacked)
     specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
     if len(specs) != len(leaves):
         raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
-    dim_of = [_axis_dim(spec, axis) for spec in specs]
+    # A layer axis split over `axis` (S divides L but the schedule's slots are not the stored
+    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `axis`:
+    # the all_to_all below would index a stage's own layers by global layer numbers.
+    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
 
     def in_spec(a, d):
         return P() if d is None else P(*([None] * d), axis)
@@ -177,7 +190,9 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
-    (None for none); both replicated over `axis` (other mesh axes stay automatic). `schedule`
+    (None for none); side replicated over `axis`, x too except under 1f1b and dualpipev when S
+    divides M: split there on the microbatch dimension, as is y (`splits_stack_batch`; other mesh
+    axes stay automatic). `schedule`
     (default: gpipe, or circular when `repeats` R > 1) is one of SCHEDULES: circular makes each
     microbatch go round the ring of stages R times, stage s holding chunks s, S + s, ... (needs
     M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`); dualpipev
@@ -199,10 +214,11 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
         raise ValueError(f"the circular schedule (repeats={repeats}) needs at least as many microbatches as "
                          f"stages: {m} < {s}")
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    split = splits_stack_batch(schedule, m, s)
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
         from sharding import dualpipev  # here: dualpipev builds on this module
         out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis,
-                                   stored_specs=stored_specs)
+                                   stored_specs=stored_specs, split=split)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
         return (out, aux, busy) if return_activity else (out, aux)
     params, valid = pad_layers(stacked, s, repeats, mesh=mesh, axis=axis, stored_specs=stored_specs)
@@ -211,7 +227,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     else:
         even = num_layers % s == 0
         run = _hand_backward(layer_fn, np.ones(num_layers, bool) if even else layer_slots(num_layers, s)[1],
-                             mesh=mesh, axis=axis)
+                             mesh=mesh, axis=axis, split=split)
         out, aux = run(params, x_MxB_, side_M_)
         activity = m / (m + s - 1)  # the forward runs as GPipe's
     aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
@@ -228,13 +244,17 @@ def _run_chunk(layer_fn: LayerFn, chunk_params, chunk_valid, x, side):
     return jax.lax.scan(body, x, (chunk_params, chunk_valid))
 
 
-def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int):
+def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
+           hand: bool = False, split: bool = False):
     """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
-    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes."""
+    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes.
+    `hand` (the forward of a hand-run backward, never differentiated by jax): the last stage writes
+    each output as it is produced (`StageBatch`), x and y split over `axis` when `split`."""
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     ticks = repeats * m + s - 1
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side):
         stage = jax.lax.axis_index(axis)
@@ -242,7 +262,7 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
         by_round = jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), (local_params, local_valid))
 
         def tick(carry, t):
-            buf, loop = carry
+            buf, loop, outs = carry
             step = jnp.clip(t - stage, 0, repeats * m - 1)
             rnd, micro = step // m, step % m  # this stage runs microbatch `micro` of round `rnd`
             if repeats > 1:  # stage 0 keeps what comes round the ring until its next round starts
@@ -251,18 +271,24 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
                 loop = jax.lax.dynamic_update_index_in_dim(loop, jnp.where(keep, buf, loop[slot]), slot, 0)
                 first = jnp.where(t < m, xs[jnp.minimum(t, m - 1)], loop[t % m])
             else:
-                first = xs[jnp.minimum(t, m - 1)]
+                first = batch.read(xs, jnp.minimum(t, m - 1))
             inp = jnp.where(stage == 0, first, buf)
             # One round: the stage's slots as they are, loop-invariant, so autodiff keeps them once
             # rather than a copy per tick (indexed by the traced round, [ticks, K, ...] of weights).
             chunk = (local_params, local_valid) if repeats == 1 else jax.tree.map(lambda a: a[rnd], by_round)
             y, aux = _run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
-            return (jax.lax.ppermute(y, axis, perm), loop), (y, aux)
+            if hand:  # the last stage finishes microbatch t - (S - 1)
+                done = t - (s - 1)
+                outs = batch.write(outs, y, jnp.maximum(done, 0), done >= 0, src=s - 1)
+            return (jax.lax.ppermute(y, axis, perm), loop, outs), (None if hand else y, aux)
 
         loop0 = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
-        _, (ys, auxs) = jax.lax.scan(tick, (jnp.zeros_like(xs[0]), loop0), jnp.arange(ticks))
-        # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
-        outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
+        outs0 = jnp.zeros_like(xs) if hand else jnp.zeros((), xs.dtype)
+        (_, _, outs), (ys, auxs) = jax.lax.scan(tick, (jnp.zeros_like(xs[0]), loop0, outs0), jnp.arange(ticks))
+        if hand:
+            outs = batch.result(outs, src=s - 1)
+        else:  # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
+            outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
 
         def per_slot(a):  # [ticks, K, ...] -> this stage's [R * K, M, ...]
             a = jax.lax.dynamic_slice_in_dim(a, stage, repeats * m, 0).reshape(repeats, m, *a.shape[1:])
@@ -274,18 +300,20 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
         activity = jax.lax.psum(busy, axis) / (s * ticks)
         return outs, auxs, activity
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P()),
-                         out_specs=(P(), P(axis), P()), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P()),
+                         out_specs=(batch.spec(), P(axis), P()), axis_names={axis},
                          check_vma=False)(params, valid, x_MxB_, side_M_)
 
 
-def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
+def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, split: bool = False):
     """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
-    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`)."""
+    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`); x, y and their
+    gradients split over `axis` on the microbatch dimension when `split` (`StageBatch`)."""
 
     @jax.custom_vjp
     def run(params, xs, side):
-        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1)
+        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1,
+                             hand=True, split=split)
         return out, aux
 
     def fwd(params, xs, side):
@@ -296,7 +324,7 @@ def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str):
         ct_y, ct_aux = ct
         ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]  # integer outputs: none
         grads, dxs = _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux,
-                                           mesh=mesh, axis=axis)
+                                           mesh=mesh, axis=axis, split=split)
         return grads, dxs, jax.tree.map(_zero_cotangent, side)
 
     run.defvjp(fwd, bwd)
@@ -319,7 +347,8 @@ def one_f_one_b_units(num_stages: int, num_microbatches: int) -> int:
     return 2 * (num_microbatches + num_stages - 1)
 
 
-def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str):
+def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str,
+                          split: bool = False):
     """Gradients (slot params [S * K, ...], x [M, ...]) of sum(y * ct_y) + sum(aux * ct_aux), run by
     the 1F1B schedule in one shard_map over `axis`.
 
@@ -329,12 +358,15 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
     (its parameters excepted: they are read again) in slot m mod S until the backward reads them;
     at most S - s microbatches are in flight on stage s, so this buffer does not grow with M. Weight
     gradients are added up as each backward produces them. An idle (stage, unit) runs neither branch
-    (`lax.switch` on the stage's own op).
+    (`lax.switch` on the stage's own op). x, ct_y and the x gradient are `StageBatch`es (split over
+    `axis` when `split`): each unit reads the first stage's x and the last stage's ct_y and stores
+    the first stage's input gradient, one microbatch each.
     """
     s = mesh.shape[axis]
     m = xs.shape[0]
     param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
     aux_specs = [P(axis)] * len(ct_aux)
+    batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
         stage = jax.lax.axis_index(axis)
@@ -360,47 +392,52 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
         stash0 = [jnp.zeros((s, *r.shape), r.dtype) for r in res_shapes]
         grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), local_params)
 
+        # recv_act / recv_grad: what came from the stage before / after; the first stage's comes
+        # from x, the last stage's from ct_y (read before the switch: a psum every stage joins)
         def forward(carry, recv_act, recv_grad, fm, bm):
-            stash, grads, dxs = carry
-            h = jnp.where(stage == 0, xs[fm], recv_act)
-            y, res = stash_of(local_params, h, side_of(fm))
+            stash, grads = carry
+            y, res = stash_of(local_params, recv_act, side_of(fm))
             stash = [jax.lax.dynamic_update_index_in_dim(b, r, fm % s, 0) for b, r in zip(stash, res)]
-            return (stash, grads, dxs), y, jnp.zeros_like(recv_grad)
+            return (stash, grads), y, jnp.zeros_like(recv_grad)
 
         def backward(carry, recv_act, recv_grad, fm, bm):
-            stash, grads, dxs = carry
+            stash, grads = carry
             saved = iter([b[bm % s] for b in stash])
             leaves = [param_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
             vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
-            g = jnp.where(stage == s - 1, ct_y[bm], recv_grad)
-            dp, dh = vjp_fn((g, [a[:, bm] for a in ct_aux]))
+            dp, dh = vjp_fn((recv_grad, [a[:, bm] for a in ct_aux]))
             grads = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dp)
-            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dh, bm, 0)
-            return (stash, grads, dxs), jnp.zeros_like(recv_act), dh
+            return (stash, grads), jnp.zeros_like(recv_act), dh
 
         def idle(carry, recv_act, recv_grad, fm, bm):
             return carry, jnp.zeros_like(recv_act), jnp.zeros_like(recv_grad)
 
         def unit(state, u):
-            carry, recv_act, recv_grad = state
+            carry, dxs, recv_act, recv_grad = state
             fm, bm = (u - stage) // 2, (u - (2 * s - 1 - stage)) // 2
             does_f = ((u - stage) % 2 == 0) & (fm >= 0) & (fm < m)
             does_b = ((u - stage) % 2 == 1) & (bm >= 0) & (bm < m)
             op = jnp.where(does_f, 1, jnp.where(does_b, 2, 0))
             fm, bm = jnp.clip(fm, 0, m - 1), jnp.clip(bm, 0, m - 1)
+            # the first stage forwards microbatch u / 2, the last one's backward reads (u - S) / 2
+            recv_act = jnp.where(stage == 0, batch.read(xs, jnp.clip(u // 2, 0, m - 1)), recv_act)
+            recv_grad = jnp.where(stage == s - 1, batch.read(ct_y, jnp.clip((u - s) // 2, 0, m - 1)), recv_grad)
             carry, send_act, send_grad = jax.lax.switch(op, (idle, forward, backward), carry, recv_act, recv_grad,
                                                         fm, bm)
+            first_b = (u - (2 * s - 1)) // 2  # the first stage's backward: the stack's input gradient
+            first_on = (u % 2 == 1) & (first_b >= 0) & (first_b < m)
+            dxs = batch.write(dxs, send_grad, jnp.clip(first_b, 0, m - 1), first_on, src=0)
             recv_act = jax.lax.ppermute(send_act, axis, [(i, i + 1) for i in range(s - 1)])
             recv_grad = jax.lax.ppermute(send_grad, axis, [(i + 1, i) for i in range(s - 1)])
-            return (carry, recv_act, recv_grad), None
+            return (carry, dxs, recv_act, recv_grad), None
 
-        init = ((stash0, grads0, jnp.zeros_like(xs)), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
-        ((_, grads, dxs), _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
+        init = ((stash0, grads0), jnp.zeros_like(xs), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
+        ((_, grads), dxs, _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, local_params)
-        return grads, jax.lax.psum(jnp.where(stage == 0, dxs, 0), axis)
+        return grads, batch.result(dxs, src=0)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), P(), P(), P(), aux_specs),
-                         out_specs=(param_specs, P()), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P(), batch.spec(), aux_specs),
+                         out_specs=(param_specs, batch.spec()), axis_names={axis},
                          check_vma=False)(params, valid, xs, side, ct_y, ct_aux)
 
 

@@ -18,7 +18,7 @@ from dsv3_jax.model.attention import MLA, LatentCache
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
-from sharding import pipeline
+from sharding import pipeline, stage_batch
 
 
 class Context(NamedTuple):
@@ -116,9 +116,15 @@ def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, rema
 
     if remat:
         layer = jax.checkpoint(layer)
-    side = jax.tree.map(lambda a: pipeline.split_microbatches(a, m), tuple(ctx))
-    y, stats = pipeline.pipeline_apply(layer, state, pipeline.split_microbatches(x_BxTxD, m), side, mesh=mesh,
-                                       repeats=repeats, schedule=schedule, stored_specs=params.stack_specs(state))
+    stages, shards = mesh.shape["pipeline"], pipeline.stage_batch_shards(mesh)
+    if stage_batch.splits_stack_batch(schedule, m, stages):  # the batch stays split over the stages
+        split = lambda a: stage_batch.split_stage_microbatches(a, m, stages, shards)  # noqa: E731
+        merge = lambda y: stage_batch.merge_stage_microbatches(y, stages, shards)  # noqa: E731
+    else:
+        split, merge = lambda a: pipeline.split_microbatches(a, m), pipeline.merge_microbatches  # noqa: E731
+    side = jax.tree.map(split, tuple(ctx))
+    y, stats = pipeline.pipeline_apply(layer, state, split(x_BxTxD), side, mesh=mesh, repeats=repeats,
+                                       schedule=schedule, stored_specs=params.stack_specs(state))
     stats = RouterStats(jnp.sum(stats.expert_counts, axis=1), jnp.mean(stats.balance_loss, axis=1),
                         jnp.mean(stats.dropped_fraction, axis=1))
-    return pipeline.merge_microbatches(y), stats
+    return merge(y), stats

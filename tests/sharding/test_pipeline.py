@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding import dualpipev, pipeline
+from sharding import dualpipev, pipeline, stage_batch
 from tests.sharding.workers import run_worker
 
 
@@ -66,6 +66,19 @@ def test_microbatch_split_is_inverted_and_keeps_device_blocks():
     # 12 rows in 2 device blocks of 6: each microbatch takes 2 rows from each block.
     assert all(sorted(r // 6 for r in mb[i, :, 0] // 3) == [0, 0, 1, 1] for i in range(3))
     np.testing.assert_array_equal(np.asarray(pipeline.merge_microbatches(mb)), x)
+    # A batch kept split over S=2 stages (1F1B, DualPipeV): 24 rows on 2 batch shards x 2 stages, in
+    # device blocks of 6 (shard major, stage minor), into M=4; stage q's microbatches 2q, 2q + 1 are
+    # rows of the blocks (d, q) only, 3 from each of the 2 shards in their order.
+    assert not stage_batch.splits_stack_batch("gpipe", 4, 2) and not stage_batch.splits_stack_batch("1f1b", 3, 2)
+    assert stage_batch.splits_stack_batch("1f1b", 4, 2) and stage_batch.splits_stack_batch("dualpipev", 4, 2)
+    y = np.arange(24 * 2).reshape(24, 2)
+    st = np.asarray(stage_batch.split_stage_microbatches(jnp.asarray(y), 4, 2, 2))
+    assert st.shape == (4, 6, 2)
+    blocks = st[:, :, 0] // 2 // 6  # the device block (d * 2 + q) of each row
+    assert blocks.tolist() == [[0] * 3 + [2] * 3] * 2 + [[1] * 3 + [3] * 3] * 2
+    np.testing.assert_array_equal(np.asarray(stage_batch.merge_stage_microbatches(jnp.asarray(st), 2, 2)), y)
+    with pytest.raises(ValueError, match="24 rows do not split into 3 microbatches over 2 stages"):
+        stage_batch.split_stage_microbatches(jnp.asarray(y), 3, 2, 2)
 
 
 def test_circular_slots_bubble_and_microbatches():
