@@ -77,16 +77,20 @@ def per_128_scales(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None) -> ja
 
 
 def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, softmax_scale, dt):
-    """One block of P keys of the online softmax; carry = (max [B,H,W], sum [B,H,W], acc [B,W,H,C])."""
+    """One block of P keys of the online softmax; carry = (max [B,H,W], sum [B,H,W], acc [B,H,W,C]),
+    queries heads-first [B, H, W, *]. Heads-first, each block's two dots are plain batched matmuls
+    ([H*W, C] x [C, P] and [H*W, P] x [P, C]); with acc as [B, W, H, C], XLA:CPU ran the second as a
+    transposed dot outside its fast matmul path, 10x the time of the first (profile in
+    docs/benchmarks.md, 4K decode)."""
     m_prev, l_prev, acc_prev = carry
-    s = (jnp.einsum("BWHC,BPC->BHWP", q_lat, latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
-         + jnp.einsum("BWHR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
+    s = (jnp.einsum("BHWC,BPC->BHWP", q_lat, latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
+         + jnp.einsum("BHWR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
     s = jnp.where(visible_Bx1xWxP, s * softmax_scale, -jnp.inf)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
     alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s - m_safe[..., None])
-    pv = jnp.einsum("BHWP,BPC->BWHC", p.astype(dt), latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
-    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), jnp.einsum("BHW,BWHC->BWHC", alpha, acc_prev) + pv
+    pv = jnp.einsum("BHWP,BPC->BHWC", p.astype(dt), latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[..., None] * acc_prev + pv
 
 
 def _own_mask(positions_BxW: jax.Array) -> jax.Array:
@@ -123,10 +127,10 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
     block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
     read = _reader(cache, layer, block)
-    q_lat, q_pe = q_lat_BxWxHxC.astype(dt), q_pe_BxWxHxR.astype(dt)
+    q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))
     before_B = positions_BxW[:, 0]
     init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
-            jnp.zeros((b, w, h, c), jnp.float32))
+            jnp.zeros((b, h, w, c), jnp.float32))
 
     def body(i, carry):
         start = i * block
@@ -137,7 +141,7 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     num_blocks = (jnp.max(before_B) + block - 1) // block  # blocks past every row's start are never read
     carry = jax.lax.fori_loop(0, num_blocks, body, init)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
-    return acc / jnp.transpose(l_sum, (0, 2, 1))[..., None]
+    return jnp.transpose(acc / l_sum[..., None], (0, 2, 1, 3))
 
 
 def _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias_Bx1x1xP, w_uk, w_uv, softmax_scale, dt):
