@@ -93,8 +93,21 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
 
     if remat:
         body = nnx.remat(body)
-    x, stats = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_BxTxD, blocks)
+    scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=_unroll(blocks))
+    x, stats = scan(x_BxTxD, blocks)
     return x, stats, None
+
+
+UNROLL_MAX_LAYERS = 8
+
+
+def _unroll(blocks: Block) -> int | bool:
+    """The training scan's unroll: whole on the CPU backend for stacks of at most UNROLL_MAX_LAYERS
+    (XLA:CPU otherwise copies each layer's residuals into, and back out of, the stacked buffers of
+    the loop: ~10% of the bench's train step, docs/benchmarks.md); a rolled loop elsewhere, where
+    compile time flat in depth is what counts. Same arithmetic either way."""
+    num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+    return jax.default_backend() == "cpu" and num_layers <= UNROLL_MAX_LAYERS
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,

@@ -9,6 +9,9 @@ Three grouped-matmul implementations compute the same function:
 - `tiled`: rows padded per expert to a multiple of a tile, a loop over tiles runs each through its
   expert's weights read in place (`tile_loop_swiglu`, its own backward). Cost ~ (M + E*t) rows; `t`
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
+- `capacity`: each expert's first C = M / E rows as three batched matmuls over [E, C, ...], the
+  rest through the tile loop (dsv3_jax/ops/capacity.py). `auto` on CPU for a training layer's float
+  experts without adapters, where XLA:CPU runs it faster than the tile loop alone.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
 - `pallas`: int8/int4 quantized experts through `pallas_kernels.quant_grouped_matmul` (dequantised
@@ -41,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax.ops import quant
+from dsv3_jax.ops import capacity, quant
 from dsv3_jax.ops.quant import QArray
 from sharding.expert_parallel import combine
 
@@ -117,27 +120,54 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
     they are in no tile and their outputs are zero. Tiles past the last expert's rows are skipped
     at run time, so the work is sum_e ceil(size_e / t) tiles, not the static bound.
     """
-    (m, d), num_experts = x_MxD.shape, rows.group_sizes_E.shape[0]
-    t = tile_rows(m, num_experts, max_tile)
-    num_tiles = -(-m // t) + min(num_experts, m)  # bound on sum_e ceil(size_e / t)
-    padded_E = (rows.group_sizes_E + t - 1) // t * t
+    m, num_experts = x_MxD.shape[0], rows.group_sizes_E.shape[0]
+    slot_M = capacity.slots(rows.expert_M, rows.group_sizes_E)
+    return _rows_in_tiles(x_MxD, rows.expert_M, slot_M, rows.expert_M < num_experts, rows.group_sizes_E,
+                          tile_rows(m, num_experts, max_tile), m, (w1_ExDxF, w3_ExDxF, w2_ExFxD), layer, adapters,
+                          lora_scale, masks)
+
+
+def _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_rows: int, weights, layer=None,
+                   adapters=(), lora_scale: float = 1.0, masks=()):
+    """The rows with `in_tiles_M` (row slot_M of expert expert_M's sizes_E[e] rows) through the tile
+    loop, each expert's rows padded to a multiple of t; zero for the other rows. `max_rows`: a
+    static bound on sum(sizes_E). [M, D]."""
+    (m, d), num_experts = x_MxD.shape, sizes_E.shape[0]
+    num_tiles = -(-max_rows // t) + min(num_experts, max_rows)  # bound on sum_e ceil(size_e / t)
+    padded_E = (sizes_E + t - 1) // t * t
     padded_end_E = jnp.cumsum(padded_E)
-    start_E = jnp.cumsum(rows.group_sizes_E) - rows.group_sizes_E
-    expert_M = jnp.minimum(rows.expert_M, num_experts - 1)
-    pos_M = padded_end_E[expert_M] - padded_E[expert_M] + jnp.arange(m) - start_E[expert_M]
-    pos_M = jnp.where(rows.expert_M < num_experts, pos_M, num_tiles * t)  # no expert: out of every tile
+    expert_M = jnp.minimum(expert_M, num_experts - 1)
+    pos_M = jnp.where(in_tiles_M, padded_end_E[expert_M] - padded_E[expert_M] + slot_M, num_tiles * t)
     first_row_J = jnp.arange(num_tiles) * t
     tile_expert_J = jnp.minimum(jnp.searchsorted(padded_end_E, first_row_J, side="right"), num_experts - 1)
     num_active = (padded_end_E[-1] // t).astype(jnp.int32)  # the tiles holding rows: a prefix
 
-    def tiles(v_MxA):  # sorted rows -> [J, t, A], each row in its tile slot (a mask travels with its row)
+    def tiles(v_MxA):  # rows -> [J, t, A], each row in its tile slot (a mask travels with its row)
         return jnp.zeros((num_tiles * t, v_MxA.shape[1]), v_MxA.dtype).at[pos_M].set(v_MxA, mode="drop").reshape(
             num_tiles, t, -1)
 
-    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J.astype(jnp.int32), num_active,
-                               w1_ExDxF, w3_ExDxF, w2_ExFxD, layer, tuple(adapters), lora_scale,
-                               tuple(tiles(m) for m in masks))
+    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J.astype(jnp.int32), num_active, *weights, layer,
+                               tuple(adapters), lora_scale, tuple(tiles(m) for m in masks))
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
+
+
+def _capacity_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
+    """Each expert's first C rows as three batched matmuls over [E, C, ...] (`capacity`), the
+    rows past C through the tile loop with tiles sized for such remainders (a power of two near
+    sqrt(M / E), in [8, max_tile]): dropless, the same function as `_tiled_mlp`."""
+    m, num_experts = x_MxD.shape[0], rows.group_sizes_E.shape[0]
+    c = capacity.rows_per_expert(m, num_experts)
+    slot_M = capacity.slots(rows.expert_M, rows.group_sizes_E)
+    real_M = rows.expert_M < num_experts
+    in_batch_M = real_M & (slot_M < c)
+    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    y_MxD = capacity.batched_swiglu(x_MxD, rows.expert_M, slot_M, in_batch_M, c, *weights, _swiglu)
+    if m <= c:  # every row fits the batched part
+        return y_MxD
+    t = min(max_tile, max(8, 1 << max(0, int(np.ceil(np.log2(np.sqrt(m / num_experts)))))))
+    overflow_E = jnp.maximum(rows.group_sizes_E - c, 0)
+    return y_MxD + _rows_in_tiles(x_MxD, rows.expert_M, slot_M - c, real_M & ~in_batch_M, overflow_E, t, m - c,
+                                  weights)
 
 
 def _at(w_ExAxB, e, layer=None):
@@ -388,8 +418,8 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     place, the others slice the layer first. `adapters`: none, or six expert LoRA arrays [E, ...]
     with `lora_scale` (module docstring); `lora_dropout` (rate, three keys) drops their inputs per
     sorted row (`adapter_masks`). `auto` picks ragged_dot where the platform runs it
-    sparsely and the tiled path on CPU, for the platform the program is lowered for (a TPU lowering
-    on a CPU host gets ragged_dot)."""
+    sparsely and on CPU the capacity path (the tiled one for a layer stack, adapters or quantized
+    experts), for the platform the program is lowered for (a TPU lowering on a CPU host gets ragged_dot)."""
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
     impl = _impl_for(stacked, impl)
     _check_adapters(adapters)
@@ -398,6 +428,14 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
 
     def tiled():
         return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer, adapters, lora_scale, masks)
+
+    def batched():
+        return _capacity_mlp(x_MxD, rows, *stacked, max_tile)
+
+    # CPU: the batched path for a training layer's plain float experts; the tile loop where it reads
+    # a layer stack in place (inference), carries adapters, or dequantises experts tile by tile.
+    plain = layer is None and not adapters and not any(isinstance(w, QArray) for w in stacked)
+    cpu = batched if plain else tiled
 
     def one_layer():
         return (stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)) + adapters
@@ -409,20 +447,24 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), weight_mm=_kernel_quantized, **lora)
 
     if impl == "auto":
-        return jax.lax.platform_dependent(cpu=tiled, default=ragged)
+        return jax.lax.platform_dependent(cpu=cpu, default=ragged)
     if impl == "auto_quantized":
         return jax.lax.platform_dependent(cpu=tiled, default=pallas)
     if impl == "pallas":
         return pallas()
     if impl == "tiled":
         return tiled()
+    if impl == "capacity":
+        if not plain:
+            raise ValueError("impl='capacity' runs one layer's float experts without adapters; use 'tiled'")
+        return batched()
     if impl == "ragged":
         return ragged()
     if impl == "dense":
         return _dense_mlp(x_MxD, rows, *one_layer(), **lora)
     if impl == "fp8":
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), weight_mm=_fp8_mm, **lora)
-    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, dense, fp8 or pallas")
+    raise ValueError(f"unknown moe impl {impl!r}; expected auto, ragged, tiled, capacity, dense, fp8 or pallas")
 
 
 def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Array, w1_ExDxF: jax.Array,

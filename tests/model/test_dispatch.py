@@ -32,7 +32,7 @@ def numpy_moe(x, experts, weights, w1, w3, w2):
     return out
 
 
-@pytest.mark.parametrize("impl", ["dense", "tiled", "ragged"])
+@pytest.mark.parametrize("impl", ["dense", "tiled", "capacity", "ragged"])
 @pytest.mark.parametrize("n, k, e, skew", [(37, 3, 8, False), (5, 2, 16, False), (64, 2, 8, True), (1, 1, 4, False)])
 def test_paths_equal_numpy(impl, n, k, e, skew):
     args = _problem(n, k, e, skew=skew)
@@ -40,9 +40,10 @@ def test_paths_equal_numpy(impl, n, k, e, skew):
     np.testing.assert_allclose(np.asarray(out), numpy_moe(*args), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged"])
-def test_gradients_equal_dense(impl):
-    args = _problem(40, 3, 8, seed=1)
+@pytest.mark.parametrize("impl, skew", [("tiled", False), ("capacity", False), ("capacity", True), ("ragged", False)])
+def test_gradients_equal_dense(impl, skew):
+    """`capacity` skewed: two experts hold most rows, far past C, so most go through its tile loop."""
+    args = _problem(40, 2 if skew else 3, 8, seed=1, skew=skew)
 
     def loss(impl, x, w, w1, w3, w2):
         return jnp.sum(jnp.sin(dispatch.routed_experts(x, args[1], w, w1, w3, w2, impl=impl)))
