@@ -4,6 +4,13 @@ Same tokens, same top-k, same expert size; only the number of experts changes. E
 side by side in one run (the machine is shared and noisy), median of several repeats:
 
     python -m experiments.bench_moe_dispatch [--tokens 4096 --top_k 2 --dim 256 --hidden 128]
+
+With --grad the forward and backward (of sum(y^2)) are timed, as a train step runs them; with
+--headroom H1 H2 ... the `capacity` path is timed at each C / mean rows per expert
+(dsv3_jax/ops/capacity.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
+
+    python -m experiments.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32 64 \
+        --impls capacity tiled --grad --headroom 1.0 1.25
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax.ops import dispatch
+from dsv3_jax.ops import capacity, dispatch
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -35,8 +42,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--experts", type=int, nargs=2, default=(8, 64))
-    p.add_argument("--impls", nargs="+", default=["tiled", "ragged", "dense"])
+    p.add_argument("--impls", nargs="+", default=["capacity", "tiled", "ragged", "dense"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--grad", action="store_true", help="time forward + backward")
+    p.add_argument("--headroom", type=float, nargs="+", default=[capacity.HEADROOM],
+                   help="capacity: C over the mean rows per expert, one timing each")
     args = p.parse_args()
     print(f"backend={jax.default_backend()} tokens={args.tokens} top_k={args.top_k} D={args.dim} F={args.hidden}")
     rows = {}
@@ -48,14 +58,32 @@ def main() -> None:
         w1 = jax.random.normal(ks[2], (e, args.dim, args.hidden)) * 0.05
         w3 = jax.random.normal(ks[3], (e, args.dim, args.hidden)) * 0.05
         w2 = jax.random.normal(ks[4], (e, args.hidden, args.dim)) * 0.05
-        for impl in args.impls:
-            fn = jax.jit(lambda *a, impl=impl: dispatch.routed_experts(*a, impl=impl))
-            rows[(impl, e)] = _time(fn, x, experts, weights, w1, w3, w2, repeats=args.repeats)
+        for name, impl, headroom in _cases(args):
+            capacity.HEADROOM = headroom  # read when the function is traced, by the first call
+            rows[(name, e)] = _time(_fn(impl, args.grad, experts, weights), x, w1, w3, w2, repeats=args.repeats)
     lo, hi = args.experts
-    print(f"{'impl':8s} {f'{lo} experts':>12s} {f'{hi} experts':>12s} {'ratio':>7s}")
+    print(f"{'impl':14s} {f'{lo} experts':>12s} {f'{hi} experts':>12s} {'ratio':>7s}")
+    for name, _, _ in _cases(args):
+        a, b = rows[(name, lo)], rows[(name, hi)]
+        print(f"{name:14s} {a * 1e3:10.1f}ms {b * 1e3:10.1f}ms {b / a:7.2f}")
+
+
+def _cases(args) -> list[tuple[str, str, float]]:
+    """(row name, impl, capacity headroom) of each timing."""
+    out = []
     for impl in args.impls:
-        a, b = rows[(impl, lo)], rows[(impl, hi)]
-        print(f"{impl:8s} {a * 1e3:10.1f}ms {b * 1e3:10.1f}ms {b / a:7.2f}")
+        heads = args.headroom if impl == "capacity" else [capacity.HEADROOM]
+        out += [(f"{impl} {h:g}" if impl == "capacity" else impl, impl, h) for h in heads]
+    return out
+
+
+def _fn(impl: str, grad: bool, experts, weights):
+    def forward(x, w1, w3, w2):
+        return dispatch.routed_experts(x, experts, weights, w1, w3, w2, impl=impl)
+
+    if not grad:
+        return jax.jit(forward)
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(forward(*a) ** 2), argnums=(0, 1, 2, 3)))
 
 
 if __name__ == "__main__":
