@@ -101,13 +101,14 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
 UNROLL_MAX_LAYERS = 8
 
 
-def _unroll(blocks: Block) -> int | bool:
-    """The training scan's unroll: whole on the CPU backend for stacks of at most UNROLL_MAX_LAYERS
-    (XLA:CPU otherwise copies each layer's residuals into, and back out of, the stacked buffers of
-    the loop: ~10% of the bench's train step, docs/benchmarks.md); a rolled loop elsewhere, where
-    compile time flat in depth is what counts. Same arithmetic either way."""
+def _unroll(blocks: Block) -> int:
+    """The training scan's `unroll`: 0 (no loop at all, even for one layer, where True would leave a
+    one-trip loop) on the CPU backend for stacks of at most UNROLL_MAX_LAYERS (XLA:CPU otherwise
+    copies each layer's residuals into, and back out of, the stacked buffers of the loop: ~10% of
+    the bench's train step, docs/benchmarks.md); 1, a rolled loop, elsewhere, where compile time
+    flat in depth is what counts. Same arithmetic either way."""
     num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
-    return jax.default_backend() == "cpu" and num_layers <= UNROLL_MAX_LAYERS
+    return 0 if jax.default_backend() == "cpu" and num_layers <= UNROLL_MAX_LAYERS else 1
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,
