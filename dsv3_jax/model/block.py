@@ -106,9 +106,9 @@ def _unroll(blocks: Block) -> int:
     one-trip loop) on the CPU backend for stacks of at most UNROLL_MAX_LAYERS (XLA:CPU otherwise
     copies each layer's residuals into, and back out of, the stacked buffers of the loop: ~10% of
     the bench's train step, docs/benchmarks.md); 1, a rolled loop, elsewhere, where compile time
-    flat in depth is what counts, and on more than one device: unrolled there, the per-layer copies
-    of sharded weights changed a bf16 forward on an 8-device mesh by 2e-2 and the compiled step's
-    memory against the plan (tests/checkpoint/test_mesh.py, tests/sharding/test_plan.py)."""
+    flat in depth is what counts, and on more than one device: unrolled there, a bf16 forward on an
+    8-device mesh moved 2e-2 from one device's and the compiled step's memory left the plan's
+    quarter (tests/checkpoint/test_mesh.py, tests/sharding/test_plan.py; cause not yet found)."""
     num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     return 0 if one_cpu and num_layers <= UNROLL_MAX_LAYERS else 1

@@ -9,7 +9,7 @@ Three grouped-matmul implementations compute the same function:
 - `tiled`: rows padded per expert to a multiple of a tile, a loop over tiles runs each through its
   expert's weights read in place (`tile_loop_swiglu`, its own backward). Cost ~ (M + E*t) rows; `t`
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
-- `capacity`: each expert's first C = M / E rows as three batched matmuls over [E, C, ...], the
+- `capacity`: each expert's first C = 1.25 x M / E rows as three batched matmuls over [E, C, ...], the
   rest through the tile loop (dsv3_jax/ops/capacity.py). `auto` on CPU for a training layer's float
   experts without adapters, where XLA:CPU runs it faster than the tile loop alone.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
