@@ -140,9 +140,31 @@ def _project(x, w, contract, compute_dtype, fp8):
     if fp8:
         x2, w2 = _flatten(x, w, contract)
         return fp8_matmul(x2, w2, jnp.dtype(compute_dtype)).reshape(*batch, *out)
-    y = jax.lax.dot_general(x, w, (((tuple(range(x.ndim - contract, x.ndim))), tuple(range(contract))), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.astype(compute_dtype)
+    return _plain_dot(x, w, contract).astype(compute_dtype)
+
+
+def _plain_dot(x, w, contract: int) -> jax.Array:
+    """x . w over w's first `contract` axes, fp32 accumulation: `dot_2d` on CPU, `dot_over_axes`
+    elsewhere. XLA:CPU canonicalises a dot over several free or contracted axes with transposes,
+    and for the weight gradient (contracting B and T) it fused the backward's elementwise ops into
+    a transposed copy that cost more than the matmuls (a dense SwiGLU MLP's forward + backward at
+    [8, 256, 192] x 512: 48-55 ms over the axes, 19-24 ms as 2-D; docs/benchmarks.md). Elsewhere the
+    dot keeps its axes, which a sharded lowering partitions as they are."""
+    return jax.lax.platform_dependent(x, w, cpu=functools.partial(dot_2d, contract=contract),
+                                      default=functools.partial(dot_over_axes, contract=contract))
+
+
+def dot_over_axes(x, w, contract: int) -> jax.Array:
+    """x [..., K...] . w [K..., N...] -> [..., N...] fp32, one dot_general over the axes as they are."""
+    dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def dot_2d(x, w, contract: int) -> jax.Array:
+    """The same product as one [M, K] x [K, N] matmul between reshapes."""
+    batch, out = x.shape[: x.ndim - contract], w.shape[contract:]
+    x_MxK, w_KxN = _flatten(x, w, contract)
+    return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32).reshape(*batch, *out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
