@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax.ops import dispatch
+from dsv3_jax.ops import capacity, dispatch
 
 
 def _problem(n, k, e, d=16, f=12, seed=0, skew=False):
@@ -42,8 +42,12 @@ def test_paths_equal_numpy(impl, n, k, e, skew):
 
 @pytest.mark.parametrize("impl, skew", [("tiled", False), ("capacity", False), ("capacity", True), ("ragged", False)])
 def test_gradients_equal_dense(impl, skew):
-    """`capacity` skewed: two experts hold most rows, far past C, so most go through its tile loop."""
+    """`capacity` skewed: two experts hold most rows, far past C, so most go through its tile loop;
+    balanced: no expert passes C, so the tile loop is skipped in both passes."""
     args = _problem(40, 2 if skew else 3, 8, seed=1, skew=skew)
+    if impl == "capacity":
+        loads_E = np.bincount(np.asarray(args[1]).ravel(), minlength=8)
+        assert (loads_E.max() > capacity.rows_per_expert(int(loads_E.sum()), 8)) == skew
 
     def loss(impl, x, w, w1, w3, w2):
         return jnp.sum(jnp.sin(dispatch.routed_experts(x, args[1], w, w1, w3, w2, impl=impl)))
