@@ -83,18 +83,16 @@ def layer_constraint(stack: nnx.Module) -> Callable[[nnx.Module], nnx.Module]:
     whole stack before the loop (every MoE layer's experts at once, and their gradients after it);
     with it, each layer's weights are gathered inside the loop, and their gradients reduced there,
     one layer at a time. The identity outside a mesh or without rules."""
-    mesh, rules = jax.sharding.get_abstract_mesh(), sharding.active_rules()
-    if rules is None or mesh.empty or mesh.size == 1:
+    specs = stack_specs(nnx.split(stack)[1])
+    if specs is None:
         return lambda layer: layer
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    specs = jax.tree.map(lambda v: P(*sharding.logical_to_spec(logical_axes(v), v.shape, mesh, rules)[1:]),
-                         nnx.split(stack)[1], is_leaf=is_var)
 
     def constrain(layer: nnx.Module) -> nnx.Module:
         graphdef, state = nnx.split(layer)
-        state = jax.tree.map(lambda v, spec: v.replace(jax.lax.with_sharding_constraint(v[...], spec)),
-                             state, specs, is_leaf=is_var)
-        return nnx.merge(graphdef, state)
+        leaves, treedef = jax.tree.flatten(state, is_leaf=is_var)  # the stack's leaf order, less its L axis
+        leaves = [v.replace(jax.lax.with_sharding_constraint(v[...], P(*spec[1:]))) for v, spec in zip(leaves, specs)]
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
     return constrain
 

@@ -73,6 +73,12 @@ def tile_rows(num_rows: int, num_experts: int, max_tile: int) -> int:
     return tile
 
 
+def overflow_tile_rows(num_rows: int, num_experts: int, max_tile: int) -> int:
+    """Rows per tile for the rows past the capacity path's C: the power of two at or above
+    sqrt(num_rows / num_experts), in [8, max_tile] (such remainders are a few rows per expert)."""
+    return min(max_tile, max(8, 1 << max(0, int(np.ceil(np.log2(np.sqrt(num_rows / num_experts)))))))
+
+
 def _swiglu(gate, up):
     return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
 
@@ -153,8 +159,8 @@ def _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_row
 
 def _capacity_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
     """Each expert's first C rows as three batched matmuls over [E, C, ...] (`capacity`), the
-    rows past C through the tile loop with tiles sized for such remainders (a power of two near
-    sqrt(M / E), in [8, max_tile]): dropless, the same function as `_tiled_mlp`."""
+    rows past C through the tile loop with tiles sized for such remainders (`overflow_tile_rows`),
+    skipped when there are none: dropless, the same function as `_tiled_mlp`."""
     m, num_experts = x_MxD.shape[0], rows.group_sizes_E.shape[0]
     c = capacity.rows_per_expert(m, num_experts)
     slot_M = capacity.slots(rows.expert_M, rows.group_sizes_E)
@@ -164,7 +170,7 @@ def _capacity_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_til
     y_MxD = capacity.batched_swiglu(x_MxD, rows.expert_M, slot_M, in_batch_M, c, *weights, _swiglu)
     if m <= c:  # every row fits the batched part
         return y_MxD
-    t = min(max_tile, max(8, 1 << max(0, int(np.ceil(np.log2(np.sqrt(m / num_experts)))))))
+    t = overflow_tile_rows(m, num_experts, max_tile)
     overflow_E = jnp.maximum(rows.group_sizes_E - c, 0)
     routing = (rows.expert_M, slot_M - c, real_M & ~in_batch_M, overflow_E)
     return y_MxD + _overflow_rows(x_MxD, *weights, routing, t, m - c)
@@ -175,8 +181,9 @@ def _overflow_rows(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, max_row
     """The rows past each expert's C through the tile loop (`_rows_in_tiles`; `routing` = expert_M,
     slot_M past C, in_tiles_M, overflow_E), skipped in both passes when no expert overflows (a
     `lax.cond`): the loop's buffers are sized for the worst case, M - C rows, and zero-filling,
-    scattering and gathering them cost issue27's train step ~7% when they held nothing. Saves only
-    its inputs; the backward recomputes the loop's forward when there are rows."""
+    scattering and gathering them cost when they held nothing (issue27's train step 1.04x without
+    them, docs/benchmarks.md). Saves only its inputs; the backward recomputes the loop's forward
+    when there are rows."""
     return _overflow_fwd(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows)[0]
 
 
