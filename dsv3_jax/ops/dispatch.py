@@ -180,10 +180,10 @@ def _capacity_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_til
 def _overflow_rows(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, max_rows: int):
     """The rows past each expert's C through the tile loop (`_rows_in_tiles`; `routing` = expert_M,
     slot_M past C, in_tiles_M, overflow_E), skipped in both passes when no expert overflows (a
-    `lax.cond`): the loop's buffers are sized for the worst case, M - C rows, and zero-filling,
-    scattering and gathering them cost when they held nothing (issue27's train step 1.04x without
-    them, docs/benchmarks.md). Saves only its inputs; the backward recomputes the loop's forward
-    when there are rows."""
+    `lax.cond`): the loop's buffers are sized for the worst case, M - C rows, whatever the rows
+    past C are (none in the bench's `wide` variant at init; 1-330 a layer in its other three,
+    docs/benchmarks.md). Saves only its inputs; the backward recomputes the loop's forward when
+    there are rows."""
     return _overflow_fwd(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows)[0]
 
 
