@@ -3,10 +3,13 @@
 Letters: B batch, T query length, S key length, H heads, K q/k head dim, V value head dim.
 
 `attention` saves only q, k, v, the output and the [B, H, T] log-normaliser for its backward and
-recomputes the probabilities there (the flash-attention backward, untiled):
+recomputes the probabilities there (the flash-attention backward, tiled by query rows only):
     P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
 Autodiff of the plain form would keep the fp32 [B, H, T, S] probabilities of every layer until the
-backward pass; this keeps O(B T H) per layer. `attention_reference` is the plain form.
+backward pass; this keeps O(B T H) per layer. Both passes go `CAUSAL_BLOCK` query rows at a time,
+each block against the keys up to its last row only (no online softmax is needed: a block sees every
+key it may see), so the score tiles above the diagonal are never computed: 3 of 4 at 2 blocks,
+(n + 1) / 2n at n. `attention_reference` is the plain form.
 """
 
 from __future__ import annotations
@@ -33,16 +36,22 @@ def _heads_first(x_BxTxHxK: jax.Array) -> jax.Array:
 
 
 def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
-              segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal attention; scores and softmax in fp32, output in q's dtype. Returns [B, T, H, V].
+              segment_ids: jax.Array | None = None, block: int = CAUSAL_BLOCK) -> jax.Array:
+    """Causal attention (S = T); scores and softmax in fp32, output in q's dtype. Returns [B, T, H, V].
 
     Computed heads-first ([B, H, T, K]): every einsum is then a plain batched matmul over (B, H),
     and XLA:CPU transposes each operand once here instead of inside each of the five dots
-    (measured: 17.5 against 25 ms per layer, fwd + bwd, on the issue-11 config)."""
+    (measured: 17.5 against 25 ms per layer, fwd + bwd, on the issue-11 config). Query rows go
+    `block` at a time (module docstring)."""
     batch, length = q_BxTxHxK.shape[:2]
     out_BxHxTxV = _attention(_heads_first(q_BxTxHxK), _heads_first(k_BxSxHxK), _heads_first(v_BxSxHxV),
-                             causal_mask(segment_ids, batch, length), softmax_scale)
+                             causal_mask(segment_ids, batch, length), softmax_scale, block)
     return _heads_first(out_BxHxTxV)
+
+
+def _query_blocks(length: int, block: int) -> list[tuple[int, int]]:
+    """[start, end) of each block of query rows; block b attends keys [0, end_b)."""
+    return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
 def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: float,
@@ -59,9 +68,9 @@ def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: floa
     for start in range(0, length, block):
         end = min(start + block, length)
         mask_1x1xWxS = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
-        out, res = _attention_fwd(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask_1x1xWxS, softmax_scale)
+        out, lse_BxHxWx1 = _block_fwd(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask_1x1xWxS, softmax_scale)
         outs.append(out)
-        lses.append(res[-1][..., 0])
+        lses.append(lse_BxHxWx1[..., 0])
     out_BxHxTxV, lse_BxHxT = jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
     return _heads_first(out_BxHxTxV), jnp.transpose(lse_BxHxT, (0, 2, 1))
 
@@ -82,29 +91,43 @@ def _scores(q_BxHxTxK, k_BxHxSxK, mask_Bx1xTxS, scale):
     return jnp.where(mask_Bx1xTxS, scores * scale, -jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, mask, scale):
-    return _attention_fwd(q, k, v, mask, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, mask, scale, block):
+    return _attention_fwd(q, k, v, mask, scale, block)[0]
 
 
-def _attention_fwd(q, k, v, mask, scale):
-    scores = _scores(q, k, mask, scale)
-    lse_BxHxTx1 = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # the diagonal is always visible: finite
-    probs = jnp.exp(scores - lse_BxHxTx1).astype(v.dtype)
-    out = jnp.einsum("BHTS,BHSV->BHTV", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return out, (q, k, v, mask, out, lse_BxHxTx1)
+def _block_fwd(q_BxHxWxK, k_BxHxSxK, v_BxHxSxV, mask_Bx1xWxS, scale):
+    """Softmax attention of W query rows over S keys -> (out [B, H, W, V], lse [B, H, W, 1])."""
+    scores = _scores(q_BxHxWxK, k_BxHxSxK, mask_Bx1xWxS, scale)
+    lse_BxHxWx1 = jax.nn.logsumexp(scores, axis=-1, keepdims=True)  # the diagonal is always visible: finite
+    probs = jnp.exp(scores - lse_BxHxWx1).astype(v_BxHxSxV.dtype)
+    out = jnp.einsum("BHWS,BHSV->BHWV", probs, v_BxHxSxV, preferred_element_type=jnp.float32)
+    return out.astype(q_BxHxWxK.dtype), lse_BxHxWx1
 
 
-def _attention_bwd(scale, res, dout_BxHxTxV):
+def _attention_fwd(q, k, v, mask, scale, block):
+    parts = [_block_fwd(q[:, :, s:e], k[:, :, :e], v[:, :, :e], mask[:, :, s:e, :e], scale)
+             for s, e in _query_blocks(q.shape[2], block)]
+    out = jnp.concatenate([o for o, _ in parts], axis=2)
+    return out, (q, k, v, mask, out, jnp.concatenate([lse for _, lse in parts], axis=2))
+
+
+def _attention_bwd(scale, block, res, dout_BxHxTxV):
     q, k, v, mask, out, lse = res
-    probs = jnp.exp(_scores(q, k, mask, scale) - lse)
     dout = dout_BxHxTxV.astype(v.dtype)
-    dv = jnp.einsum("BHTS,BHTV->BHSV", probs.astype(v.dtype), dout, preferred_element_type=jnp.float32)
-    dprobs = jnp.einsum("BHTV,BHSV->BHTS", dout, v, preferred_element_type=jnp.float32)
     rowsum = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dscores = (probs * (dprobs - rowsum) * scale).astype(q.dtype)
-    dq = jnp.einsum("BHTS,BHSK->BHTK", dscores, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("BHTS,BHTK->BHSK", dscores, q, preferred_element_type=jnp.float32)
+    dqs, dk, dv = [], None, None
+    for s, e in reversed(_query_blocks(q.shape[2], block)):  # the last block sees every key: dk, dv start there
+        q_b, k_b, v_b, dout_b = q[:, :, s:e], k[:, :, :e], v[:, :, :e], dout[:, :, s:e]
+        probs = jnp.exp(_scores(q_b, k_b, mask[:, :, s:e, :e], scale) - lse[:, :, s:e])
+        dv_b = jnp.einsum("BHTS,BHTV->BHSV", probs.astype(v.dtype), dout_b, preferred_element_type=jnp.float32)
+        dprobs = jnp.einsum("BHTV,BHSV->BHTS", dout_b, v_b, preferred_element_type=jnp.float32)
+        dscores = (probs * (dprobs - rowsum[:, :, s:e]) * scale).astype(q.dtype)
+        dqs.append(jnp.einsum("BHTS,BHSK->BHTK", dscores, k_b, preferred_element_type=jnp.float32))
+        dk_b = jnp.einsum("BHTS,BHTK->BHSK", dscores, q_b, preferred_element_type=jnp.float32)
+        dk = dk_b if dk is None else dk.at[:, :, :e].add(dk_b)
+        dv = dv_b if dv is None else dv.at[:, :, :e].add(dv_b)
+    dq = jnp.concatenate(dqs[::-1], axis=2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

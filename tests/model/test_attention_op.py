@@ -1,5 +1,7 @@
 """ops.attention (probabilities recomputed in its backward) against numpy and plain autodiff."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,22 +26,26 @@ def numpy_attention(q, k, v, seg, scale):
     return np.einsum("bhts,bshv->bthv", p / p.sum(-1, keepdims=True), v)
 
 
+@pytest.mark.parametrize("block", [4, 128])
 @pytest.mark.parametrize("with_segments", [True, False])
-def test_forward_equals_numpy(with_segments):
+def test_forward_equals_numpy(with_segments, block):
+    """Query blocks of 4 rows over T = 9 (4, 4, then 1, each over the keys up to its last row) and
+    one block over the whole call."""
     q, k, v, seg = _problem()
     seg = seg if with_segments else jnp.ones_like(seg)
-    out = jax.jit(lambda *a: attn.attention(*a, softmax_scale=0.3, segment_ids=seg))(q, k, v)
+    out = jax.jit(lambda *a: attn.attention(*a, softmax_scale=0.3, segment_ids=seg, block=block))(q, k, v)
     np.testing.assert_allclose(out, numpy_attention(q, k, v, seg, 0.3), rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_equal_plain_autodiff():
+@pytest.mark.parametrize("block", [4, 128])
+def test_gradients_equal_plain_autodiff(block):
     q, k, v, seg = _problem(seed=1)
     w = jax.random.normal(jax.random.key(9), (2, 9, 3, 4))
 
     def loss(fn, q, k, v):
         return jnp.sum(jnp.sin(fn(q, k, v, softmax_scale=0.4, segment_ids=seg)) * w)
 
-    ours = jax.jit(jax.grad(lambda *a: loss(attn.attention, *a), (0, 1, 2)))(q, k, v)
+    ours = jax.jit(jax.grad(lambda *a: loss(functools.partial(attn.attention, block=block), *a), (0, 1, 2)))(q, k, v)
     ref = jax.grad(lambda *a: loss(attn.attention_reference, *a), (0, 1, 2))(q, k, v)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
