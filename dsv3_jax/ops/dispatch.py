@@ -9,9 +9,10 @@ Three grouped-matmul implementations compute the same function:
 - `tiled`: rows padded per expert to a multiple of a tile, a loop over tiles runs each through its
   expert's weights read in place (`tile_loop_swiglu`, its own backward). Cost ~ (M + E*t) rows; `t`
   is chosen so that E*t <= M, so compute and memory follow the activated experts, not the total.
-- `capacity`: each expert's first C = 1.25 x M / E rows as three batched matmuls over [E, C, ...], the
-  rest through the tile loop (dsv3_jax/ops/capacity.py). `auto` on CPU for a training layer's float
-  experts without adapters, where XLA:CPU runs it faster than the tile loop alone.
+- `capacity`: each expert's first C = 1.25 x M / E (token, slot) pairs gathered straight from the
+  tokens into [E, C, D], three batched matmuls, the gate-weighted sum gathered back; the rest
+  through the tile loop (`_capacity_routed`, dsv3_jax/ops/capacity.py). `auto` on CPU for a
+  training layer's float experts without adapters, where XLA:CPU runs it faster than the tile loop.
 - `dense`: every row through every expert, then select. The readable reference, O(E) cost.
 - `fp8`: the FP8 block-scaled grouped kernel (`ModelConfig.fp8_matmul`), Dgrad and Wgrad in FP8 too.
 - `pallas`: int8/int4 quantized experts through `pallas_kernels.quant_grouped_matmul` (dequantised
@@ -157,58 +158,63 @@ def _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_row
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
-def _capacity_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
-    """Each expert's first C rows as three batched matmuls over [E, C, ...] (`capacity`), the
-    rows past C through the tile loop with tiles sized for such remainders (`overflow_tile_rows`),
-    skipped when there are none: dropless, the same function as `_tiled_mlp`."""
-    m, num_experts = x_MxD.shape[0], rows.group_sizes_E.shape[0]
+def _capacity_routed(x_NxD, experts_NxK, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: int):
+    """`routed_experts` on CPU for a training layer's float experts: each expert's first C (token,
+    slot) pairs gathered straight from the tokens into [E, C, D] (`capacity.gather_tokens`), three
+    batched matmuls, and the gate-weighted sum gathered back from the buffer
+    (`capacity.combine_buffer`): no [M, D] copy of sorted rows, and every D-wide move a gather in
+    both passes. Pairs past C go through the tile loop (`_overflow_combined`): dropless, the same
+    function as the sorted-row paths. Pairs of expert E (none) contribute nothing."""
+    (n, k), num_experts = experts_NxK.shape, w1_ExDxF.shape[0]
+    m = n * k
+    rows = sort_by_expert(experts_NxK, num_experts)
     c = capacity.rows_per_expert(m, num_experts)
     slot_M = capacity.slots(rows.expert_M, rows.group_sizes_E)
-    real_M = rows.expert_M < num_experts
-    in_batch_M = real_M & (slot_M < c)
-    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    y_MxD = capacity.batched_swiglu(x_MxD, rows.expert_M, slot_M, in_batch_M, c, *weights, _swiglu)
-    if m <= c:  # every row fits the batched part
-        return y_MxD
+    where = capacity.buffer_map(rows.order_M, rows.expert_M, slot_M, n, k, c, num_experts)
+    x_ExCxD = capacity.gather_tokens(x_NxD, where).reshape(num_experts, c, -1)
+    y_ExCxD = capacity.expert_swiglu(x_ExCxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, _swiglu)
+    out_NxD = capacity.combine_buffer(y_ExCxD.reshape(num_experts * c, -1), weights_NxK, where, x_NxD.dtype)
+    if m <= c:  # every pair fits the batched part
+        return out_NxD
     t = overflow_tile_rows(m, num_experts, max_tile)
     overflow_E = jnp.maximum(rows.group_sizes_E - c, 0)
-    routing = (rows.expert_M, slot_M - c, real_M & ~in_batch_M, overflow_E)
-    return y_MxD + _overflow_rows(x_MxD, *weights, routing, t, m - c)
+    routing = (rows, slot_M - c, (slot_M >= c) & (rows.expert_M < num_experts), overflow_E)
+    return out_NxD + _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, m - c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _overflow_rows(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, max_rows: int):
-    """The rows past each expert's C through the tile loop (`_rows_in_tiles`; `routing` = expert_M,
-    slot_M past C, in_tiles_M, overflow_E), skipped in both passes when no expert overflows (a
-    `lax.cond`): the loop's buffers are sized for the worst case, M - C rows, whatever the rows
-    past C are (none in the bench's `wide` variant at init; 1-330 a layer in its other three,
-    docs/benchmarks.md). Saves only its inputs; the backward recomputes the loop's forward when
-    there are rows."""
-    return _overflow_fwd(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, max_rows: int):
+    """The gate-weighted outputs [N, D] of the pairs past each expert's C, through the tile loop
+    (`routing` = sorted rows, slot past C, in_tiles_M, overflow_E; buffers sized for M - C rows),
+    skipped in both passes when no expert passes C (a `lax.cond`). Saves only its inputs; the
+    backward recomputes the loop's forward where there are such pairs (keeping the loop's own
+    residuals in buffers sized for the usual few pairs measured no faster, docs/benchmarks.md)."""
+    return _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows)[0]
 
 
-def _overflow_fwd(x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows):
-    args = (x_MxD, w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    y_MxD = jax.lax.cond(jnp.any(routing[3] > 0), functools.partial(_overflow_loop, routing, t, max_rows),
-                         lambda *a: jnp.zeros_like(x_MxD), *args)
-    return y_MxD, (args, routing)
+def _overflow_pairs(routing, t, max_rows, x_NxD, weights_NxK, *weights):
+    rows, slot_M, in_tiles_M, overflow_E = routing
+    y_MxD = _rows_in_tiles(x_NxD[rows.token_M], rows.expert_M, slot_M, in_tiles_M, overflow_E, t, max_rows, weights)
+    return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
 
 
-def _overflow_bwd(t, max_rows, res, dy_MxD):
+def _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows):
+    args = (x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+    y_NxD = jax.lax.cond(jnp.any(routing[3] > 0), functools.partial(_overflow_pairs, routing, t, max_rows),
+                         lambda *a: jnp.zeros_like(x_NxD), *args)
+    return y_NxD, (args, routing)
+
+
+def _overflow_combined_bwd(t, max_rows, res, dy_NxD):
     args, routing = res
 
     def grads(*primals):
-        return jax.vjp(functools.partial(_overflow_loop, routing, t, max_rows), *primals)[1](dy_MxD)
+        return jax.vjp(functools.partial(_overflow_pairs, routing, t, max_rows), *primals)[1](dy_NxD)
 
     return *jax.lax.cond(jnp.any(routing[3] > 0), grads, lambda *a: tuple(map(jnp.zeros_like, a)), *args), None
 
 
-def _overflow_loop(routing, t, max_rows, x_MxD, *weights):
-    expert_M, slot_M, in_tiles_M, overflow_E = routing
-    return _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, overflow_E, t, max_rows, weights)
-
-
-_overflow_rows.defvjp(_overflow_fwd, _overflow_bwd)
+_overflow_combined.defvjp(_overflow_combined_fwd, _overflow_combined_bwd)
 
 
 def _at(w_ExAxB, e, layer=None):
@@ -459,8 +465,9 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
     place, the others slice the layer first. `adapters`: none, or six expert LoRA arrays [E, ...]
     with `lora_scale` (module docstring); `lora_dropout` (rate, three keys) drops their inputs per
     sorted row (`adapter_masks`). `auto` picks ragged_dot where the platform runs it
-    sparsely and on CPU the capacity path (the tiled one for a layer stack, adapters or quantized
-    experts), for the platform the program is lowered for (a TPU lowering on a CPU host gets ragged_dot)."""
+    sparsely and on CPU the tile loop (`routed_experts` takes a training layer's float experts through
+    the capacity path before this), for the platform the program is lowered for (a TPU lowering on a
+    CPU host gets ragged_dot)."""
     stacked = (w1_ExDxF, w3_ExDxF, w2_ExFxD)
     impl = _impl_for(stacked, impl)
     _check_adapters(adapters)
@@ -469,14 +476,6 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
 
     def tiled():
         return _tiled_mlp(x_MxD, rows, *stacked, max_tile, layer, adapters, lora_scale, masks)
-
-    def batched():
-        return _capacity_mlp(x_MxD, rows, *stacked, max_tile)
-
-    # CPU: the batched path for a training layer's plain float experts; the tile loop where it reads
-    # a layer stack in place (inference), carries adapters, or dequantises experts tile by tile.
-    plain = layer is None and not adapters and not any(isinstance(w, QArray) for w in stacked)
-    cpu = batched if plain else tiled
 
     def one_layer():
         return (stacked if layer is None else layer_weights(stacked, layer, x_MxD.dtype)) + adapters
@@ -488,17 +487,15 @@ def grouped_expert_mlp(x_MxD: jax.Array, rows: SortedRows, w1_ExDxF: jax.Array, 
         return _ragged_mlp(x_MxD, rows.group_sizes_E, *one_layer(), weight_mm=_kernel_quantized, **lora)
 
     if impl == "auto":
-        return jax.lax.platform_dependent(cpu=cpu, default=ragged)
+        return jax.lax.platform_dependent(cpu=tiled, default=ragged)
     if impl == "auto_quantized":
         return jax.lax.platform_dependent(cpu=tiled, default=pallas)
     if impl == "pallas":
         return pallas()
     if impl == "tiled":
         return tiled()
-    if impl == "capacity":
-        if not plain:
-            raise ValueError("impl='capacity' runs one layer's float experts without adapters; use 'tiled'")
-        return batched()
+    if impl == "capacity":  # `routed_experts` and `local_expert_mlp` take plain float experts there
+        raise ValueError("impl='capacity' runs one layer's float experts without adapters; use 'tiled'")
     if impl == "ragged":
         return ragged()
     if impl == "dense":
@@ -513,11 +510,22 @@ def routed_experts(x_NxD: jax.Array, experts_NxK: jax.Array, weights_NxK: jax.Ar
                    max_tile: int = 128, layer=None, lora_scale: float = 1.0, lora_dropout=None) -> jax.Array:
     """sum_k weights[n, k] * Expert_{experts[n, k]}(x[n]), dropless. Returns [N, D] in x's dtype.
     Weights and adapters as in `grouped_expert_mlp` (a layer stack with `layer`)."""
-    rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
-    y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters,
-                               impl=impl, max_tile=max_tile, layer=layer, lora_scale=lora_scale,
-                               lora_dropout=lora_dropout)
-    return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
+    def sorted_rows():
+        rows = sort_by_expert(experts_NxK, w1_ExDxF.shape[-3])
+        y_MxD = grouped_expert_mlp(x_NxD[rows.token_M], rows, w1_ExDxF, w3_ExDxF, w2_ExFxD, *adapters,
+                                   impl=impl, max_tile=max_tile, layer=layer, lora_scale=lora_scale,
+                                   lora_dropout=lora_dropout)
+        return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
+
+    def batched():
+        return _capacity_routed(x_NxD, experts_NxK, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile)
+
+    plain = layer is None and not adapters and not any(isinstance(w, QArray) for w in (w1_ExDxF, w3_ExDxF, w2_ExFxD))
+    if plain and impl == "capacity":
+        return batched()
+    if plain and impl == "auto":
+        return jax.lax.platform_dependent(cpu=batched, default=sorted_rows)
+    return sorted_rows()
 
 
 def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, w1_ExDxF: jax.Array,
@@ -560,6 +568,10 @@ def local_expert_mlp(x_RxD: jax.Array, expert_R: jax.Array, valid_R: jax.Array, 
         y_MxD = ragged()
     elif impl == "fp8":
         y_MxD = _ragged_mlp(x_MxD, rows.group_sizes_E, *weights, *adapters, weight_mm=_fp8_mm, **lora)
+    elif impl == "capacity" and not adapters:  # one expert a row, gate weight 1; padding: expert e, none
+        ones = jnp.ones((x_RxD.shape[0], 1), x_RxD.dtype)
+        y_RxD = _capacity_routed(x_RxD, jnp.where(valid_R, expert_R, e)[:, None], ones, *weights, max_tile)
+        return jnp.where(valid_R[:, None], y_RxD, 0)
     else:  # the dense reference computes every row, padding included (clamped to a real expert)
         clamped = rows._replace(expert_M=jnp.minimum(rows.expert_M, e - 1))
         y_MxD = grouped_expert_mlp(x_MxD, clamped, *weights, *adapters, impl=impl, max_tile=max_tile,

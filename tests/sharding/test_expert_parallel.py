@@ -76,18 +76,42 @@ def test_auto_follows_the_platform_lowered_for(ep_rows):
     assert lowered["cpu"]["all_to_all_ops"] >= 5, lowered
 
 
+def _receive_buffer(r=48, d=128, f=128, e=4, received=28):
+    """(x [r, d], expert [r] (-1 for padding), valid [r], the three expert weights) of one device's
+    receive buffer, `received` of its r rows real."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((r, d)), jnp.float32)
+    valid = np.zeros(r, bool)
+    valid[rng.choice(r, received, replace=False)] = True
+    expert = jnp.asarray(np.where(valid, rng.integers(0, e, r), -1), jnp.int32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    return x, expert, valid, w
+
+
+def test_receive_side_capacity_equals_dense():
+    """`capacity` on the receive side (one expert a row, gate weight 1): padding rows belong to no
+    expert and come out zero; received rows equal the dense reference, values and gradients."""
+    x, expert, valid, w = _receive_buffer()
+
+    def loss(impl, x, *w):
+        y = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl=impl)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), grads = jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True)("capacity", x, *w)
+    (_, y_ref), grads_ref = jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True)("dense", x, *w)
+    assert np.all(np.asarray(y)[~valid] == 0)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["tiled", "ragged", "fp8"])
 def test_receive_side_gives_padding_to_no_expert(impl, monkeypatch):
     """One device's receive buffer, 20 of 48 rows padding: the grouped matmul is handed exactly the
     28 received rows (group sizes for ragged_dot and the fp8 kernel, executed tiles for the tiled
     loop), padding outputs are zero, received rows match the dense reference."""
-    rng = np.random.default_rng(0)
-    r, d, f, e = 48, 128, 128, 4
-    x = jnp.asarray(rng.standard_normal((r, d)), jnp.float32)
-    valid = np.zeros(r, bool)
-    valid[rng.choice(r, 28, replace=False)] = True
-    expert = jnp.asarray(np.where(valid, rng.integers(0, e, r), -1), jnp.int32)
-    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    x, expert, valid, w = _receive_buffer()
+    e = w[0].shape[0]
     handed = []
     ragged = dispatch._ragged_mlp  # the fp8 kernel runs inside it too (weight_mm=_fp8_mm)
     monkeypatch.setattr(dispatch, "_ragged_mlp", lambda x_, sizes, *ws, **kw: handed.append(int(jnp.sum(sizes))) or
