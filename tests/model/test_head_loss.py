@@ -51,6 +51,20 @@ def test_chunked_loss_and_gradients_equal_numpy(chunk):
         np.testing.assert_allclose(fn(h), want_dh, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_both_layouts_of_the_chunk_loop_equal_numpy(vocab_major):
+    """The loop a TPU/GPU lowering takes (W read as [D, V]) and the CPU one (a [V, D] copy for d h)."""
+    from dsv3_jax.ops.head_loss import _scan_chunks
+
+    h, w, targets, weights = _case(2)
+    _, want_dh, want_dw, want_nll = _numpy(h, w, targets, weights)
+    nll, dh, dw = jax.jit(lambda h, w: _scan_chunks(h, w, targets, weights, 4, jnp.float32, want_dh=True,
+                                                    want_dw=True, vocab_major=vocab_major))(h, w)
+    np.testing.assert_allclose(nll, want_nll, atol=1e-5)
+    np.testing.assert_allclose(dh, want_dh, atol=1e-5)
+    np.testing.assert_allclose(dw, want_dw, atol=1e-5)
+
+
 def test_chunked_equals_the_whole_logits_under_a_scaled_cotangent():
     """Inside a larger function (a mean, a factor) the saved gradients are scaled by the cotangent."""
     h, w, targets, weights = _case(1)
