@@ -166,7 +166,8 @@ def _by_destination(experts_NxK: jax.Array, local_experts: int, p: int):
 
 def combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
     """sum_k weights[n, k] * y[n * K + k] in fp32, returned in `dtype`: the gate-weighted sum of a
-    token's expert outputs, rows in (token, slot) order. The one combine (ops/dispatch.py uses it)."""
+    token's expert outputs, rows in (token, slot) order. The one combine (ops/dispatch.py and
+    ops/capacity.py use it)."""
     n, k = weights_NxK.shape
     out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, -1), weights_NxK.astype(y_MxD.dtype),
                      preferred_element_type=jnp.float32)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sharding.expert_parallel import combine
+
 
 HEADROOM = 1.25  # C over the mean rows per expert
 
@@ -106,9 +108,8 @@ def combine_buffer(y_BxD: jax.Array, weights_NxK: jax.Array, where: BufferMap, d
 
 
 def _combine_buffer_fwd(y_BxD, weights_NxK, where, dtype):
-    y_NxKxD = y_BxD.at[where.pos_NxK].get(mode="fill", fill_value=0)
-    out = jnp.einsum("NKD,NK->ND", y_NxKxD, weights_NxK.astype(y_BxD.dtype), preferred_element_type=jnp.float32)
-    return out.astype(dtype), (y_BxD, weights_NxK, where)
+    y_PxD = y_BxD.at[where.pos_NxK.reshape(-1)].get(mode="fill", fill_value=0)
+    return combine(y_PxD, weights_NxK, dtype), (y_BxD, weights_NxK, where)
 
 
 def _combine_buffer_bwd(dtype, res, dout_NxD):
