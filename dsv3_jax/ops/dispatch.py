@@ -134,26 +134,34 @@ def _tiled_mlp(x_MxD, rows: SortedRows, w1_ExDxF, w3_ExDxF, w2_ExFxD, max_tile: 
                           lora_scale, masks)
 
 
-def _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_rows: int, weights, layer=None,
-                   adapters=(), lora_scale: float = 1.0, masks=()):
-    """The rows with `in_tiles_M` (row slot_M of expert expert_M's sizes_E[e] rows) through the tile
-    loop, each expert's rows padded to a multiple of t; zero for the other rows. `max_rows`: a
-    static bound on sum(sizes_E). [M, D]."""
-    (m, d), num_experts = x_MxD.shape, sizes_E.shape[0]
-    num_tiles = -(-max_rows // t) + min(num_experts, max_rows)  # bound on sum_e ceil(size_e / t)
+def _tile_layout(expert_M, slot_M, in_tiles_M, sizes_E, t: int, num_tiles: int):
+    """Where the rows with `in_tiles_M` (row slot_M of expert expert_M's sizes_E[e] rows) go when each
+    expert's rows are padded to a multiple of t: (pos_M, their row of the [num_tiles * t] buffer,
+    num_tiles * t for the other rows; tile_expert_J; num_active, the tiles holding rows, a prefix).
+    The caller bounds sum_e ceil(sizes_E[e] / t) <= num_tiles."""
+    num_experts = sizes_E.shape[0]
     padded_E = (sizes_E + t - 1) // t * t
     padded_end_E = jnp.cumsum(padded_E)
     expert_M = jnp.minimum(expert_M, num_experts - 1)
     pos_M = jnp.where(in_tiles_M, padded_end_E[expert_M] - padded_E[expert_M] + slot_M, num_tiles * t)
     first_row_J = jnp.arange(num_tiles) * t
     tile_expert_J = jnp.minimum(jnp.searchsorted(padded_end_E, first_row_J, side="right"), num_experts - 1)
-    num_active = (padded_end_E[-1] // t).astype(jnp.int32)  # the tiles holding rows: a prefix
+    return pos_M, tile_expert_J.astype(jnp.int32), (padded_end_E[-1] // t).astype(jnp.int32)
+
+
+def _rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_rows: int, weights, layer=None,
+                   adapters=(), lora_scale: float = 1.0, masks=()):
+    """The rows with `in_tiles_M` through the tile loop (`_tile_layout`); zero for the other rows.
+    `max_rows`: a static bound on sum(sizes_E). [M, D]."""
+    (m, d), num_experts = x_MxD.shape, sizes_E.shape[0]
+    num_tiles = -(-max_rows // t) + min(num_experts, max_rows)  # bound on sum_e ceil(size_e / t)
+    pos_M, tile_expert_J, num_active = _tile_layout(expert_M, slot_M, in_tiles_M, sizes_E, t, num_tiles)
 
     def tiles(v_MxA):  # rows -> [J, t, A], each row in its tile slot (a mask travels with its row)
         return jnp.zeros((num_tiles * t, v_MxA.shape[1]), v_MxA.dtype).at[pos_M].set(v_MxA, mode="drop").reshape(
             num_tiles, t, -1)
 
-    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J.astype(jnp.int32), num_active, *weights, layer,
+    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J, num_active, *weights, layer,
                                tuple(adapters), lora_scale, tuple(tiles(m) for m in masks))
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
@@ -179,39 +187,64 @@ def _capacity_routed(x_NxD, experts_NxK, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExF
     t = overflow_tile_rows(m, num_experts, max_tile)
     overflow_E = jnp.maximum(rows.group_sizes_E - c, 0)
     routing = (rows, slot_M - c, (slot_M >= c) & (rows.expert_M < num_experts), overflow_E)
-    return out_NxD + _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, m - c)
+    sizes = overflow_buffer_rows(m, c, num_experts, t)
+    return out_NxD + _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, sizes)
+
+
+def overflow_buffer_rows(num_pairs: int, capacity_rows: int, num_experts: int, t: int) -> tuple[int, int]:
+    """Rows of the overflow tile buffer (each expert's pairs past C padded to a multiple of t), static:
+    (usual, worst). Usual: an eighth of the pairs plus a tile per expert (the bench variants' steps
+    put at most ~4% of the pairs past C); worst: every pair but C past it."""
+    over = num_pairs - capacity_rows
+    worst = t * (-(-over // t) + min(num_experts, over))
+    return min(t * (-(-(num_pairs // 8) // t) + num_experts), worst), worst
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, max_rows: int):
-    """The gate-weighted outputs [N, D] of the pairs past each expert's C, through the tile loop
-    (`routing` = sorted rows, slot past C, in_tiles_M, overflow_E; buffers sized for M - C rows),
-    skipped in both passes when no expert passes C (a `lax.cond`). Saves only its inputs; the
-    backward recomputes the loop's forward where there are such pairs (keeping the loop's own
-    residuals in buffers sized for the usual few pairs measured no faster, docs/benchmarks.md)."""
-    return _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows)[0]
+def _overflow_combined(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t: int, buffer_rows):
+    """The gate-weighted outputs [N, D] of the pairs past each expert's C (`routing` = sorted rows,
+    slot past C, in_tiles_M, overflow_E) through the tile loop, in a buffer of the usual size
+    (`overflow_buffer_rows`) where they fit, else of the worst case's; skipped where no expert passes
+    C (a `lax.switch` of the three). Every move is a gather or an [N, D]-sized scatter, never one
+    of all M pairs. Saves only its inputs; the backward recomputes the taken case's forward, so no
+    residual is sized for the worst case."""
+    return _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, buffer_rows)[0]
 
 
-def _overflow_pairs(routing, t, max_rows, x_NxD, weights_NxK, *weights):
+def _overflow_pairs(routing, t: int, size: int, x_NxD, weights_NxK, *weights):
     rows, slot_M, in_tiles_M, overflow_E = routing
-    y_MxD = _rows_in_tiles(x_NxD[rows.token_M], rows.expert_M, slot_M, in_tiles_M, overflow_E, t, max_rows, weights)
-    return combine(jnp.zeros_like(y_MxD).at[rows.order_M].set(y_MxD), weights_NxK, x_NxD.dtype)
+    (n, k), d = weights_NxK.shape, x_NxD.shape[1]
+    pos_M, tile_expert_J, num_active = _tile_layout(rows.expert_M, slot_M, in_tiles_M, overflow_E, t, size // t)
+    token_R = jnp.full((size,), n, jnp.int32).at[pos_M].set(rows.token_M, mode="drop")
+    pair_R = jnp.full((size,), n * k, jnp.int32).at[pos_M].set(rows.order_M, mode="drop")
+    x_JxtxD = x_NxD.at[token_R].get(mode="fill", fill_value=0).reshape(size // t, t, d)
+    y_RxD = tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, *weights).reshape(size, d)
+    w_R = weights_NxK.reshape(-1).at[pair_R].get(mode="fill", fill_value=0)
+    y_RxD = y_RxD.astype(jnp.float32) * w_R[:, None].astype(jnp.float32)
+    return jnp.zeros((n, d), jnp.float32).at[token_R].add(y_RxD, mode="drop").astype(x_NxD.dtype)
 
 
-def _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, max_rows):
+def _overflow_case(routing, t: int, buffer_rows) -> jax.Array:
+    """0: no pair past C; 1: they fit the usual buffer; 2: the worst case's."""
+    padded_rows = jnp.sum((routing[3] + t - 1) // t * t)
+    return jnp.where(padded_rows == 0, 0, jnp.where(padded_rows <= buffer_rows[0], 1, 2))
+
+
+def _overflow_combined_fwd(x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD, routing, t, buffer_rows):
     args = (x_NxD, weights_NxK, w1_ExDxF, w3_ExDxF, w2_ExFxD)
-    y_NxD = jax.lax.cond(jnp.any(routing[3] > 0), functools.partial(_overflow_pairs, routing, t, max_rows),
-                         lambda *a: jnp.zeros_like(x_NxD), *args)
-    return y_NxD, (args, routing)
+    branches = [lambda *a: jnp.zeros_like(x_NxD)]
+    branches += [functools.partial(_overflow_pairs, routing, t, size) for size in dict.fromkeys(buffer_rows)]
+    return jax.lax.switch(_overflow_case(routing, t, buffer_rows), branches, *args), (args, routing)
 
 
-def _overflow_combined_bwd(t, max_rows, res, dy_NxD):
+def _overflow_combined_bwd(t, buffer_rows, res, dy_NxD):
     args, routing = res
 
-    def grads(*primals):
-        return jax.vjp(functools.partial(_overflow_pairs, routing, t, max_rows), *primals)[1](dy_NxD)
+    def grads(size):
+        return lambda *primals: jax.vjp(functools.partial(_overflow_pairs, routing, t, size), *primals)[1](dy_NxD)
 
-    return *jax.lax.cond(jnp.any(routing[3] > 0), grads, lambda *a: tuple(map(jnp.zeros_like, a)), *args), None
+    branches = [lambda *a: tuple(map(jnp.zeros_like, a))] + [grads(size) for size in dict.fromkeys(buffer_rows)]
+    return *jax.lax.switch(_overflow_case(routing, t, buffer_rows), branches, *args), None
 
 
 _overflow_combined.defvjp(_overflow_combined_fwd, _overflow_combined_bwd)

@@ -11,7 +11,9 @@ from dsv3_jax.ops import capacity, dispatch
 def _problem(n, k, e, d=16, f=12, seed=0, skew=False):
     ks = jax.random.split(jax.random.key(seed), 6)
     x = jax.random.normal(ks[0], (n, d))
-    if skew:  # most rows on two experts, several experts empty
+    if skew == "one":  # every row on expert 0
+        experts = jnp.zeros((n, k), jnp.int32)
+    elif skew:  # most rows on two experts, several experts empty
         experts = jnp.stack([jax.random.randint(ks[1], (n,), 0, 2), jax.random.randint(ks[2], (n,), 2, 4)], 1)
         experts = experts[:, :k]
     else:
@@ -40,14 +42,25 @@ def test_paths_equal_numpy(impl, n, k, e, skew):
     np.testing.assert_allclose(np.asarray(out), numpy_moe(*args), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl, skew", [("tiled", False), ("capacity", False), ("capacity", True), ("ragged", False)])
-def test_gradients_equal_dense(impl, skew):
-    """`capacity` skewed: two experts hold most rows, far past C, so most go through its tile loop;
-    balanced: no expert passes C, so the tile loop is skipped in both passes."""
-    args = _problem(40, 2 if skew else 3, 8, seed=1, skew=skew)
+def _overflow_case(experts, e) -> int:
+    """Which buffer the capacity path's pairs past C take: 0 none, 1 the usual, 2 the worst case's."""
+    m = experts.size
+    c, t = capacity.rows_per_expert(m, e), dispatch.overflow_tile_rows(m, e, 128)
+    over_E = np.maximum(np.bincount(np.asarray(experts).ravel(), minlength=e) - c, 0)
+    padded = int(np.sum(-(-over_E // t) * t))
+    return 0 if padded == 0 else 1 if padded <= dispatch.overflow_buffer_rows(m, c, e, t)[0] else 2
+
+
+@pytest.mark.parametrize("impl, n, k, e, skew", [("tiled", 40, 3, 8, False), ("capacity", 40, 3, 8, False),
+                                                 ("capacity", 40, 2, 8, True), ("capacity", 128, 1, 4, "one"),
+                                                 ("ragged", 40, 3, 8, False)])
+def test_gradients_equal_dense(impl, n, k, e, skew):
+    """`capacity`, by how far the loads pass C: balanced, none (the tile loop skipped in both
+    passes); skewed, two experts far past it, in the usual overflow buffer; every row on one expert,
+    in the worst case's buffer."""
+    args = _problem(n, k, e, seed=1, skew=skew)
     if impl == "capacity":
-        loads_E = np.bincount(np.asarray(args[1]).ravel(), minlength=8)
-        assert (loads_E.max() > capacity.rows_per_expert(int(loads_E.sum()), 8)) == skew
+        assert _overflow_case(args[1], e) == {False: 0, True: 1, "one": 2}[skew]
 
     def loss(impl, x, w, w1, w3, w2):
         return jnp.sum(jnp.sin(dispatch.routed_experts(x, args[1], w, w1, w3, w2, impl=impl)))
