@@ -64,6 +64,33 @@ def fake_device_env(devices: int | None = None, **extra: str) -> dict:
     return env
 
 
+def session_root(tmp_path_factory):
+    """The folder every pytest-xdist worker of this session shares (the session's own base folder
+    when pytest runs without workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(tmp_path_factory, name: str, build):
+    """`build(folder)` once per test session, by whichever worker asks first; the others wait on a
+    file lock and get the finished folder (theirs to read, not to write). A build that raised leaves
+    no `.done` mark, so the next asker builds afresh."""
+    import filelock
+
+    root = session_root(tmp_path_factory)
+    folder, done = root / name, root / f"{name}.done"
+    with filelock.FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            if folder.exists():
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 class Stalled(RuntimeError):
     pass
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, repo_env, run, shrunk_flags  # noqa: F401 (REPO: for the test files)
+from tests.helpers import REPO, build_once, repo_env, run, session_root, shrunk_flags  # noqa: F401 (REPO: for the test files)
 
 STEPS = 60  # every CLI test trains this long, so they all share one compiled step (the schedule spans it)
 
@@ -37,9 +37,16 @@ def train_env():
     return repo_env()
 
 
+def shared_compile_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for the train CLI runs of every worker."""
+    folder = session_root(tmp_path_factory) / "xla_cache"
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
+    return shared_compile_cache(tmp_path_factory)
 
 
 def read_records(workdir):
@@ -50,13 +57,24 @@ def read_records(workdir):
 RESUME_FLAGS = ["--config.train.checkpoint_every=2", "--config.train.eval_every=20"]
 
 
+def pretraining_run(tmp_path_factory):
+    """One STEPS-step run of the test-sized model for the whole session (all workers; read only):
+    the CLI tests' reference run, the fine-tuning tests' pretrained model and the run the inference
+    tests start from (tests/conftest.py `trained_run`). (workdir, metrics records, stderr, stdout)."""
+    def build(folder):
+        result = run_train(folder / "run", *RESUME_FLAGS, cache_dir=shared_compile_cache(tmp_path_factory))
+        (folder / "stderr.txt").write_text(result.stderr)
+        (folder / "stdout.txt").write_text(result.stdout)
+
+    folder = build_once(tmp_path_factory, "pretraining_run", build)
+    run_dir = folder / "run"
+    return run_dir, read_records(run_dir), (folder / "stderr.txt").read_text(), (folder / "stdout.txt").read_text()
+
+
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, compile_cache):
-    """One STEPS-step run of the test-sized model (read only): the CLI tests' reference run and the
-    fine-tuning tests' pretrained model. (workdir, metrics records, stderr)."""
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    result = run_train(workdir, *RESUME_FLAGS, cache_dir=compile_cache)
-    return workdir, read_records(workdir), result.stderr
+    """The session's pretraining run (`pretraining_run`): (workdir, metrics records, stderr)."""
+    return pretraining_run(tmp_path_factory)[:3]
 
 
 @pytest.fixture(scope="session")
