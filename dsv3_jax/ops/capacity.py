@@ -75,10 +75,17 @@ def buffer_map(order_M, expert_M, slot_M, n: int, k: int, c: int, num_experts: i
     in_batch_M = (slot_M < c) & (expert_M < num_experts)
     pos_M = jnp.where(in_batch_M, expert_M * c + slot_M, num_experts * c).astype(jnp.int32)
     pos_P = jnp.zeros((n * k,), jnp.int32).at[order_M].set(pos_M)
-    rows = num_experts * c
+    token_B, pair_B = row_owners(pos_M, order_M, num_experts * c, n, k)
+    return BufferMap(pos_P.reshape(n, k), token_B, pair_B)
+
+
+def row_owners(pos_M, order_M, rows: int, n: int, k: int) -> tuple[jax.Array, jax.Array]:
+    """(token_B, pair_B) of a buffer of `rows` rows: the token and the (token, slot) pair that
+    `pos_M` places in each row (n and n * k, out of range, in rows nothing fills; positions past
+    the buffer are dropped)."""
     token_B = jnp.full((rows,), n, jnp.int32).at[pos_M].set(order_M // k, mode="drop")
     pair_B = jnp.full((rows,), n * k, jnp.int32).at[pos_M].set(order_M, mode="drop")
-    return BufferMap(pos_P.reshape(n, k), token_B, pair_B)
+    return token_B, pair_B
 
 
 @jax.custom_vjp

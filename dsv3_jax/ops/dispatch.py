@@ -215,8 +215,7 @@ def _overflow_pairs(routing, t: int, size: int, x_NxD, weights_NxK, *weights):
     rows, slot_M, in_tiles_M, overflow_E = routing
     (n, k), d = weights_NxK.shape, x_NxD.shape[1]
     pos_M, tile_expert_J, num_active = _tile_layout(rows.expert_M, slot_M, in_tiles_M, overflow_E, t, size // t)
-    token_R = jnp.full((size,), n, jnp.int32).at[pos_M].set(rows.token_M, mode="drop")
-    pair_R = jnp.full((size,), n * k, jnp.int32).at[pos_M].set(rows.order_M, mode="drop")
+    token_R, pair_R = capacity.row_owners(pos_M, rows.order_M, size, n, k)
     x_JxtxD = x_NxD.at[token_R].get(mode="fill", fill_value=0).reshape(size // t, t, d)
     y_RxD = tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, *weights).reshape(size, d)
     w_R = weights_NxK.reshape(-1).at[pair_R].get(mode="fill", fill_value=0)

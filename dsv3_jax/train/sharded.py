@@ -96,17 +96,12 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransforma
         with jax.set_mesh(mesh), sharding.use_rules(rules):
             return step(state, batch)
 
-    def lower(state, batch):
-        """The step lowered for these arguments (`.as_text()`: its StableHLO, collectives included)."""
-        with jax.set_mesh(mesh), sharding.use_rules(rules):
-            return step.func.lower(state, batch, **step.keywords)
-
     def compile(state, batch) -> None:
         """Compiles the step for these arguments without running it (the call then finds it compiled)."""
         with jax.set_mesh(mesh), sharding.use_rules(rules):
-            lower(state, batch).compile()
+            step.func.lower(state, batch, **step.keywords).compile()
 
-    sharded_step.lower, sharded_step.compile = lower, compile
+    sharded_step.compile = compile
     return sharded_step
 
 

@@ -8,7 +8,9 @@ Differences are relative in the 2-norm per array, the largest over all arrays.
 
 The gradients compared are the train step's own: after its first step AdamW's first moment holds
 (1 - b1) x the clipped gradient of every array, and the metrics its global norm before clipping, so
-one compiled step per mesh checks the gradients, the loss curve and the parameters.
+one compiled step per mesh checks the gradients, the loss curve and the parameters. The collectives
+(stage hand-offs, expert all-to-alls) are read from the model's loss and gradients, lowered only:
+the step's optimizer adds collectives of its own.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def main(args: list[str]) -> None:
         placed = jax.device_put(state, shardings)
         step = sharded.make_sharded_train_step(run_graphdef, tx, schedule, shardings, mesh, **LOSS_KW)
         final, curve, norms, moment = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
-        hlo = step.lower(final, sharded.place_batch(batches[0], mesh)).as_text()  # traced under the mesh
+        with jax.set_mesh(mesh):  # the model's loss and gradients, lowered (not compiled) as the step traces them
+            hlo = grad_fn(run_graphdef).lower(final.params, final.router_bias, sharded.place_batch(batches[0], mesh)).as_text()
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                    zip(jax.tree.leaves(final.params), jax.tree.leaves(shardings.params)))
         # ZeRO-1: every moment (leaves with a shape) split over `data` when the mesh has it
