@@ -36,7 +36,7 @@ setup(
         # the serving tests drive the server with the official OpenAI client and lm-evaluation-harness
         # (local-completions; its [api] extra holds the HTTP client packages); a local GCS emulator
         # (gcp-storage-emulator, pinned: the test adds one header it lacks) stands in for gs://.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "transformers>=5.0,<6",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.12", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
                  "lm_eval[api]==0.4.13", "gcsfs>=2025.3", "google-cloud-storage>=2.14",

@@ -14,6 +14,7 @@ if that run fails or stalls too, and also on the overall `timeout`.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,8 +83,6 @@ def build_once(tmp_path_factory, name: str, build):
     with filelock.FileLock(str(root / f"{name}.lock")):
         if not done.exists():
             if folder.exists():
-                import shutil
-
                 shutil.rmtree(folder)
             folder.mkdir()
             build(folder)

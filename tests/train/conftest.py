@@ -72,7 +72,7 @@ def pretraining_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory, compile_cache):
+def uninterrupted(tmp_path_factory):
     """The session's pretraining run (`pretraining_run`): (workdir, metrics records, stderr)."""
     return pretraining_run(tmp_path_factory)[:3]
 
