@@ -124,7 +124,8 @@ def main(args: list[str]) -> None:
         step = sharded.make_sharded_train_step(run_graphdef, tx, schedule, shardings, mesh, **LOSS_KW)
         final, curve, norms, moment = run(placed, step, batches, lambda b: sharded.place_batch(b, mesh))
         with jax.set_mesh(mesh):  # the model's loss and gradients, lowered (not compiled) as the step traces them
-            hlo = grad_fn(run_graphdef).lower(final.params, final.router_bias, sharded.place_batch(batches[0], mesh)).as_text()
+            lowered = grad_fn(run_graphdef).lower(final.params, final.router_bias, sharded.place_batch(batches[0], mesh))
+        hlo = lowered.as_text()
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                    zip(jax.tree.leaves(final.params), jax.tree.leaves(shardings.params)))
         # ZeRO-1: every moment (leaves with a shape) split over `data` when the mesh has it

@@ -1,11 +1,12 @@
 """A sharded train step equals the single-device step (issue acceptance 1), on 8 fake CPU devices.
 
-Each mesh: loss and every gradient of the train step's first step (AdamW's first moment) within 1e-5 (relative, 2-norm per array) of the
-single-device step, the loss curve and all parameters after 3 steps likewise, and the state keeps
-the shardings the rules give it. On the pipeline meshes the MoE layers (6 of them) run in stages
-under each schedule of sharding/pipeline.py (the step's HLO hands activations on with
-collective_permute): GPipe on even and uneven stages, circular with empty chunks, and the 1F1B and
-DualPipeV schedules, whose backward runs by hand, with padding slots.
+Each mesh: the loss and every gradient of the train step's first step (read from AdamW's first
+moment) within 1e-5 (relative, 2-norm per array) of the single-device step, the loss curve and all
+parameters after 3 steps likewise, and the state keeps the shardings the rules give it. On the
+pipeline meshes the MoE layers (6 of them) run in stages under each schedule of sharding/pipeline.py
+(the model's lowered loss and gradients hand activations on with collective_permute): GPipe on
+even and uneven stages, circular with empty chunks, and the 1F1B and DualPipeV schedules, whose
+backward runs by hand, with padding slots.
 """
 
 import pytest
