@@ -75,8 +75,10 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
-def jax_train_parts(name, experts, batch, seq):
-    """(jitted train step, initial train state, a fixed random batch) of a bench config."""
+def jax_train_parts(name, experts, batch, seq, donate: bool = True):
+    """(jitted train step, initial train state, a fixed random batch) of a bench config. The step
+    donates its state as `python -m experiments.train` runs it (`donate`: False for a caller that
+    calls the step again on the same state)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -92,7 +94,7 @@ def jax_train_parts(name, experts, batch, seq):
     tx = optimizer_lib.make_optimizer(opt, 1000, optimizer_lib.decay_mask(params))
     graphdef, state = state_lib.init_train_state(model, tx, 0)
     train_step = step_lib.make_train_step(graphdef, tx, optimizer_lib.make_schedule(opt, 1000), mtp_weight=0.3,
-                                          balance_weight=1e-4, bias_update_speed=1e-3)
+                                          balance_weight=1e-4, bias_update_speed=1e-3, donate=donate)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     data = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
             "positions": jnp.broadcast_to(jnp.arange(seq + 1, dtype=jnp.int32), tokens.shape)}

@@ -44,7 +44,7 @@ def compare(variant: str, rounds: int, set_names: list[str], batch: int = 8, seq
     unknown = [name for name in set_names if name not in OPTION_SETS]
     if unknown:
         raise ValueError(f"unknown option sets {unknown}; known: {sorted(OPTION_SETS)}")
-    step, state, data = bench_workers.jax_train_parts(variant, None, batch, seq)
+    step, state, data = bench_workers.jax_train_parts(variant, None, batch, seq, donate=False)
     lowered = step.func.lower(state, data, **step.keywords)
     executables = {name: lowered.compile(OPTION_SETS[name]) for name in set_names}
     results = {}
