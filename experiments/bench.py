@@ -9,7 +9,8 @@ Measures (the issue-11 config: vocab 4096, hidden 256, 4 layers of which 1 dense
 LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2, 1 shared,
 expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - train: fwd + bwd + clipped AdamW tokens/s and MFU against the fp32 matmul peak measured in this
-  run (the best of jax's and torch's 2048^3 matmul); `small` at batch 1 x 1024 with --small.
+  run (the best of jax's and torch's 2048^3 matmul); `small` at batch 1 x 1024 with --small. The
+  step donates its state, as `experiments.train` runs it (torch's AdamW updates in place).
 - experts: step time at 8, 32 and 128 routed experts (same top-2, same tokens).
 - decode: greedy decode tokens/s (after prefill) at batch 1 and 8 for 1K and 4K prompts.
 - trainer: `experiments.train` end to end (data, loop, metrics) against the bare step.
