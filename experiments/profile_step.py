@@ -5,7 +5,8 @@
 Traces a few steps of experiments.bench's issue config or one of its sweep's --variant configs
 (experiments/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill, reads the XLA:CPU op
 events of the perfetto trace, names each fused op by the jax operation it came from (the HLO
-metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op.
+metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op;
+then each part's share of the step (`GROUPS`: routed experts, head, attention, optimizer, ...).
 """
 
 from __future__ import annotations
@@ -48,6 +49,28 @@ def category(op_name: str) -> str:
     return f"{phase} {op[:80]}"
 
 
+# What each op of the train step belongs to, first match wins (op labels as `category` writes them).
+GROUPS = (
+    ("routed experts", r"E[CDF][DF],E[CDF][DF]"),
+    ("head + cross-entropy", r"BCV|BCD|,DV->|->DV"),
+    ("attention", r"BH[TWS]"),
+    ("other matmuls (MLA projections, dense and shared MLPs)", r"/dot_general$"),
+    ("optimizer + state update", r"^fwd (jit\(_where/select_n|div|mul|add|sqrt|sub|max|reduce_sum|integer_pow)$"),
+    ("layer stack slices + gradient concatenation", r"^(fwd|bwd) (slice|concatenate)$"),
+    ("dispatch: gathers, sorts, routing", r"gather|scatter|sort|top_k|cumsum"),
+)
+OTHER = "other (norms, activations, elementwise)"
+
+
+def group_shares(totals: dict[str, float]) -> list[tuple[str, float]]:
+    """(group, share of the whole op time) for op labels -> time, largest first (GROUPS, OTHER)."""
+    grouped = collections.Counter()
+    for label, us in totals.items():
+        grouped[next((name for name, pattern in GROUPS if re.search(pattern, label)), OTHER)] += us
+    whole = sum(grouped.values()) or 1.0
+    return [(name, us / whole) for name, us in grouped.most_common()]
+
+
 def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
     path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
     events = json.load(gzip.open(path))
@@ -62,6 +85,7 @@ def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
              "| ms/step | share | op (jax op_name, fwd/bwd) |", "|---|---|---|"]
     for name, us in totals.most_common(top):
         lines.append(f"| {us / steps / 1e3:.1f} | {100 * us / whole:.1f}% | `{name}` |")
+    lines += ["", "By part: " + "; ".join(f"{name} {100 * share:.0f}%" for name, share in group_shares(totals)) + "."]
     return "\n".join(lines)
 
 

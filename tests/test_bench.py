@@ -1,8 +1,11 @@
 """`python -m experiments.bench` end to end through its command line: the sweep over config
 variants on a tiny grid (worker processes of both frameworks, the summary, the ratio table), the
-JSON and the report written between the markers of an existing file, and a bad flag."""
+JSON and the report written between the markers of an existing file, and a bad flag; the parts
+`experiments.profile_step` groups a step's ops into."""
 
 import json
+
+import pytest
 
 from tests.helpers import run_module
 
@@ -33,3 +36,28 @@ def test_sweep_writes_the_json_and_the_ratio_table_between_the_markers(tmp_path)
 def test_unknown_variant_exits_2_naming_the_flag():
     result = run_module("experiments.bench", "--only=sweep", "--variants=nope", timeout=120)
     assert result.returncode == 2 and "--variants" in result.stderr.splitlines()[-1], result.stderr
+
+
+def test_profile_groups_name_each_part_of_the_step():
+    from experiments.profile_step import OTHER, group_shares
+
+    # Labels as experiments.profile_step writes them for the issue27 train step, each with the
+    # part it belongs to by reading the model: batched expert matmuls and the transposes of their
+    # backward, the chunked head, attention, a 2-D projection, AdamW's guard, the stack's gradient
+    # concatenation, an activation.
+    labelled = {
+        "fwd cond/branch_0_fun/ECD,EDF->ECF/dot_general": (40.0, "routed experts"),
+        "bwd cond/branch_0_fun/ECF,EFD->ECD/transpose": (10.0, "routed experts"),
+        "fwd cond/branch_0_fun/BCD,DV->BCV/dot_general": (20.0, "head + cross-entropy"),
+        "bwd BHTS,BHTV->BHSV/dot_general": (5.0, "attention"),
+        "fwd cond/branch_0_fun/dot_general": (10.0, "other matmuls (MLA projections, dense and shared MLPs)"),
+        "fwd jit(_where/select_n": (6.0, "optimizer + state update"),
+        "bwd concatenate": (4.0, "layer stack slices + gradient concatenation"),
+        "fwd cond/branch_0_fun/jit(silu/mul": (5.0, OTHER),
+    }
+    shares = dict(group_shares({label: us for label, (us, _) in labelled.items()}))
+    expected = {}
+    for us, part in labelled.values():
+        expected[part] = expected.get(part, 0.0) + us / 100.0
+    assert shares == pytest.approx(expected)
+    assert list(dict(group_shares({"a": 1.0, "fwd slice": 3.0}))) == ["layer stack slices + gradient concatenation", OTHER]
