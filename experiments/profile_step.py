@@ -71,7 +71,8 @@ def group_shares(totals: dict[str, float]) -> list[tuple[str, float]]:
     return [(name, us / whole) for name, us in grouped.most_common()]
 
 
-def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
+def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int, by_part: bool) -> str:
+    """The op table; with `by_part` (a train step: GROUPS name its parts) each part's share after it."""
     path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -85,7 +86,8 @@ def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int) -> str:
              "| ms/step | share | op (jax op_name, fwd/bwd) |", "|---|---|---|"]
     for name, us in totals.most_common(top):
         lines.append(f"| {us / steps / 1e3:.1f} | {100 * us / whole:.1f}% | `{name}` |")
-    lines += ["", "By part: " + "; ".join(f"{name} {100 * share:.0f}%" for name, share in group_shares(totals)) + "."]
+    if by_part:
+        lines += ["", "By part: " + "; ".join(f"{name} {100 * share:.0f}%" for name, share in group_shares(totals)) + "."]
     return "\n".join(lines)
 
 
@@ -119,7 +121,7 @@ def main(argv=None) -> None:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(args.steps):
             call()
-    print(top_ops(trace_dir, dump_dir, args.steps, args.top))
+    print(top_ops(trace_dir, dump_dir, args.steps, args.top, by_part=args.what == "train"))
 
 
 if __name__ == "__main__":
