@@ -297,6 +297,7 @@ def train(config) -> list[dict]:
             # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
             first_batch = next(train_iter)
             mesh_step.compile(state, on_mesh.place_batch(first_batch))
+            checkpointing.release_freed_host_memory()  # the compiler's freed heap, before the step's buffers
             multihost.barrier("train_step_compiled")
     eval_step = step_lib.make_eval_step(graphdef)
     if on_mesh is not None:
