@@ -2,6 +2,7 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
+        [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]]
 
@@ -29,6 +30,7 @@ import sys
 import time
 
 import sharding
+from dsv3_jax.serving.server import MAX_REQUEST_BYTES
 from experiments.generate import add_weight_flags, mesh_sizes
 
 
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=2048, help="context per slot: prompt + max_tokens")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
     p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    p.add_argument("--max_request_bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request body accepted; a bigger one is refused (413) before it is read")
     p.add_argument("--prefix_cache_blocks", type=int, default=64,
                    help="prompt-prefix blocks (--chunk positions of cache rows each) kept for reuse, LRU; 0 = off")
     p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
@@ -93,7 +97,7 @@ def build(args: argparse.Namespace):
     engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix, eos_ids=eos_ids)
     engine.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    return make_app(engine, chat, name), engine
+    return make_app(engine, chat, name, args.max_request_bytes), engine
 
 
 def _warn_on_compiles() -> None:

@@ -1,5 +1,8 @@
 """OpenAI-compatible request bodies, validated field by field (a bad value is a 400 naming the field).
 
+Parsing is strict: an integer field takes integers only (not `true` or `5.0`), a float field finite numbers
+only (not NaN or Infinity, which Python's JSON reader lets through), and every string must be valid Unicode
+(a lone surrogate, which a JSON `\\ud800` escape or raw CESU-8 bytes carry, is refused, naming where it sits).
 Requests follow the OpenAI API (`/v1/completions`, `/v1/chat/completions`) with vLLM's extensions
 `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`,
 and vLLM's `/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values this
@@ -9,7 +12,8 @@ them rather than silently ignored. Response bodies are built in `responses`.
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
 import pydantic
 from pydantic import BaseModel, Field
@@ -18,13 +22,40 @@ from dsv3_jax.inference.sampling import MAX_LOGPROBS
 from dsv3_jax.serving.penalties import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 MAX_N = 16  # choices (n, best_of) one request may ask for: each takes a decode slot
+KeyId = Annotated[int, pydantic.Strict(False)]  # a token id as a JSON object's key: a string of digits
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class StreamOptions(BaseModel):
+def lone_surrogate(v, where: str) -> str | None:
+    """`where` extended to the first string in `v` (nested in lists and dicts) that holds a lone surrogate, or None."""
+    if isinstance(v, str):
+        return where if not v.isascii() and _SURROGATE.search(v) else None
+    if isinstance(v, list) and v and isinstance(v[0], int):
+        return None  # token ids (the schema refuses a list that mixes in text)
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    return next((w for k, x in items if (w := lone_surrogate(x, f"{where}.{k}"))), None)
+
+
+class _Strict(BaseModel):
+    model_config = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    """A request body: strict fields, and valid Unicode in every string."""
+
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _valid_text(cls, v, info: pydantic.ValidationInfo):
+        if where := lone_surrogate(v, info.field_name):
+            raise ValueError(f"the text at {where} holds a lone surrogate: it is not valid Unicode (send UTF-8 text)")
+        return v
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Request):
     model_config = pydantic.ConfigDict(extra="allow")  # unknown fields are checked by `unsupported`
 
     model: str
@@ -42,7 +73,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's: > 1 discourages tokens already seen
-    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
+    logit_bias: dict[KeyId, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids banned until this many tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by text
     user: str | None = None
@@ -98,7 +129,7 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = pydantic.ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -133,7 +164,7 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a text prompt (BOS added when add_special_tokens), or chat messages (templated)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
@@ -145,14 +176,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    @pydantic.model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return self
 
-
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     model: str | None = None

@@ -7,16 +7,22 @@ GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
 Prompts: a text prompt is encoded with the tokenizer's BOS in front (the training layout; what
 DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and
 continued verbatim, nothing added (as vLLM does, and as lm-evaluation-harness's token mode relies
-on). A completions request may carry several prompts (texts or id lists) and ask `n` choices of
-each: choice `index` = prompt number * n + choice number, each its own engine request. With
+on). `/tokenizer_info`'s `add_bos_token` says whether the tokenizer file puts BOS in front itself (its
+post-processor), as a client that loads the file with transformers gets it. A completions request may
+carry several prompts (texts or id lists) and ask `n` choices of each: choice `index` = prompt number * n + choice number, each its own engine request. With
 `best_of`, that many are generated per prompt and the `n` with the highest cumulative
 log-probability returned. Choice j > 0 of a seeded request draws with a seed derived from
 (seed, j), so n choices differ and the whole response is reproducible.
 
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
-bad values (the field named), a prompt that does not fit the context, unsupported options; 404 for an
-unknown model or route; 429 when the queue is full; 500 if the engine fails. A client that
-disconnects (streaming or not) cancels its requests, which frees their slots at once.
+bad values (the field named; `schemas` parses strictly), a prompt that does not fit the context, unsupported
+options; 404 for an unknown model or route; 413 for a body over `max_request_bytes`, refused at its first read
+(by its Content-Length, or as its chunks arrive) so that it is never held whole; 429 when the queue is full;
+500 if the engine fails. A client that disconnects (streaming or not) cancels its requests, which frees their
+slots at once.
+
+The event loop only routes: texts are tokenized (and chats rendered) in worker threads, with the tokenizer's
+`encode_batch`, which lets go of the GIL, so that a long prompt delays neither /health nor other streams.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 import uuid
 
 import fastapi
@@ -39,6 +46,7 @@ from dsv3_jax.serving.penalties import Penalties
 from dsv3_jax.serving.responses import Choice
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_REQUEST_BYTES = 4 * 2**20  # a body over this is refused (413): far above any context's worth of text
 
 
 class BadRequest(Exception):
@@ -52,11 +60,41 @@ def choice_seed(seed: int, j: int) -> int:
     return seed if j == 0 else int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
 
 
-def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.FastAPI:
+def limit_body(app, max_bytes: int):
+    """ASGI middleware: a request body over `max_bytes` raises 413 at its first read when its Content-Length says
+    so, else as soon as its chunks pass the limit; nothing beyond that is read."""
+
+    def check(size: int) -> None:
+        if size > max_bytes:
+            raise HTTPException(413, f"the request body is over this server's limit of {max_bytes} bytes "
+                                     "(max_request_bytes)")
+
+    async def limited(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        declared, seen = int(dict(scope["headers"]).get(b"content-length", 0)), 0
+
+        async def receive_at_most():
+            nonlocal seen
+            check(declared)
+            message = await receive()
+            seen += len(message.get("body", b""))
+            check(seen)
+            return message
+
+        await app(scope, receive_at_most, send)
+
+    return limited
+
+
+def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
+             max_request_bytes: int = MAX_REQUEST_BYTES) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
+    app.add_middleware(limit_body, max_bytes=max_request_bytes)
     tok, max_seq_len, vocab = chat.tokenizer, engine.runner.context, engine.runner.config.vocab_size
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3-jax",
+    model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dsv3-jax",
                   "max_model_len": max_seq_len}
+    adds_bos = tok.hf.encode("a").ids[:1] == [tok.bos_id]  # the file's post-processor puts BOS in front
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         engine.metrics.response(status)
@@ -68,7 +106,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
         if first.get("type") == "json_invalid":
             return error(400, f"malformed JSON body: {first.get('msg')}")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error(400, f"{where}: {first.get('msg')}", param=where or None)
+        message = first.get("msg", "").removeprefix("Value error, ")
+        return error(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
@@ -95,16 +134,28 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
     def check_prompt(ids: list[int], max_tokens: int | None, default: int | None) -> int:
         if not ids:
             raise BadRequest(400, "the prompt is empty (it must encode to at least one token)", "prompt")
-        check_ids(ids, "prompt")
         room = max_seq_len - len(ids)
         if room < (1 if max_tokens != 0 else 0):
             raise BadRequest(400, f"the prompt has {len(ids)} tokens; the context holds {max_seq_len} "
                                   "(prompt + max_tokens) and leaves no room to generate", "prompt")
+        check_ids(ids, "prompt")
         max_tokens = max_tokens if max_tokens is not None else min(default or room, room)
         if len(ids) + max_tokens > max_seq_len:
             raise BadRequest(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                                   f"length {max_seq_len}; lower max_tokens or shorten the prompt", "max_tokens")
         return max_tokens
+
+    async def encode(texts: list[str]) -> list[list[int]]:
+        """The texts' ids (no special tokens), from a worker thread."""
+        return await asyncio.to_thread(tok.encode_batch, texts)
+
+    async def encode_chat(messages: list[schemas.ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = await asyncio.to_thread(chat.render, [m.for_template() for m in messages],
+                                           add_generation_prompt=add_generation_prompt)
+        except (ChatTemplateError, ValueError) as e:
+            raise BadRequest(400, str(e), "messages") from e
+        return (await encode([text]))[0]
 
     def params(req: schemas._Sampling, max_tokens: int, logprobs: int | None, echo: bool = False) -> SamplingParams:
         check_model(req.model)
@@ -205,8 +256,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
             raise BadRequest(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
         top = body.logprobs if best_of == body.n else (body.logprobs or 0)  # best_of ranks by logprob
         choices, per_choice = [], []
+        encoded = iter(await encode([p for p in prompts if isinstance(p, str)]))
         for i, prompt in enumerate(prompts):
-            ids = [tok.bos_id] + tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = [tok.bos_id] + next(encoded) if isinstance(prompt, str) else list(prompt)
             sp = params(body, check_prompt(ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS), top,
                         echo=body.echo and body.logprobs is not None)
             echo_text = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
@@ -219,11 +271,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):
-        try:
-            messages = [m.for_template() for m in body.messages]
-            ids = chat.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
-        except (ChatTemplateError, ValueError) as e:
-            raise BadRequest(400, str(e), "messages") from e
+        ids = await encode_chat(body.messages, body.add_generation_prompt)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -244,14 +292,14 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest):
         check_model(body.model)
+        if body.prompt is None and body.messages is None:
+            raise BadRequest(400, "prompt: give a prompt or messages", "prompt")
+        if body.prompt is not None and body.messages is not None:
+            raise BadRequest(400, "messages: give a prompt or messages, not both", "messages")
         if body.messages is not None:
-            try:
-                ids = chat.encode_chat([m.for_template() for m in body.messages],
-                                       add_generation_prompt=body.add_generation_prompt)
-            except (ChatTemplateError, ValueError) as e:
-                raise BadRequest(400, str(e), "messages") from e
+            ids = await encode_chat(body.messages, body.add_generation_prompt)
         else:
-            ids = ([tok.bos_id] if body.add_special_tokens else []) + tok.encode(body.prompt)
+            ids = ([tok.bos_id] if body.add_special_tokens else []) + (await encode([body.prompt]))[0]
         strs = [tok.hf.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids, "token_strs": strs}
 
@@ -259,12 +307,12 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str) -> fastapi.Fa
     async def detokenize(body: schemas.DetokenizeRequest):
         check_model(body.model)
         check_ids(body.tokens, "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return {"tokenizer_class": "PreTrainedTokenizerFast", **chat.specials, "chat_template": chat.template,
-                "add_bos_token": True, "model_max_length": max_seq_len, "vocab_size": tok.vocab_size}
+                "add_bos_token": adds_bos, "model_max_length": max_seq_len, "vocab_size": tok.vocab_size}
 
     @app.get("/health")
     async def health():

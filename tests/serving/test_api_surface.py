@@ -4,6 +4,7 @@ several prompts with n, and the chat `developer` role."""
 
 import http.client
 import json
+import time
 import urllib.parse
 
 import openai
@@ -55,6 +56,16 @@ def test_tokenizer_info_names_the_special_tokens(server, hf_tokenizer):
     assert info["chat_template"] == hf_tokenizer.chat_template
 
 
+def test_tokenizer_info_says_whether_the_tokenizer_adds_bos(server, hf_tokenizer):
+    _, info = call(server[0], "GET", "/tokenizer_info")
+    assert info["add_bos_token"] == (hf_tokenizer("a fox").input_ids[0] == hf_tokenizer.bos_token_id)
+
+
+def test_models_carry_the_server_start_time(client, model):
+    created = client.models.list().data[0].created
+    assert created == client.models.retrieve(model).created and time.time() - 3600 < created <= time.time()
+
+
 def test_model_by_id(client, model):
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError) as e:
@@ -65,13 +76,18 @@ def test_model_by_id(client, model):
 @pytest.mark.parametrize("method, path, body, status, param, match", [
     ("GET", "/nowhere", None, 404, None, "Not Found"),
     ("GET", "/v1/completions", None, 405, None, "Method Not Allowed"),
-    ("POST", "/tokenize", {"prompt": "a", "messages": []}, 400, None, "exactly one of prompt and messages"),
+    ("POST", "/tokenize", {"prompt": "a", "messages": []}, 400, "messages", "not both"),
+    ("POST", "/tokenize", {}, 400, "prompt", "give a prompt or messages"),
     ("POST", "/detokenize", {"tokens": [10**7]}, 400, "tokens", "vocab_size"),
     ("POST", "/v1/chat/completions", {"max_completion_tokens": "abc"}, 400, "max_completion_tokens", "integer"),
     ("POST", "/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens", "greater than"),
     ("POST", "/v1/chat/completions", {"top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
     ("POST", "/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs", "less than"),
     ("POST", "/v1/completions", {"max_tokens": -1}, 400, "max_tokens", "greater than"),
+    ("POST", "/v1/completions", {"max_tokens": True}, 400, "max_tokens", "valid integer"),
+    ("POST", "/v1/completions", {"max_tokens": 5.0}, 400, "max_tokens", "valid integer"),
+    ("POST", "/v1/completions", {"temperature": float("nan")}, 400, "temperature", "finite number"),
+    ("POST", "/v1/completions", {"logit_bias": {"5": float("inf")}}, 400, "logit_bias.5", "finite number"),
     ("POST", "/v1/completions", {"logprobs": 21}, 400, "logprobs", "less than"),
     ("POST", "/v1/completions", {"prompt": [[1, None]]}, 400, "prompt", "list of token ids"),
     ("POST", "/v1/completions", {"prompt": []}, 400, "prompt", "at least one prompt"),
