@@ -104,22 +104,23 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # left to right: an id list is matched by list[int] at once (smart mode would try every member on every id)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (the prompt scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's log-prob + this many alternatives
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @pydantic.field_validator("prompt", mode="before")
+    @pydantic.field_validator("prompt", mode="wrap")
     @classmethod
-    def _prompt_shape(cls, v):
-        def ids(x):
-            return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-
-        texts = isinstance(v, list) and all(isinstance(p, str) for p in v)
-        if isinstance(v, str) or ids(v) or texts or (isinstance(v, list) and all(ids(p) for p in v)):
-            return v
-        raise ValueError("must be a text, a list of texts, a list of token ids (ints) or a list of such lists")
+    def _prompt_shape(cls, v, handler):
+        try:
+            return handler(v)
+        except pydantic.ValidationError as e:
+            if e.errors()[0]["type"] == "value_error":  # the text check of `_Request`: already names the place
+                raise
+            raise ValueError("must be a text, a list of texts, a list of token ids (ints) or a list of such "
+                             "lists") from None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a list of token ids."""

@@ -128,7 +128,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
             raise BadRequest(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
 
     def check_ids(ids: list[int], field: str) -> None:
-        if any(not 0 <= i < vocab for i in ids):
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:
             raise BadRequest(400, f"{field}: token ids must lie in [0, vocab_size={vocab})", field)
 
     def check_prompt(ids: list[int], max_tokens: int | None, default: int | None) -> int:

@@ -74,7 +74,7 @@ def test_long_prompt_does_not_stall_the_event_loop(server, model):
     (status, out, seconds), health = health_while(server[0], lambda: post(server[0], "/v1/completions", body))
     print(f"1 MB prompt: {status} in {seconds:.3f}s; /health x{len(health)}, slowest {max(health):.3f}s")
     assert status == 400 and out["error"]["param"] == "prompt" and "prompt has" in out["error"]["message"]
-    assert max(health) < 1
+    assert max(health) < min(1, seconds / 2)  # on the event loop, /health would wait about the whole tokenization
 
 
 def test_lone_surrogates_are_400s_naming_the_field(server, model):
