@@ -9,10 +9,10 @@ DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt
 continued verbatim, nothing added (as vLLM does, and as lm-evaluation-harness's token mode relies
 on). `/tokenizer_info`'s `add_bos_token` says whether the tokenizer file puts BOS in front itself (its
 post-processor), as a client that loads the file with transformers gets it. A completions request may
-carry several prompts (texts or id lists) and ask `n` choices of each: choice `index` = prompt number * n + choice number, each its own engine request. With
-`best_of`, that many are generated per prompt and the `n` with the highest cumulative
-log-probability returned. Choice j > 0 of a seeded request draws with a seed derived from
-(seed, j), so n choices differ and the whole response is reproducible.
+carry several prompts (texts or id lists) and ask `n` choices of each: choice `index` = prompt number * n
++ choice number, each its own engine request. With `best_of`, that many are generated per prompt and
+the `n` with the highest cumulative log-probability returned. Choice j > 0 of a seeded request draws
+with a seed derived from (seed, j), so n choices differ and the whole response is reproducible.
 
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
 bad values (the field named; `schemas` parses strictly), a prompt that does not fit the context, unsupported
