@@ -106,6 +106,7 @@ class ModelConfig:
     expert_capacity_factor: float | None = None
     expert_exchange: str = "auto"  # auto: ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
     remat: bool = False  # rematerialise each layer in the backward pass
+    unroll_max_layers: int = 0  # a layer stack this short runs unrolled, no scan loop (host.tune_model on CPU)
     # Microbatches of the pipeline schedule when the mesh has pipeline > 1 (0: the fewest that keep
     # the bubble (S - 1) / (M + S - 1) <= 0.2, as far as the batch divides; sharding/pipeline.py).
     pipeline_microbatches: int = 0

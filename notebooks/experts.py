@@ -21,7 +21,7 @@
 # **Run time: about 40 s on a 2-core CPU**: the kernel used 36 s of CPU time (jax 0.10.2,
 # executed by `tests/test_notebooks.py`); on a shared machine at a load average of 22 the same run
 # took 132 s of wall time. The last cell prints this run's figures.
-# For a longer, scripted version: `python -m experiments.balance_experiment`.
+# For a longer, scripted version: `python -m research.balance_experiment`.
 
 # %%
 import time

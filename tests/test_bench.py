@@ -1,7 +1,7 @@
-"""`python -m experiments.bench` end to end through its command line: the sweep over config
+"""`python -m benchmarks.bench` end to end through its command line: the sweep over config
 variants on a tiny grid (worker processes of both frameworks, the summary, the ratio table), the
 JSON and the report written between the markers of an existing file, and a bad flag; the parts
-`experiments.profile_step` groups a step's ops into."""
+`benchmarks.profile_step` groups a step's ops into."""
 
 import json
 
@@ -13,7 +13,7 @@ from tests.helpers import run_module
 def test_sweep_writes_the_json_and_the_ratio_table_between_the_markers(tmp_path):
     report = tmp_path / "benchmarks.md"
     report.write_text("# Benchmarks\n\nkept above\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\nkept below\n")
-    result = run_module("experiments.bench", "--only=sweep", "--variants=tiny", "--quick", "--repeats=1",
+    result = run_module("benchmarks.bench", "--only=sweep", "--variants=tiny", "--quick", "--repeats=1",
                         f"--json={tmp_path / 'bench.json'}", f"--out={report}", timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["summary"]["rows"]
@@ -23,7 +23,7 @@ def test_sweep_writes_the_json_and_the_ratio_table_between_the_markers(tmp_path)
     assert rows["tiny: prefill 64 b2 | jax"]["compile_s"] > 0
     text = report.read_text()
     assert "kept above" in text and "kept below" in text and "old table" not in text
-    assert "Command: `python -m experiments.bench --only=sweep --variants=tiny" in text
+    assert "Command: `python -m benchmarks.bench --only=sweep --variants=tiny" in text
     hf = rows.get("tiny: train | hf")
     if hf is not None:  # transformers installed: the ratio table, its figures from the rows
         ratios = [rows[f"tiny: {m} | jax"]["tokens_per_s"] / rows[f"tiny: {m} | hf"]["tokens_per_s"]
@@ -34,14 +34,14 @@ def test_sweep_writes_the_json_and_the_ratio_table_between_the_markers(tmp_path)
 
 
 def test_unknown_variant_exits_2_naming_the_flag():
-    result = run_module("experiments.bench", "--only=sweep", "--variants=nope", timeout=120)
+    result = run_module("benchmarks.bench", "--only=sweep", "--variants=nope", timeout=120)
     assert result.returncode == 2 and "--variants" in result.stderr.splitlines()[-1], result.stderr
 
 
 def test_profile_groups_name_each_part_of_the_step():
-    from experiments.profile_step import OTHER, group_shares
+    from benchmarks.profile_step import OTHER, group_shares
 
-    # Labels as experiments.profile_step writes them for the issue27 train step, each with the
+    # Labels as benchmarks.profile_step writes them for the issue27 train step, each with the
     # part it belongs to by reading the model: batched expert matmuls and the transposes of their
     # backward, the chunked head, attention, a 2-D projection, AdamW's guard, the stack's gradient
     # concatenation, an activation.

@@ -7,7 +7,7 @@ Chunk shapes: every chunk is `chunk` tokens wide, the last one padded, so a prom
 is one chunk shape per (batch, cache bucket), and prompts shorter than a chunk share the smallest
 cache bucket (a cache holds at least one padded chunk: `padded_end`). One width rather than a
 power-of-two rest: each extra width is a compile per cache bucket, which costs more than the padded
-tokens (experiments/bench_prefill_shapes.py). Padded tokens write entries past their row's length
+tokens (benchmarks/bench_prefill_shapes.py). Padded tokens write entries past their row's length
 that no later token reads before they are overwritten.
 """
 

@@ -64,7 +64,8 @@ def _routed_expert_weights(path, _) -> bool:
     return len(path) >= 2 and path[-2] == "ffn" and path[-1] in ("w1", "w3", "w2")
 
 
-def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None):
+def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None,
+              unroll_max_layers: int = 0):
     """Runs layer-stacked blocks with one scan (compile time flat in depth).
 
     Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): a
@@ -74,6 +75,8 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
     whole cache twice a step; without a cache the returned cache is None. With a cache (inference, where
     a token reads only its top-k experts) the routed experts' weights are not sliced per layer but
     read in place from the stack, so a step does not copy every expert's weights of every layer.
+    Without a cache a stack of at most `unroll_max_layers` layers runs unrolled, with no loop at all
+    (`unroll=0`: True would leave a one-trip loop for one layer); see dsv3_jax/host.py:tune_model.
     """
     if cache is not None:
         def cached(x, block, layer):
@@ -87,31 +90,17 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
         return x, stats, cache.write_layers(entries_L, ctx.positions)
 
     constrain = params.layer_constraint(blocks)
+    num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
     def body(x, block):
         return constrain(block)(x, ctx)
 
     if remat:
         body = nnx.remat(body)
-    scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=_unroll(blocks))
+    unroll = 0 if num_layers <= unroll_max_layers else 1
+    scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
     x, stats = scan(x_BxTxD, blocks)
     return x, stats, None
-
-
-UNROLL_MAX_LAYERS = 8
-
-
-def _unroll(blocks: Block) -> int:
-    """The training scan's `unroll`: 0 (no loop at all, even for one layer, where True would leave a
-    one-trip loop) on the CPU backend for stacks of at most UNROLL_MAX_LAYERS (XLA:CPU otherwise
-    copies each layer's residuals into, and back out of, the stacked buffers of the loop: ~10% of
-    the bench's train step, docs/benchmarks.md); 1, a rolled loop, elsewhere, where compile time
-    flat in depth is what counts, and on more than one device: unrolled there, a bf16 forward on an
-    8-device mesh moved 2e-2 from one device's and the compiled step's memory left the plan's
-    quarter (tests/checkpoint/test_mesh.py, tests/sharding/test_plan.py; cause not yet found)."""
-    num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
-    one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    return 0 if one_cpu and num_layers <= UNROLL_MAX_LAYERS else 1
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,

@@ -117,7 +117,8 @@ class DeepSeekV3(nnx.Module):
         dense, moe = (None, None) if cache is None else (cache.dense, cache.moe)
         x, stats = emb, None
         if self.dense_layers is not None:
-            x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense)
+            x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense,
+                                    unroll_max_layers=cfg.unroll_max_layers)
         if self.moe_layers is not None:
             x, stats, moe = self._moe_stack(x, ctx, moe)
         h = self.norm(x)
@@ -137,7 +138,8 @@ class DeepSeekV3(nnx.Module):
                                            microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats,
                                            schedule=cfg.pipeline_schedule)
             return x, stats, None
-        return run_stack(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, cache=cache)
+        return run_stack(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, cache=cache,
+                         unroll_max_layers=cfg.unroll_max_layers)
 
     def forward_in_microbatches(self, tokens_BxT: jax.Array, head_fn, extras, *, positions: jax.Array,
                                 segment_ids: jax.Array, microbatches: int):
@@ -160,7 +162,8 @@ class DeepSeekV3(nnx.Module):
             model, (tokens, pos, seg) = rebuild(), args
             x = model.embed_tokens(tokens)
             if model.dense_layers is not None:
-                x, _, _ = run_stack(model.dense_layers, x, model._context(tokens, pos, seg, None, False), remat=cfg.remat)
+                x, _, _ = run_stack(model.dense_layers, x, model._context(tokens, pos, seg, None, False), remat=cfg.remat,
+                                    unroll_max_layers=cfg.unroll_max_layers)
             return x
 
         inputs = (tokens_BxT, positions, segment_ids)

@@ -19,8 +19,8 @@ from dsv3_jax.config import ModelConfig
 
 # Fields that change how the model is computed or stored, never which function it is.
 RUN_FIELDS = ("param_dtype", "compute_dtype", "moe_impl", "moe_tile_size", "attention_impl", "fp8_matmul",
-              "head_loss_impl", "expert_capacity_factor", "expert_exchange", "remat", "pipeline_microbatches",
-              "pipeline_repeats", "pipeline_schedule")
+              "head_loss_impl", "expert_capacity_factor", "expert_exchange", "remat", "unroll_max_layers",
+              "pipeline_microbatches", "pipeline_repeats", "pipeline_schedule")
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUN_FIELDS)
 
 

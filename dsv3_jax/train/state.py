@@ -74,11 +74,6 @@ def abstract_train_state(model: nnx.Module, tx: optax.GradientTransformation, se
     return graphdef, jax.eval_shape(lambda p, b: _state_of(p, b, tx, seed, trainable), params, biases)
 
 
-# The init runs once and is random draws and elementwise maths, which XLA:CPU optimises slowly (an
-# N-D threefry takes ~3x a flat one): its cheapest code generation compiles it in a third of the time.
-_CHEAP_CPU_CODE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def fresh_init(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, seed: int,
                trainable: dict | None = None) -> Callable[[], TrainState]:
     """The function that builds a new run's step 0 (the model from `make_model`, then the optimizer
@@ -91,11 +86,13 @@ def fresh_init(make_model: Callable[[], nnx.Module], tx: optax.GradientTransform
 
 
 def fresh_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, seed: int,
-                      shardings: TrainState, trainable: dict | None = None) -> TrainState:
+                      shardings: TrainState, trainable: dict | None = None,
+                      compiler_options: dict | None = None) -> TrainState:
     """A new run's state, initialised under jit straight into `shardings`: each device computes only
-    its own shard of every parameter and moment (the RNG draws are the same as on one device)."""
-    cheap = _CHEAP_CPU_CODE if jax.default_backend() == "cpu" else None
-    return jax.jit(fresh_init(make_model, tx, seed, trainable), out_shardings=shardings, compiler_options=cheap)()
+    its own shard of every parameter and moment (the RNG draws are the same as on one device).
+    `compiler_options`: e.g. `host.init_compiler_options()`, for a run that compiles this once."""
+    return jax.jit(fresh_init(make_model, tx, seed, trainable), out_shardings=shardings,
+                   compiler_options=compiler_options)()
 
 
 def train_state_from(model: nnx.Module, tx: optax.GradientTransformation, seed: int,

@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
         expert_capacity_factor=ml_collections.config_dict.placeholder(float),  # None: dropless; cf x the rows
         expert_exchange="auto",  # ragged_all_to_all on TPU/GPU, padded all_to_all on CPU
         remat=False,  # no rematerialisation needed at this size
+        unroll_max_layers=0,  # 0: the host decides (dsv3_jax/host.py: short stacks unrolled on one CPU device)
         pipeline_microbatches=0,  # pipeline meshes: 0 = fewest microbatches with bubble <= 0.2
         pipeline_repeats=1,  # 1 = GPipe; R > 1 = circular schedule, bubble (S-1)/(R*M+S-1)
         pipeline_schedule="gpipe",  # gpipe | circular (repeats > 1) | 1f1b | dualpipev (sharding/pipeline.py)

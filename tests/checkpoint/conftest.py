@@ -1,4 +1,4 @@
-"""Tiny HF folders for the checkpoint tests, made by experiments/make_synthetic_checkpoint.py."""
+"""Tiny HF folders for the checkpoint tests, made by benchmarks/make_synthetic_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dsv3_jax.config import ModelConfig
-from experiments.make_synthetic_checkpoint import make_checkpoint
+from benchmarks.make_synthetic_checkpoint import make_checkpoint
 
 PARITY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "parity")
 

@@ -17,7 +17,7 @@ import pytest
 
 from dsv3_jax.checkpoint import CheckpointError, load_pretrained
 from dsv3_jax.checkpoint.safetensors_io import HFCheckpoint, write_safetensors
-from experiments.make_synthetic_checkpoint import bench_config, make_checkpoint
+from benchmarks.make_synthetic_checkpoint import bench_config, make_checkpoint
 from tests import helpers
 from tests.checkpoint.conftest import convert
 

@@ -11,7 +11,7 @@ import pytest
 from dsv3_jax.checkpoint import fp8, hf_names
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.hf_to_orbax import CHUNK_BYTES, LeafPlan, fp8_regions, model_variables, regions
-from experiments.make_released_shapes import released_config
+from benchmarks.make_released_shapes import released_config
 
 
 def _whole(reader: HFReader, leaf, shape) -> np.ndarray:

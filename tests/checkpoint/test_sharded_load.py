@@ -3,13 +3,13 @@ CPU devices (jax.distributed on 127.0.0.1) load an HF folder, bf16 and FP8 with 
 an fsdp=2 x expert=4 mesh. Every parameter has the sharding of the rules table training uses, the
 logits equal the unsharded load, and each process reads (counted at the reader) well under the
 bytes of the whole model: only its own devices' shards. The 1 GB peak-RSS figures come from
-`python -m experiments.bench_load`, which runs these same workers."""
+`python -m benchmarks.bench_load`, which runs these same workers."""
 
 import numpy as np
 import pytest
 
 from dsv3_jax.checkpoint import hf_names
-from experiments.bench_load import run_load
+from benchmarks.bench_load import run_load
 from tests.checkpoint.conftest import tiny_cfg
 from tests.sharding import workers
 

@@ -1,4 +1,4 @@
-"""`python -m experiments.quant_quality` on the session's trained run, its figures recomputed here in
+"""`python -m research.quant_quality` on the session's trained run, its figures recomputed here in
 numpy from the same loads: perplexity and KL from the full forward, greedy continuations by
 re-running the full forward (no cache), and the fp32 cache's perplexity from the cache-free forward."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsv3_jax import load_pretrained
-from experiments.quant_quality import heldout_batches, parse_args
+from research.quant_quality import heldout_batches, parse_args
 from tests.helpers import run_module
 from tests.inference.conftest import full_forward_greedy
 
@@ -31,7 +31,7 @@ def _log_probs(model, tokens, positions=None, segment_ids=None):
 @pytest.fixture(scope="module")
 def report(trained_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("quant_quality") / "figures.json"
-    res = run_module("experiments.quant_quality", f"--checkpoint={trained_run}", "--arms=int4_all,cache_float32",
+    res = run_module("research.quant_quality", f"--checkpoint={trained_run}", "--arms=int4_all,cache_float32",
                      "--eval_batches=1", f"--prompts={PROMPTS}", f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW}",
                      "--cache_prefill=16", f"--quant_group={GROUP}", f"--json={out}", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

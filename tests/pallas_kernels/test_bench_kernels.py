@@ -1,4 +1,4 @@
-"""`python -m experiments.bench_kernels` (README's kernel benchmark) end to end, at toy sizes."""
+"""`python -m benchmarks.bench_kernels` (README's kernel benchmark) end to end, at toy sizes."""
 
 import re
 
@@ -8,7 +8,7 @@ KERNELS = ("fp8_matmul", "fp8_grouped_matmul", "mla_decode", "mla_prefill fwd", 
 
 
 def test_bench_kernels_prints_each_kernels_error_and_times():
-    result = run_module("experiments.bench_kernels", "--iters=1", "--m=128", "--n=128", "--k=256", "--groups=2",
+    result = run_module("benchmarks.bench_kernels", "--iters=1", "--m=128", "--n=128", "--k=256", "--groups=2",
                         "--heads=4", "--decode_len=128", "--prefill_len=64", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in KERNELS:

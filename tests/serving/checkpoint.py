@@ -9,7 +9,7 @@ import shutil
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
-from experiments.make_synthetic_checkpoint import make_checkpoint
+from benchmarks.make_synthetic_checkpoint import make_checkpoint
 
 # DeepSeek-V3's turn layout, written for the bundled tokenizer's special tokens.
 CHAT_TEMPLATE = (

@@ -27,7 +27,7 @@ def hf_folder(tmp_path_factory):
 
 def test_build_model_takes_the_checkpoint_weights_and_the_config_policy(hf_folder):
     from experiments.configs.tiny import get_config
-    from experiments.train import build_model, model_config
+    from dsv3_jax.train.loop import build_model, model_config
 
     config = get_config()
     config.train.init_from = str(hf_folder)
@@ -42,8 +42,8 @@ def test_build_model_takes_the_checkpoint_weights_and_the_config_policy(hf_folde
 # A value for each run field other than the tiny config's (and the checkpoint's) own.
 CHANGED = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16", "moe_impl": "dense", "moe_tile_size": 64,
            "attention_impl": "pallas", "fp8_matmul": True, "head_loss_impl": "full", "expert_capacity_factor": 1.25,
-           "expert_exchange": "padded", "remat": True, "pipeline_microbatches": 4, "pipeline_repeats": 2,
-           "pipeline_schedule": "1f1b"}
+           "expert_exchange": "padded", "remat": True, "unroll_max_layers": 3, "pipeline_microbatches": 4,
+           "pipeline_repeats": 2, "pipeline_schedule": "1f1b"}
 
 
 def test_every_run_field_has_a_case():
@@ -53,7 +53,7 @@ def test_every_run_field_has_a_case():
 @pytest.mark.parametrize("field", run_config.RUN_FIELDS)
 def test_init_from_honours_the_run_field(hf_folder, tmp_path, field):
     from experiments.configs.tiny import get_config
-    from experiments.train import resolve_model
+    from dsv3_jax.train.loop import resolve_model
 
     config = get_config()
     config.train.init_from = str(hf_folder)

@@ -153,7 +153,7 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
 
     from dsv3_jax.checkpoint import lora_export
     from dsv3_jax.train import finetune
-    from experiments import train as train_lib
+    from dsv3_jax.train import loop as train_lib
     from experiments.configs import lora as lora_config
 
     workdir, _ = dropout_run

@@ -157,7 +157,7 @@ class _SlowScalar:
 def test_the_logged_rate_counts_the_wait_for_the_steps_values():
     # The train loop dispatches a step and logs at once; the window must close when the step's
     # values are ready, not at dispatch (where a window of one step read ~100x too fast).
-    from experiments import train
+    from dsv3_jax.train import loop as train
 
     m = {key: _SlowScalar(0.05) for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr",
                                             "dropped_fraction")}

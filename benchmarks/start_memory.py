@@ -4,7 +4,7 @@ moments) is ~1.85 GB, on a mesh that splits it over all devices; each process's 
 (`/usr/bin/time -v`) is compared with the same run of the tiny default, on a fresh start and on a
 resume after SIGKILL, and the loss curve with one process holding all devices.
 
-    python -m experiments.start_memory --mesh=fsdp=8 [--mesh=fsdp=2,expert=4] [--code=/path/to/checkout]
+    python -m benchmarks.start_memory --mesh=fsdp=8 [--mesh=fsdp=2,expert=4] [--code=/path/to/checkout]
 
 `--code`: the checkout whose experiments.train runs (default: this one), e.g. a worktree of an
 older commit for a before/after figure. Prints one JSON line per run and a summary per mesh.

@@ -1,9 +1,9 @@
 """Speed of dsv3-jax beside HF transformers on this machine, each measure in its own processes.
 
-    python -m experiments.bench                         # everything, 3 alternating repeats
-    python -m experiments.bench --only=train,experts --repeats=2
-    python -m experiments.bench --baseline=/tmp/base    # adds a "before" column: dsv3-jax from that tree
-    python -m experiments.bench --only=sweep --repeats=1 # the grid of config variants (bench_workers.GRID)
+    python -m benchmarks.bench                         # everything, 3 alternating repeats
+    python -m benchmarks.bench --only=train,experts --repeats=2
+    python -m benchmarks.bench --baseline=/tmp/base    # adds a "before" column: dsv3-jax from that tree
+    python -m benchmarks.bench --only=sweep --repeats=1 # the grid of config variants (bench_workers.GRID)
 
 Measures (the issue-11 config: vocab 4096, hidden 256, 4 layers of which 1 dense, 4 heads, q/kv
 LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2, 1 shared,
@@ -43,7 +43,7 @@ if _ROOT not in sys.path:  # run as a script (the --baseline worker) as well as 
 
 
 def workers():
-    """experiments/bench_workers.py, loaded by path (a --baseline tree on sys.path has its own
+    """benchmarks/bench_workers.py, loaded by path (a --baseline tree on sys.path has its own
     `experiments` package, which may not have it)."""
     import importlib.util
 
@@ -58,12 +58,12 @@ def run_worker(fn: str, kwargs: dict, tree: str, timeout: int) -> dict:
     """One worker in a fresh process with `tree` first on the path; its result and peak RSS."""
     # PASSIVE: torch's OpenMP threads sleep instead of spinning at barriers; on a shared machine
     # spinning made transformers' step up to 10x slower, so this is the fair setting for it.
-    from experiments import hugepages  # the driver's tree (workers may run a --baseline tree)
+    from dsv3_jax import host  # the driver's tree (workers may run a --baseline tree)
 
-    # Huge pages for malloc (experiments/hugepages.py) in every worker, both frameworks alike.
+    # Huge pages for malloc (dsv3_jax/host.py) in every worker, both frameworks alike.
     env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    env = hugepages.with_tunable(env) if hugepages.wanted(env) else env
+    env = host.with_tunable(env) if host.wanted(env) else env
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps([fn, kwargs])],
                                 cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -283,7 +283,7 @@ def machine() -> dict:
     except ImportError:
         pass
     return {"machine": f"{platform.machine()} {os.cpu_count()} cores, {mem:.0f} GiB RAM, {jax.default_backend()}",
-            "versions": versions, "load_start": _load(), "command": "python -m experiments.bench " + " ".join(sys.argv[1:])}
+            "versions": versions, "load_start": _load(), "command": "python -m benchmarks.bench " + " ".join(sys.argv[1:])}
 
 
 def _load() -> str:
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode", default="1024x1,1024x8,4096x1,4096x8", type=lambda s: s.split(","),
                    help="decode points PROMPTxBATCH")
     p.add_argument("--variants", default=None, type=lambda s: s.split(","),
-                   help="sweep: config variants (experiments/bench_workers.py VARIANTS), default its GRID")
+                   help="sweep: config variants (benchmarks/bench_workers.py VARIANTS), default its GRID")
     p.add_argument("--sweep_train", default="8x256", help="sweep: train step BATCHxSEQ")
     p.add_argument("--sweep_prefill", default="4096x1,1024x8", type=lambda s: s.split(","),
                    help="sweep: prefill points PROMPTxBATCH")

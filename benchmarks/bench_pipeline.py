@@ -25,13 +25,13 @@ is compiled first, then timed in rounds that alternate them, median over the rou
 fake CPU devices here, which share the host's cores; that scales a and b alike, so the ratios hold
 even though absolute times are not those of real chips.
 
-    python -m experiments.bench_pipeline [--stages 4 --layers 8 --microbatches 1 2 4 8 16]
+    python -m benchmarks.bench_pipeline [--stages 4 --layers 8 --microbatches 1 2 4 8 16]
 
 Each fake device should run on one core of its own, or an idle stage's core is used by another
 stage's intra-op threads and the bubble does not show as time; on a 2-core host:
 
     XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false" \
-        python -m experiments.bench_pipeline --stages 2
+        python -m benchmarks.bench_pipeline --stages 2
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ an fsdp=8 mesh. Each load runs in its own
 subprocess; each also checks every parameter's sharding against the rules table and compares the
 logits with the unsharded load.
 
-    python -m experiments.bench_load [--workdir /tmp/dsv3_load] [--size-gb 1] [--fp8] [--keep]
+    python -m benchmarks.bench_load [--workdir /tmp/dsv3_load] [--size-gb 1] [--fp8] [--keep]
 
 Pass criteria (issue 12): each process of the two-process load peaks below 0.6 x the unsharded
 load (peak RSS against peak RSS); the 8-device load below 1.3 x the model's bytes, where:
@@ -23,7 +23,7 @@ The fourth load, one process onto 8 devices on an fsdp=8 mesh (nothing replicate
 the plain criterion: raw peak RSS, runtime included, below 1.3 x the model's bytes (1.267 x for
 the bf16 1 GB folder).
 
-    python -m experiments.bench_load worker HF_DIR OUT MODE [PORT PROCESS_ID]
+    python -m benchmarks.bench_load worker HF_DIR OUT MODE [PORT PROCESS_ID]
 
 runs one load (MODE: unsharded, one8, one8_fsdp or two) and writes OUT.<process>.json (+ .npy logits).
 """
@@ -118,7 +118,7 @@ def _free_port() -> int:
 def run_load(hf_dir: str, out: str, mode: str, env: dict | None = None, timeout: float = 1800,
              dtype: str | None = None) -> list[dict]:
     """Runs one load (two processes for mode "two") and returns each process's report."""
-    base = [sys.executable, "-m", "experiments.bench_load", "worker", hf_dir, out, mode]
+    base = [sys.executable, "-m", "benchmarks.bench_load", "worker", hf_dir, out, mode]
     extra = ["--dtype", dtype] if dtype else []
     if mode == "two":
         port = str(_free_port())
@@ -151,7 +151,7 @@ def main() -> None:
         return
     import numpy as np
 
-    from experiments.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
+    from benchmarks.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="/tmp/dsv3_load")

@@ -1,6 +1,6 @@
 """The bench's train step compiled under several XLA:CPU option sets, timed side by side in one process.
 
-    python -m experiments.xla_flag_compare --variant=bench --rounds=8 --sets=none,dot,idot,greedy
+    python -m benchmarks.xla_flag_compare --variant=bench --rounds=8 --sets=none,dot,idot,greedy
 
 Separate processes per flag set (XLA_FLAGS) compare runs under different machine load; here one
 lowering is compiled once per option set (`Lowered.compile(compiler_options)`, the same DebugOptions
@@ -39,7 +39,7 @@ def compare(variant: str, rounds: int, set_names: list[str], batch: int = 8, seq
     """{set name: (wall seconds per round, CPU seconds per round, first loss)}."""
     import jax
 
-    from experiments import bench_workers
+    from benchmarks import bench_workers
 
     unknown = [name for name in set_names if name not in OPTION_SETS]
     if unknown:

@@ -3,13 +3,13 @@
 Same tokens, same top-k, same expert size; only the number of experts changes. Each impl is timed
 side by side in one run (the machine is shared and noisy), median of several repeats:
 
-    python -m experiments.bench_moe_dispatch [--tokens 4096 --top_k 2 --dim 256 --hidden 128]
+    python -m benchmarks.bench_moe_dispatch [--tokens 4096 --top_k 2 --dim 256 --hidden 128]
 
 With --grad the forward and backward (of sum(y^2)) are timed, as a train step runs them; with
 --headroom H1 H2 ... the `capacity` path is timed at each C / mean rows per expert
 (dsv3_jax/ops/capacity.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
 
-    python -m experiments.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32 64 \
+    python -m benchmarks.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32 64 \
         --impls capacity tiled --grad --headroom 1.0 1.25
 """
 

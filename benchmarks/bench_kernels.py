@@ -1,6 +1,6 @@
 """Benchmarks every pallas_kernels kernel against its jnp reference on the default device.
 
-  python -m experiments.bench_kernels [--iters 3] [--decode_len 1024] [--prefill_len 256] ...
+  python -m benchmarks.bench_kernels [--iters 3] [--decode_len 1024] [--prefill_len 256] ...
 
 Prints per kernel: its largest difference from the reference relative to the reference's largest
 value (`err`), kernel and reference time (same run), achieved GB/s and TFLOP/s, and the

@@ -1,9 +1,9 @@
 """Top operations of the bench's train step (or one decode step) by time, from a jax.profiler trace.
 
-    python -m experiments.profile_step [--what=train|decode|prefill] [--variant=issue27] [--steps=3] [--top=25]
+    python -m benchmarks.profile_step [--what=train|decode|prefill] [--variant=issue27] [--steps=3] [--top=25]
 
-Traces a few steps of experiments.bench's issue config or one of its sweep's --variant configs
-(experiments/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill, reads the XLA:CPU op
+Traces a few steps of benchmarks.bench's issue config or one of its sweep's --variant configs
+(benchmarks/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill, reads the XLA:CPU op
 events of the perfetto trace, names each fused op by the jax operation it came from (the HLO
 metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op;
 then each part's share of the step (`GROUPS`: routed experts, head, attention, optimizer, ...).
@@ -107,7 +107,7 @@ def workload(what: str, variant: str = "issue"):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--what", default="train", choices=["train", "decode", "prefill"])
-    p.add_argument("--variant", default="issue", help="a config of experiments/bench_workers.py VARIANTS")
+    p.add_argument("--variant", default="issue", help="a config of benchmarks/bench_workers.py VARIANTS")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Quantized loading: parameter bytes and peak RSS of `load_pretrained(weights=...)` on a synthetic
 FP8 HF folder (the released format), each load in its own process, side by side with the bf16 load.
 
-    python -m experiments.bench_quant_load [--workdir /tmp/dsv3_qload] [--size-gb 0.5] [--keep]
+    python -m benchmarks.bench_quant_load [--workdir /tmp/dsv3_qload] [--size-gb 0.5] [--keep]
 
 Prints, per format (bf16, fp8, int8 experts, int4 experts, int4 all; int groups of 64 rows): the bytes of the arrays the
 model holds, the load's peak RSS less the RSS before it (the devices are host memory on CPU, so
@@ -9,7 +9,7 @@ this is what the model holds plus staging), and both as ratios to the bf16 load.
 a bf16 copy of a quantized weight would show it as peak above held bytes by a leaf's bf16 size;
 `fp8` reads the stored e4m3 windows and their scales and dequantises nothing.
 
-    python -m experiments.bench_quant_load worker HF_DIR OUT WEIGHTS QUANTIZE
+    python -m benchmarks.bench_quant_load worker HF_DIR OUT WEIGHTS QUANTIZE
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 
-from experiments.bench_load import _rss  # VmHWM / VmRSS of this process, bytes
+from benchmarks.bench_load import _rss  # VmHWM / VmRSS of this process, bytes
 
 LOADS = [("bf16", "none", "none"), ("fp8", "fp8", "all"), ("int8 experts", "int8", "experts"),
          ("int4 experts", "int4", "experts"), ("int4 all", "int4", "all")]
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--size-gb", type=float, default=0.5, help="GB of tensors in the synthetic folder (bf16)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic folder")
     args = p.parse_args()
-    from experiments.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
+    from benchmarks.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
 
     folder = os.path.join(args.workdir, "fp8")
     if not os.path.exists(os.path.join(folder, "config.json")):
@@ -61,7 +61,7 @@ def main() -> None:
     rows = {}
     for name, weights, quantize in LOADS:
         out = os.path.join(args.workdir, f"{weights}_{quantize}.json")
-        subprocess.run([sys.executable, "-m", "experiments.bench_quant_load", "worker", folder, out, weights, quantize],
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_quant_load", "worker", folder, out, weights, quantize],
                        check=True)
         with open(out) as f:
             rows[name] = json.load(f)

@@ -1,6 +1,6 @@
 """Auxiliary-loss-free balancing on vs off: same model, data and seed, gamma vs 0.
 
-    python -m experiments.balance_experiment [--config=experiments/configs/tiny.py] \
+    python -m research.balance_experiment [--config=experiments/configs/tiny.py] \
         [--workdir=runs/balance] [--steps=300] [--gamma=0.001]
 
 Trains twice and prints (and writes to WORKDIR/results.json) the mean MaxVio (max expert load / mean load - 1, per batch, averaged
@@ -16,11 +16,15 @@ import os
 
 import numpy as np
 from absl import app, flags
+from ml_collections import config_flags
 
-from experiments import train as train_lib
+from dsv3_jax.train import loop
 
-# --config, --workdir and --steps are the flags experiments.train defines (one flag set per process).
-_DEFAULT_WORKDIR = "runs/balance"
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "configs", "tiny.py"),
+    "Training config file; override fields with --config.a.b=v.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/balance", "Folder of the two runs and results.json.")
+_STEPS = flags.DEFINE_integer("steps", None, "Train steps of each run; default: config.train.steps.")
 _GAMMA = flags.DEFINE_float("gamma", 1e-3, "Bias update speed of the balanced run.")
 
 
@@ -40,7 +44,7 @@ def run(config, workdir: str, gamma: float) -> dict[float, dict]:
             c.train.workdir = os.path.join(workdir, f"gamma_{g:g}")
             c.train.log_every = 1  # MaxVio of every step
             c.train.checkpoint_every = c.train.steps  # a single checkpoint at the end
-        records = train_lib.train(c)
+        records = loop.train(c)
         results[g] = {"maxvio": tail_maxvio(records), "lm_loss": float(np.mean([r["lm_loss"] for r in records[-5:]]))}
         if "mtp_maxvio" in records[-1]:
             results[g]["mtp_maxvio"] = tail_maxvio(records, "mtp_maxvio")
@@ -49,12 +53,11 @@ def run(config, workdir: str, gamma: float) -> dict[float, dict]:
 
 def main(argv):
     del argv
-    config = train_lib._CONFIG.value
-    if train_lib._STEPS.value is not None:
+    config, workdir = _CONFIG.value, _WORKDIR.value
+    if _STEPS.value is not None:
         with config.unlocked():
-            config.train.steps = train_lib._STEPS.value
-    workdir = train_lib._WORKDIR.value or _DEFAULT_WORKDIR
-    train_lib._quiet_library_logs()
+            config.train.steps = _STEPS.value
+    loop.quiet_checkpoint_logs()
     results = run(config, workdir, _GAMMA.value)
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({f"{g:g}": r for g, r in results.items()}, f, indent=2)

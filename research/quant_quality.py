@@ -1,7 +1,7 @@
 """Quality of quantized weights and latent caches against the unquantized model (docs/quantization.md).
 
-    python -m experiments.quant_quality --workdir=runs/quant_quality --train_steps=400   # train, then measure
-    python -m experiments.quant_quality --checkpoint=runs/tiny                           # an existing run
+    python -m research.quant_quality --workdir=runs/quant_quality --train_steps=400   # train, then measure
+    python -m research.quant_quality --checkpoint=runs/tiny                           # an existing run
 
 With --train_steps the run is trained (or resumed, or found finished) by `python -m experiments.train`
 (its default tiny preset unless --train_config; more overrides through --train_flag), evaluating
@@ -44,6 +44,7 @@ from dsv3_jax import CheckpointError, load_pretrained
 from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.inference import Generation, bucket_slots, init_cache, model_step
 from dsv3_jax.model.quant import parameter_bytes
+from dsv3_jax.train.loop import make_data
 from dsv3_jax.train.metrics import format_duration, read_metrics
 
 # name -> (load_pretrained's weights, quantize); "unquantized" is every arm's reference.
@@ -123,8 +124,6 @@ def flatness(curve: list[tuple[int, float]], k: int) -> float:
 
 def heldout_batches(run_dir: str, vocab_size: int, max_batches: int) -> list[dict]:
     """The run's held-out batches ({tokens, segment_ids, positions} [B, T + 1]), as its evals read them."""
-    from experiments.train import make_data
-
     with open(os.path.join(run_dir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
     _, eval_ds = make_data(config, vocab_size)

@@ -2,7 +2,7 @@
 one shard per layer plus an index, MTP layer(s) with their embedding/head copies, optionally the
 released FP8 format (e4m3 projections + 128x128 `weight_scale_inv`). Memory stays at one layer.
 
-    python -m experiments.make_synthetic_checkpoint --out /tmp/syn1g --size-gb 1 [--fp8] [--dtype float32]
+    python -m benchmarks.make_synthetic_checkpoint --out /tmp/syn1g --size-gb 1 [--fp8] [--dtype float32]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What varied prompt lengths cost `generate()` in compiles: 24 prompts of varied lengths against 24
 of one length (their mean), each set in a fresh process, so every compile it meets is paid.
 
-    python -m experiments.bench_prefill_shapes [--prompts=24] [--max_tokens=16] [--longest=900]
+    python -m benchmarks.bench_prefill_shapes [--prompts=24] [--max_tokens=16] [--longest=900]
 
 The model is a small random one (3 layers, hidden 256, 16 experts, fp32, 2048 ids, the
 bench_serve model). Varied lengths are spread evenly over 8 .. --longest; both sets hold the same
@@ -33,7 +33,7 @@ def worker(kind: str, prompts: int, max_tokens: int, longest: int) -> dict:
 
     from dsv3_jax import DeepSeekV3
     from dsv3_jax.inference import Generation
-    from experiments.make_synthetic_checkpoint import bench_config
+    from benchmarks.make_synthetic_checkpoint import bench_config
 
     cfg = bench_config(3, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                        num_routed_experts=16, num_expert_groups=4, num_mtp_layers=0, param_dtype="float32",
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     results = {}
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # every compile paid
     for kind in ("same", "varied"):
-        cmd = [sys.executable, "-m", "experiments.bench_prefill_shapes", f"--worker={kind}",
+        cmd = [sys.executable, "-m", "benchmarks.bench_prefill_shapes", f"--worker={kind}",
                f"--prompts={args.prompts}", f"--max_tokens={args.max_tokens}", f"--longest={args.longest}"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
         results[kind] = json.loads(out.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Prefill peak memory against prompt length: chunked prefill into the latent cache.
 
-    python -m experiments.bench_long_prompt [--lengths=4096,8192,16384,32768] [--chunk=2048] [--layers=3]
+    python -m benchmarks.bench_long_prompt [--lengths=4096,8192,16384,32768] [--chunk=2048] [--layers=3]
 
 Each length runs in a fresh process (so peaks do not carry over): a tiny model, one prompt of that
 length, chunked prefill and one generated token. Prints the process's peak RSS, its growth over the
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
           f"{'growth ratio':>12} {'s/token':>9}")
     prev = None
     for length in args.lengths:
-        cmd = [sys.executable, "-m", "experiments.bench_long_prompt", f"--worker={length}", f"--chunk={args.chunk}",
+        cmd = [sys.executable, "-m", "benchmarks.bench_long_prompt", f"--worker={length}", f"--chunk={args.chunk}",
                f"--layers={args.layers}"]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         r = json.loads(res.stdout.strip().splitlines()[-1])

@@ -1,8 +1,8 @@
 """Decode-step time against cache length (absorbed MLA over the latent cache).
 
-    python -m experiments.bench_decode [--lengths=512,2048,8192,32768] [--batch=8] \
+    python -m benchmarks.bench_decode [--lengths=512,2048,8192,32768] [--batch=8] \
         [--cache_dtype=bfloat16] [--attention_impl=xla] [--num_heads=16] [--kv_lora_rank=512]
-    python -m experiments.bench_decode --compare --lengths=2048 --batch=2   # fp8 vs bf16 cache, XLA and Pallas
+    python -m benchmarks.bench_decode --compare --lengths=2048 --batch=2   # fp8 vs bf16 cache, XLA and Pallas
 
 Builds a randomly initialised model (MLA at the 671B latent sizes, small everywhere else, so that
 the step is dominated by attention over the cache), fills a cache of each length and times one

@@ -1,8 +1,8 @@
 """Serving throughput and time-to-first-token at concurrency 1, 4 and 16, against sequential generate().
 
-    python -m experiments.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
+    python -m benchmarks.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
         [--concurrency=1,4,16]
-    python -m experiments.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
+    python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
 
 Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
 the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def make_model(folder: str) -> str:
     from dsv3_jax.convert import main as convert
-    from experiments.make_synthetic_checkpoint import bench_config, make_checkpoint
+    from benchmarks.make_synthetic_checkpoint import bench_config, make_checkpoint
 
     cfg = bench_config(3, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                        num_routed_experts=16, num_expert_groups=4, num_mtp_layers=0, param_dtype="float32",

@@ -1,6 +1,6 @@
-"""The workers of `experiments.bench`: each measure's workload in dsv3-jax and in HF transformers.
+"""The workers of `benchmarks.bench`: each measure's workload in dsv3-jax and in HF transformers.
 
-Run one at a time in fresh processes by the driver (experiments/bench.py), which loads this file by
+Run one at a time in fresh processes by the driver (benchmarks/bench.py), which loads this file by
 path, so that a --baseline tree's dsv3_jax is measured with today's workloads. Config of both
 frameworks (the issue-11 config) in ISSUE_CONFIG; `small` from experiments/configs/small.py.
 """
@@ -21,7 +21,7 @@ ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe
                     compute_dtype="float32", initializer_range=0.02)
 
 
-# The sweep's grid (`python -m experiments.bench --only=sweep`): each variant is ISSUE_CONFIG with
+# The sweep's grid (`python -m benchmarks.bench --only=sweep`): each variant is ISSUE_CONFIG with
 # these fields changed, so that no single tuned shape carries the figures. "issue27" is the variant
 # of issue 27; "tiny" is for the bench's CLI test only.
 VARIANTS = {
@@ -88,6 +88,12 @@ def jax_train_parts(name, experts, batch, seq, donate: bool = True):
     from experiments.configs.base import base_config
 
     cfg = model_config(name, experts)
+    try:  # the CPU tuning the trainer applies (a --baseline tree from before dsv3_jax/host.py did it in the model)
+        from dsv3_jax import host
+
+        cfg = host.tune_model(cfg)
+    except ImportError:
+        pass
     model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
     opt = base_config().optimizer
     _, params, _ = state_lib.split_model(model)
@@ -261,9 +267,12 @@ def hf_prefill(name, prompt, batch, repeats: int = 2):
 
 
 def jax_trainer(steps):
-    """experiments.train end to end on the issue config and the bundled corpus: mean step time of
+    """The training loop (dsv3_jax/train/loop.py) end to end on the issue config and the bundled corpus: mean step time of
     each logging window of `steps` steps after the first (which compiles)."""
-    from experiments import train
+    try:
+        from dsv3_jax.train.loop import train
+    except ImportError:  # a --baseline tree from before the loop moved into the library
+        from experiments.train import train
     from experiments.configs import tiny
 
     config = tiny.get_config()
@@ -273,7 +282,7 @@ def jax_trainer(steps):
         config.data.seq_len, config.data.batch_size = 256, 8
         config.train.update(steps=3 * steps, log_every=steps, eval_every=0, checkpoint_every=10**9, compilation_cache="",
                             workdir=tempfile.mkdtemp(prefix="bench_trainer_"))
-    records = train.train(config)
+    records = train(config)
     return {"step_s": [8 * 256 / r["tokens_per_sec"] for r in records[1:]]}
 
 

@@ -4,7 +4,7 @@ and experts: 1 dense + 1 MoE layer with --experts routed experts (16: about 5.2 
 random and written in row blocks, so memory stays at one block (tens of MB) although the embedding
 and head are 1.85 GB each.
 
-    python -m experiments.make_released_shapes --out /tmp/released [--experts 16]
+    python -m benchmarks.make_released_shapes --out /tmp/released [--experts 16]
 
 Used to check that the converter's memory bound holds at the real shapes:
     /usr/bin/time -v python -m dsv3_jax.convert --hf-dir /tmp/released --out /tmp/ckpt [--dtype float32]

@@ -1,7 +1,7 @@
 """Converter benchmark: peak RSS and MB/s of `python -m dsv3_jax.convert` on synthetic checkpoints
 of about 1 GB and 4 GB (same widths, more layers), each conversion in its own subprocess.
 
-    python -m experiments.bench_convert [--workdir /tmp/dsv3_bench] [--sizes 1 4] [--fp8] [--to-hf]
+    python -m benchmarks.bench_convert [--workdir /tmp/dsv3_bench] [--sizes 1 4] [--fp8] [--to-hf]
 
 Pass criteria (issue 3): peak RSS of the largest within 25% of the smallest, and under 2 GB.
 """
@@ -48,7 +48,7 @@ def main() -> None:
         tag = f"{size:g}gb{'_fp8' if args.fp8 else ''}"
         hf, ckpt, back = (os.path.join(args.workdir, f"{tag}_{k}") for k in ("hf", "orbax", "hf_back"))
         if not os.path.exists(os.path.join(hf, "config.json")):
-            subprocess.run([sys.executable, "-m", "experiments.make_synthetic_checkpoint", "--out", hf,
+            subprocess.run([sys.executable, "-m", "benchmarks.make_synthetic_checkpoint", "--out", hf,
                             "--size-gb", str(size), *(["--fp8"] if args.fp8 else [])], check=True)
         with open(os.path.join(hf, "config.json")) as f:
             hf_cfg = json.load(f)

@@ -1,0 +1,374 @@
+"""The training loop: (re)starts a run from its config, steps, evaluates, logs and checkpoints.
+
+`train(config)` takes the ml_collections config of experiments/configs/ (experiments/train.py is
+its command line): it resumes from the run folder's latest checkpoint (parameters, optimizer,
+router biases, step, RNG and data position) or starts from config.train.init_from's weights or a
+fresh init; writes WORKDIR/metrics.jsonl, tensorboard/, config.json and model_config.json (process
+0) and Orbax checkpoints in WORKDIR/checkpoints (every process its shards). Non-finite steps are
+skipped by the step itself; the loop stops after train.max_consecutive_skips of them in a row, never
+saves a checkpoint while skipping, and stops at once when the first step after a restore is
+non-finite (the restored checkpoint is suspect). SIGTERM makes every process save at one agreed
+step and return.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from sharding import multihost
+from dsv3_jax import DeepSeekV3, ModelConfig, host, load_pretrained, paths
+from dsv3_jax.data import DataConfig, load_tokenizer, make_dataset, make_train_and_eval
+from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
+from dsv3_jax.train import finetune, run_config, sharded, state as state_lib, step as step_lib
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite steps in a row)."""
+
+
+def quiet_checkpoint_logs():
+    """Orbax logs a dozen INFO lines per checkpoint through absl; keep its warnings only."""
+    class _DropOrbaxInfo(std_logging.Filter):
+        def filter(self, record):
+            return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+
+    logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+def enable_compilation_cache(path: str):
+    """Persistent XLA cache: a restarted run (resume, a repeated test) skips the minutes of compiling."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def model_config(config) -> ModelConfig:
+    return ModelConfig.from_dict(config.model.to_dict())
+
+
+def resolve_model(config, workdir: str, resume: bool) -> tuple[ModelConfig, DeepSeekV3 | None]:
+    """(the model config that runs, the --init_from weights or None); see dsv3_jax/train/run_config.py.
+
+    A resume keeps the run's architecture (model_config.json; another one asked for is a ModelChanged)
+    and applies config.model's run fields, logging each change. --init_from loads the checkpoint's
+    architecture with config.model's run fields."""
+    requested = host.tune_model(model_config(config))
+    if resume:
+        record = ModelConfig.from_dict(json.loads(paths.at(paths.join(workdir, "model_config.json")).read_text()))
+        cfg = run_config.for_resume(record, requested, from_checkpoint=bool(config.train.init_from))
+        for line in run_config.log_lines(record, cfg, "the run's model_config.json"):
+            logging.warning("resume with a changed run field: %s", line)
+        return cfg, None
+    if config.train.init_from:
+        model = build_model(config, requested)
+        for name, asked, used in run_config.differences(requested, model.config, run_config.MODEL_FIELDS):
+            logging.info("config.model.%s=%r ignored: %s has %s=%r", name, asked, config.train.init_from, name, used)
+        return model.config, model
+    return requested, None
+
+
+def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
+    """The weights of config.train.init_from, each parameter loaded shard by shard where it will live,
+    under the checkpoint's architecture and `cfg`'s run fields (dtypes, kernels, exchange, ...)."""
+    init_from = finetune.base_of(config.train.init_from)  # a PEFT folder: its base (adapters: finetune.adapt)
+    logging.info("initialising from %s: its architecture replaces config.model; the run fields (%s) come "
+                 "from config.model", init_from, ", ".join(run_config.RUN_FIELDS))
+    run = run_config.run_fields(cfg)
+    # On a mesh each process reads only the shards its devices hold, placed as training places them.
+    mesh = sharded.config_mesh(config)
+    return load_pretrained(init_from, dtype=run.pop("param_dtype"), mesh=mesh if mesh.size > 1 else None,
+                           rules=config.mesh.get("rules", "default"), **finetune.base_load_kwargs(config, mesh.size),
+                           **run)
+
+
+def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkpointing.Checkpointer | None,
+                train_iter):
+    """(graphdef, optimizer, train state, MeshTraining or None, trainable mask or None): the state built
+    abstractly, its shardings from the rules (one device without a mesh), then made shard by shard:
+    restored from `ckpt` (a resume; `train_iter` moved to the saved position), from `model`'s weights
+    (--init_from, loaded per shard) or a fresh init under jit. No path holds a whole sharded leaf on
+    one device or host. With `config.lora` the model carries adapters and only they train."""
+    tc = config.train
+
+    def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
+        fresh = finetune.quantize_base(config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))  # QLoRA: as loaded
+        finetune.adapt(config, fresh, read_peft=False)
+        return fresh
+
+    abstract_model = nnx.eval_shape(make_model)
+    trainable = finetune.adapt(config, nnx.eval_shape(lambda: finetune.quantize_base(
+        config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))), read_peft=False)  # the mask only: same adapters, same tree
+    _, params, _ = state_lib.split_model(abstract_model)
+    decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
+    tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
+    graphdef, abstract = state_lib.abstract_train_state(abstract_model, tx, tc.seed, trainable)
+    on_mesh = sharded.for_config(config, abstract_model, abstract)
+    if on_mesh is not None:
+        logging.info("mesh %s, rules %r", dict(on_mesh.mesh.shape), config.mesh.rules)
+    shardings = on_mesh.shardings if on_mesh is not None else state_lib.on_one_device(abstract)
+    if ckpt is not None:
+        state = ckpt.restore(checkpointing.abstract_like(abstract, shardings), train_iter)
+        logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
+    elif model is not None:
+        finetune.adapt(config, model)  # LoRA: adapters on the loaded weights (a PEFT --init_from: read)
+        state = state_lib.train_state_from(model, tx, tc.seed, shardings, donate=True, trainable=trainable)
+    else:
+        state = state_lib.fresh_train_state(make_model, tx, tc.seed, shardings, trainable,
+                                            compiler_options=host.init_compiler_options())
+    return graphdef, tx, state, on_mesh, trainable
+
+
+def make_data(config, vocab_size: int):
+    """(train iterator, eval dataset, tokenizer); the pipeline checks every token id against the vocab."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size} ids, {config.data.tokenizer or 'bundled tokenizer'})")
+    data_config = DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
+                             data=config.data.path, tokenizer=config.data.tokenizer,
+                             text_field=config.data.text_field, add_bos=config.data.add_bos,
+                             eval_fraction=config.data.eval_fraction, seed=config.data.seed,
+                             num_workers=config.data.num_workers, format=config.data.format,
+                             chat_template=config.data.chat_template)
+    train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
+    return iter(train_ds), eval_ds
+
+
+def make_pretrain_eval(config):
+    """The held-out split of the pretraining corpus (data.pretrain_path, as text), or None when
+    data.pretrain_eval is off: the same hash split a pretraining run on it holds out."""
+    if not config.data.pretrain_eval:
+        return None
+    return make_dataset(DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
+                                   data=config.data.pretrain_path, tokenizer=config.data.tokenizer,
+                                   add_bos=config.data.add_bos, eval_fraction=config.data.pretrain_eval_fraction),
+                        "eval")
+
+
+def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
+    """Mean next-token loss over the held-out split (at most max_batches batches)."""
+    total, count = 0.0, 0.0
+    for i, batch in enumerate(eval_ds):
+        if i >= max_batches:
+            break
+        nll, n = eval_step(state, batch)
+        total, count = total + float(nll), count + float(n)
+    return total / max(count, 1.0)
+
+
+def _evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, max_batches: int) -> dict:
+    """Step 0's record: both held-out losses of the model a fine-tuning run starts from."""
+    record = {"step": 0, "eval_loss": evaluate(eval_step, state, eval_ds, max_batches),
+              "pretrain_eval_loss": evaluate(eval_step, state, pretrain_eval_ds, max_batches)}
+    logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", record["eval_loss"],
+                 record["pretrain_eval_loss"])
+    return record
+
+
+def load_record(counts_LxE) -> dict:
+    """MaxVio per layer and the per-expert load shares (for the heatmap) of one step's counts."""
+    counts = np.asarray(counts_LxE, np.float64)
+    share = counts / np.maximum(counts.sum(axis=-1, keepdims=True), 1.0)
+    return {"maxvio": np.asarray(balancing.max_violation(counts)).tolist(), "expert_load": share.round(5).tolist()}
+
+
+def train(config) -> list[dict]:
+    """Runs (or resumes) the training described by `config`; returns the records it logged."""
+    tc = config.train
+    enable_compilation_cache(tc.compilation_cache)
+    workdir = paths.resolve(tc.workdir)  # a local folder or a URL (gs://bucket/run): dsv3_jax/paths.py
+    paths.makedirs(workdir)
+    lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
+    ckpt = checkpointing.Checkpointer(paths.join(workdir, "checkpoints"), every=tc.checkpoint_every,
+                                      keep=tc.keep_checkpoints)
+    resume = ckpt.latest_step() is not None
+    cfg, model = resolve_model(config, workdir, resume)
+    if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
+        record = json.loads(config.to_json_best_effort())
+        record["model"] = cfg.to_dict()
+        _write_json(paths.join(workdir, "config.json"), record)
+        _write_json(paths.join(workdir, "model_config.json"), cfg.to_dict())
+    train_iter, eval_ds = make_data(config, cfg.vocab_size)
+    pretrain_eval_ds = make_pretrain_eval(config)
+    schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
+    graphdef, tx, state, on_mesh, trainable = start_state(config, cfg, model, ckpt if resume else None, train_iter)
+    del model  # its weights now live in the state (donated)
+    start = int(state.step)
+
+    # The state is donated on every platform: this loop reads nothing from a state once the next step
+    # has it (on CPU saves are synchronous: an async save's host views would keep the buffers alive).
+    step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
+                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True)
+    first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
+    if on_mesh is None:
+        train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
+    else:
+        mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
+                                                    on_mesh.rules, **step_kwargs)
+
+        def train_step(state, batch):
+            return mesh_step(state, on_mesh.place_batch(batch))
+
+        if jax.process_count() > 1 and host.on_cpu() and start < tc.steps:
+            # XLA:CPU's collectives (gloo) give a process 30 s to join the first one, and processes
+            # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
+            first_batch = next(train_iter)
+            mesh_step.compile(state, on_mesh.place_batch(first_batch))
+            host.trim_heap()  # the compiler's freed heap, before the step's buffers
+            multihost.barrier("train_step_compiled")
+    eval_step = step_lib.make_eval_step(graphdef)
+    if on_mesh is not None:
+        host_eval_step = eval_step
+
+        def eval_step(state, batch):
+            return host_eval_step(state, on_mesh.place_batch(batch))
+    tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
+    flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
+    peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
+    peak *= jax.device_count()
+    counts = cfg.param_counts()
+    logging.info("model: %.2fM parameters (%.2fM activated, MTP %.2fM); %d tokens/step; peak %.3g FLOP/s (%s)",
+                 counts["total"] / 1e6, counts["activated"] / 1e6, counts["mtp"] / 1e6, tokens_per_step,
+                 peak, peak_source)
+
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start) if lead else _NoWriter()
+    progress = metrics_lib.Progress(start, tc.steps)
+    records, window_start = [], start
+    try:
+        if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
+            records.append(_evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches))
+            writer.write(records[-1])
+        t_window = time.perf_counter()
+        with checkpointing.Preemption() as preemption:
+            previous = None  # the step before's skip count and scalars, checked once this step is queued
+            for step in range(start + 1, tc.steps + 1):
+                batch, first_batch = (next(train_iter) if first_batch is None else first_batch), None
+                state, m = train_step(state, batch)
+                if resume and step == start + 1:
+                    _check_restored(start, m)
+                if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
+                    _check_skips(*previous, tc.max_consecutive_skips)
+                # From the metrics, not the state: the next step donates the state's buffers.
+                previous = (step, m["consecutive_skips"], m["loss"], m["grad_norm"])
+                if step % tc.log_every == 0 or step == tc.steps:
+                    record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
+                    if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
+                        record["eval_loss"] = evaluate(eval_step, state, eval_ds, tc.eval_batches)
+                        if pretrain_eval_ds is not None:
+                            record["pretrain_eval_loss"] = evaluate(eval_step, state, pretrain_eval_ds,
+                                                                    tc.eval_batches)
+                    steps_per_sec, eta = progress.tick(step)
+                    _console(record, tc.steps, steps_per_sec, eta)
+                    writer.write(record)
+                    records.append(record)
+                    window_start, t_window = step, time.perf_counter()
+                stop = preemption.reached(step)  # the same step on every process
+                saved = _save(ckpt, step, state, train_iter, m, force=step == tc.steps or stop)
+                if stop:
+                    logging.warning("SIGTERM: %s at step %d; exiting", "saved a checkpoint" if saved else
+                                    "no checkpoint (a non-finite step)", step)
+                    break
+            if previous is not None:
+                _check_skips(*previous, tc.max_consecutive_skips)
+    finally:
+        ckpt.close()
+        writer.close()
+    return records
+
+
+def _write_json(path: str, obj) -> None:
+    """Replaces `path` in one step: the other processes of a resumed run read model_config.json while
+    process 0 rewrites it, and must see the old file or the new one, never a truncated one (an
+    object store's writes are whole objects already)."""
+    text = json.dumps(obj, indent=2)
+    if paths.is_url(path):
+        paths.write_text(path, text)
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _save(ckpt: checkpointing.Checkpointer, step: int, state, train_iter, m, *, force: bool) -> bool:
+    """Saves `step` when due, unless it was skipped as non-finite: a checkpoint of a run that is
+    diverging would take the place of an intact one in the rotation. Returns whether it saved."""
+    if step % ckpt.every and not force:
+        return False
+    if int(m["consecutive_skips"]):  # the same value on every process (a global loss)
+        logging.warning("step %d skipped a non-finite step (%d in a row): no checkpoint saved",
+                        step, int(m["consecutive_skips"]))
+        return False
+    saved = ckpt.save(step, state, train_iter, force=True)
+    host.trim_heap()  # the save's host copies, before the next step's buffers
+    return saved
+
+
+def _check_restored(restored_step: int, m) -> None:
+    """The first step after a restore must be finite: a non-finite one there means the restored
+    weights are (the data and learning rate were fine when that checkpoint's run went on)."""
+    if int(m["consecutive_skips"]):
+        raise TrainingError(
+            f"step {restored_step + 1}, the first after restoring the checkpoint of step {restored_step}, had a "
+            f"non-finite loss or gradient (loss {float(m['loss'])}, grad norm {float(m['grad_norm'])}): the "
+            f"checkpoint of step {restored_step} is suspect; stopping without saving.")
+
+
+def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):
+    consecutive = int(consecutive_skips)
+    if consecutive >= limit:
+        raise TrainingError(
+            f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
+            f"(last loss {float(loss)}, grad norm {float(grad_norm)}); stopping. Lower "
+            f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips={limit}.")
+
+
+class _NoWriter:
+    """Processes other than 0 log to the console only."""
+
+    def write(self, record):
+        pass
+
+    def close(self):
+        pass
+
+
+def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:
+    record = {"step": step}
+    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr", "dropped_fraction"):
+        record[key] = float(m[key])  # waits for this step: the window's clock stops after it, not at dispatch
+    seconds = max(time.perf_counter() - t_window, 1e-9)
+    steps = step - window_start
+    record["tokens_per_sec"] = steps * tokens_per_step / seconds
+    record["mfu"] = steps * flops_per_step / seconds / peak
+    record["skipped_steps"] = int(state.skipped)
+    if "expert_counts" in m:
+        record.update(load_record(m["expert_counts"]))
+    if "mtp_expert_counts" in m:
+        record["mtp_maxvio"] = load_record(m["mtp_expert_counts"])["maxvio"]
+    return record
+
+
+def _console(record, total_steps, steps_per_sec, eta):
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lm {record['lm_loss']:.4f}",
+             f"mtp {record['mtp_loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    if "pretrain_eval_loss" in record:
+        parts.append(f"pretrain-eval {record['pretrain_eval_loss']:.4f}")
+    if "maxvio" in record:
+        parts.append(f"maxvio {np.mean(record['maxvio']):.3f}")
+    parts += [f"gnorm {record['grad_norm']:.3f}", f"lr {record['lr']:.3g}",
+              f"{record['tokens_per_sec']:.0f} tok/s", f"mfu {100 * record['mfu']:.2f}%"]
+    if record["skipped_steps"]:
+        parts.append(f"skipped {record['skipped_steps']}")
+    if np.isfinite(eta):
+        parts.append(f"{steps_per_sec:.2f} step/s, ETA {metrics_lib.format_duration(eta)}")
+    logging.info(" | ".join(parts))
