@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="DeepSeek-V3 (MLA, DeepSeekMoE, MTP) in JAX/Flax NNX with Pallas kernels",
     python_requires=">=3.11",
-    packages=find_packages(include=["dsv3_jax*", "pallas_kernels*", "sharding*", "experiments*"]),
+    packages=find_packages(include=["dsv3_jax*", "pallas_kernels*", "sharding*", "experiments*", "benchmarks*", "research*"]),
     package_data={"dsv3_jax.data": ["assets/*"]},
     install_requires=[
         JAX,
