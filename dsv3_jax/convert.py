@@ -10,8 +10,9 @@ A LoRA run (experiments/configs/lora.py) exports merged (W + s A B) by default; 
 writes its adapters alone as a PEFT folder for transformers' DeepseekV3 (non-expert targets).
 
 Streams: resident memory is about one layer slice whatever the checkpoint size. Output goes to a
-temporary folder renamed into place only when complete. Exit code 0 on success, 2 on a checkpoint
-or config error (the message names the tensor and file), 1 on anything else.
+temporary folder renamed into place only when complete. Exit code 0 on success, 2 with one line on
+a checkpoint, config or I/O error (naming the tensor, file or path, e.g. of a full disk), 1 on
+anything else.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    from dsv3_jax import cli
     from dsv3_jax.checkpoint import CheckpointError
-    from dsv3_jax.config import ConfigError
 
     try:
         if args.to_hf:
@@ -102,9 +103,8 @@ def main(argv=None) -> int:
                                           verify=args.verify, progress=not args.no_progress,
                                           overwrite=args.overwrite, quantize=args.quantize,
                                           quant_targets=args.quant_targets, quant_group=args.quant_group)
-    except (CheckpointError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:
+        return cli.fail(e, args.out)
     logging.info("wrote %s", summary)
     return 0
 

@@ -37,7 +37,7 @@ import numpy as np
 
 import sharding
 from sharding import multihost
-from dsv3_jax import CheckpointError, ConfigError, load_pretrained
+from dsv3_jax import cli, load_pretrained
 from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
 from dsv3_jax.data import load_tokenizer
@@ -162,9 +162,8 @@ def main(argv=None) -> None:
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
                          prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules))
-    except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, OSError) as e:
+        sys.exit(cli.fail(e))
     if run:
         print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
     stream = len(args.prompt) == 1

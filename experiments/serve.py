@@ -115,14 +115,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # force: an imported library may have put a handler on the root logger already
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
-    from dsv3_jax.checkpoint import CheckpointError
-    from dsv3_jax.config import ConfigError
+    from dsv3_jax import cli
 
     try:
         app, engine = build(args)
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:  # MeshError is one
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # MeshError is one
+        return cli.fail(e)
     import uvicorn
 
     try:

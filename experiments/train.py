@@ -47,7 +47,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from sharding import multihost
-from dsv3_jax import paths
+from dsv3_jax import CheckpointError, ConfigError, cli, paths
 from dsv3_jax.data import DataError
 from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import run_config
@@ -81,9 +81,9 @@ def main(argv):
     quiet_checkpoint_logs()
     try:
         train(config)
-    except (DataError, ChatTemplateError, run_config.ModelChanged, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (CheckpointError, ConfigError, DataError, ChatTemplateError, run_config.ModelChanged, TrainingError,
+            OSError) as e:
+        sys.exit(cli.fail(e))
     print(next_steps(paths.display(paths.resolve(config.train.workdir))), flush=True)
 
 

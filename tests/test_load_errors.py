@@ -21,7 +21,7 @@ def _edit(tmp_path, change):
     shutil.copytree(SRC, folder)
     path = folder / "model.safetensors"
     src = SafetensorsFile(path)
-    tensors = {k: np.array(src.get(k)) for k in src.keys()}
+    tensors = {k: np.array(src.read(k)) for k in src.keys()}
     del src
     change(tensors)
     write_safetensors(path, tensors)

@@ -12,6 +12,8 @@
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
    `verify`, sampled blocks re-read and compared). Any error or interrupt removes the folder.
+   `--overwrite` keeps the old output as `OUT.replaced` until the new one is in place; a run
+   killed in between leaves it there, and the next run puts it back (`begin_output`).
 
 `quantize` ("fp8" | "int8" | "int4", dsv3_jax/ops/quant.py) stores the projections `quant_targets`
 names quantized, block by block as the rest: "fp8" in the `fp8` item (e4m3 + 128x128 scale_inv,
@@ -38,7 +40,7 @@ from tqdm.auto import tqdm
 
 from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
-from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf, slice_to_ours  # noqa: F401  (re-exported)
+from dsv3_jax.checkpoint.hf_names import leaf_slices
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3
@@ -261,7 +263,20 @@ def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) ->
     return len(pick)
 
 
-def _tmp_path(out: str) -> str:
+REPLACED = ".replaced"  # `commit` keeps the old output here; no cleanup of temporary folders matches it
+
+
+def begin_output(out: str, overwrite: bool) -> str:
+    """The temporary folder to build `out` in (`commit` renames it into place). First it mends what
+    a killed run left: the old output `commit` set aside comes back unless the new one replaced it,
+    and dead runs' temporary folders go. Refuses an existing `out` unless `overwrite`."""
+    if os.path.exists(out + REPLACED):
+        if os.path.exists(out):
+            shutil.rmtree(out + REPLACED)  # killed after the new output was in place
+        else:
+            os.rename(out + REPLACED, out)  # killed between commit's two renames
+    if os.path.exists(out) and not overwrite:
+        raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
     for stale in glob.glob(glob.escape(out) + ".orbax-checkpoint-tmp-*"):
         pid = stale.rsplit("-", 1)[-1]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
@@ -269,16 +284,13 @@ def _tmp_path(out: str) -> str:
     return f"{out}.orbax-checkpoint-tmp-{os.getpid()}"
 
 
-def commit(tmp: str, out: str, overwrite: bool) -> None:
+def commit(tmp: str, out: str) -> None:
+    """Renames `tmp` to `out`; an existing `out` (`begin_output` let it stand: --overwrite) stays
+    as `out + REPLACED` until then."""
     if os.path.exists(out):
-        if not overwrite:
-            raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
-        old = f"{out}.orbax-checkpoint-tmp-old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+        os.rename(out, out + REPLACED)
+    os.rename(tmp, out)
+    shutil.rmtree(out + REPLACED, ignore_errors=True)
 
 
 def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dtype=None, keep_fp8: bool = False,
@@ -286,15 +298,13 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
                         quant_targets: str | None = None, quant_group: int = 128) -> dict:
     """Writes the Orbax checkpoint of HF folder `hf_dir` at `out`. Returns a summary dict."""
     hf_dir, out = os.fspath(hf_dir), os.path.abspath(os.fspath(out))
-    if os.path.exists(out) and not overwrite:
-        raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
+    tmp = begin_output(out, overwrite)
     reader = HFReader(hf_dir)
     pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
     cfg = reader.config(param_dtype=pdtype.name, compute_dtype=pdtype.name)
     plans, exceptions = plan(reader, cfg, keep_fp8, quantize, quant_targets, quant_group)
     copies = reader.mtp_copies(cfg)
     total = sum(p.nbytes for p in plans) + 2 * sum(reader.ckpt.header(m)[2] for _, m in copies)
-    tmp = _tmp_path(out)
     try:
         params = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.PARAMS))
         fp8_item = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.FP8)) if any(p.fp8 for p in plans) else None
@@ -321,7 +331,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
             meta["quant"] = {"format": quantize, "group": quant_group if quantize != "fp8" else fp8.BLOCK,
                              "leaves": [p.key for p in plans if p.quant is not None or (quantize == "fp8" and p.fp8)]}
         orbax_layout.write_config(tmp, meta, items)
-        commit(tmp, out, overwrite)
+        commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
 from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf
 from dsv3_jax.checkpoint.hf_reader import scale_name
-from dsv3_jax.checkpoint.hf_to_orbax import _tmp_path, commit
+from dsv3_jax.checkpoint.hf_to_orbax import begin_output, commit
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter
 from dsv3_jax.config import ModelConfig
 
@@ -176,8 +176,7 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
     token ids in config.json (`hf_tokenizer.write_tokenizer_files`; `chat_template_file` overrides
     the tokenizer's chat template)."""
     out = os.path.abspath(os.fspath(out))
-    if os.path.exists(out) and not overwrite:
-        raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
+    tmp = begin_output(out, overwrite)
     cfg = ModelConfig.from_dict(meta["model"])
     want = np.dtype(jnp.dtype(dtype)) if dtype is not None else None
     src = _Source(params, fp8_reader, meta)
@@ -189,7 +188,6 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
         by_shard.setdefault(weight_map[t.name], []).append(t)
     total = sum(t.dtype.itemsize * int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
     main_dtype = want or np.dtype(jnp.dtype(source.get("dtypes", {}).get("embed", cfg.param_dtype)))
-    tmp = _tmp_path(out)
     try:
         os.makedirs(tmp)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"Orbax -> {os.path.basename(out)}",
@@ -217,7 +215,7 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
                 generation=source.get("generation_config")))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        commit(tmp, out, overwrite)
+        commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

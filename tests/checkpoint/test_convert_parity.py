@@ -49,7 +49,7 @@ def _quantise_folder(src: str, q_dir: str, deq_dir: str) -> int:
     for shard, names in ckpt.iter_shards():
         q_out, d_out = {}, {}
         for name in names:
-            w = np.asarray(ckpt.get(name))
+            w = np.asarray(ckpt.read(name))
             if fp8.quantizable(name):
                 q, s = fp8.quantize(w)
                 assert s.shape == fp8.scale_shape(w.shape)
@@ -96,7 +96,7 @@ def test_mtp_copy_mismatch_warns(hf_folders, tmp_path, caplog):
     folder = tmp_path / "hf"
     os.makedirs(folder)
     for shard, names in src.iter_shards():
-        tensors = {n: np.array(src.get(n)) for n in names}
+        tensors = {n: np.array(src.read(n)) for n in names}
         if "model.layers.3.embed_tokens.weight" in tensors:
             tensors["model.layers.3.embed_tokens.weight"][0, 0] += 1
         write_safetensors(folder / shard, tensors)

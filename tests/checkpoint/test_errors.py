@@ -30,7 +30,7 @@ def _edit(src: str, dst, edit) -> str:
     os.makedirs(dst)
     weight_map = {}
     for shard, names in ckpt.iter_shards():
-        tensors = {n: np.array(ckpt.get(n)) for n in names}
+        tensors = {n: np.array(ckpt.read(n)) for n in names}
         edit(tensors, shard)
         write_safetensors(os.path.join(dst, shard), tensors)
         weight_map.update({n: shard for n in tensors})

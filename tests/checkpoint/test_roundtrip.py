@@ -18,7 +18,7 @@ def assert_same_tensors(a_dir: str, b_dir: str) -> None:
     a, b = HFCheckpoint(a_dir), HFCheckpoint(b_dir)
     assert sorted(a.names()) == sorted(b.names())
     for name in a.names():
-        x, y = a.get(name), b.get(name)
+        x, y = a.read(name), b.read(name)
         assert (x.dtype, x.shape) == (y.dtype, y.shape), name
         assert x.tobytes() == y.tobytes(), name
 
@@ -57,12 +57,12 @@ def test_export_fp8_from_unquantised_checkpoint(hf_folders, tmp_path):
     assert convert("--hf-dir", hf_folders["fp32"], "--out", tmp_path / "ckpt") == 0
     assert convert("--to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--fp8") == 0
     q = HFCheckpoint(tmp_path / "hf")
-    assert str(q.get("model.layers.1.mlp.experts.0.up_proj.weight").dtype) == "float8_e4m3fn"
-    assert str(q.get("model.layers.1.mlp.gate.weight").dtype) == "float32"
+    assert str(q.read("model.layers.1.mlp.experts.0.up_proj.weight").dtype) == "float8_e4m3fn"
+    assert str(q.read("model.layers.1.mlp.gate.weight").dtype) == "float32"
     src = HFCheckpoint(hf_folders["fp32"])
     for name in ["model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"]:
-        w = src.get(name)
-        deq = fp8.dequantize(q.get(name), q.get(name.replace(".weight", ".weight_scale_inv")))
+        w = src.read(name)
+        deq = fp8.dequantize(q.read(name), q.read(name.replace(".weight", ".weight_scale_inv")))
         assert np.abs(deq - w).max() <= 2**-4 * np.abs(w).max()  # e4m3: 3 mantissa bits
     load_pretrained(tmp_path / "hf")  # loads as an FP8 HF folder
 

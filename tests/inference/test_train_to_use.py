@@ -97,7 +97,7 @@ def test_export_reads_slices_and_equals_a_whole_model_export(run_dir, tmp_path, 
     a, b = HFCheckpoint(str(tmp_path / "ref")), HFCheckpoint(str(tmp_path / "hf"))
     assert sorted(a.names()) == sorted(b.names()) and len(a.names()) > 20
     for name in a.names():
-        x, y = a.get(name), b.get(name)
+        x, y = a.read(name), b.read(name)
         assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), name
     slice_bytes = {}
     for leaf in hf_names.leaves(model.config):
