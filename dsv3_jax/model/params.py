@@ -106,7 +106,3 @@ def stack_specs(state) -> list | None:
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return [sharding.logical_to_spec(logical_axes(v), v.shape, mesh, rules)
             for v in jax.tree.leaves(state, is_leaf=is_var)]
-
-
-def dtype_of(name: str):
-    return jnp.dtype(name)

@@ -49,9 +49,10 @@ def _dropped_fraction(*stats) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
                     mtp_weight: float, balance_weight: float, bias_update_speed: float,
-                    jit_kwargs: dict | None = None, donate: bool | None = None, trainable: dict | None = None):
-    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated off CPU
-    (`donate` None), or as `donate` says (a plan of a TPU step compiled on a CPU host).
+                    jit_kwargs: dict | None = None, donate: bool = False, trainable: dict | None = None):
+    """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated with
+    `donate` (the trainer's choice: it halves the state's memory, and the caller must then read
+    nothing from a state once the next step has it, e.g. no async save's host views).
 
     batch: int32 `tokens`, `segment_ids`, `positions` [B, T + 1]. metrics: scalar `loss`,
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
@@ -103,9 +104,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             metrics["mtp_expert_counts"] = mtp_counts
         return new_state, metrics
 
-    # Donating the state halves its memory on accelerators. Not on CPU: there numpy views of the
-    # arrays (an async Orbax save in flight) share the buffers a donation would hand back to XLA.
-    donate = jax.default_backend() != "cpu" if donate is None else donate
     jitted = jax.jit(train_step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # gamma is an argument, not a constant, so runs that differ only in it share one executable.
     return functools.partial(jitted, bias_update_speed=jnp.float32(bias_update_speed))
