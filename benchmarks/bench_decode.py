@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3, ModelConfig, host
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
 from dsv3_jax.inference.decode import model_step
 
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compare", action="store_true", help="bf16 vs fp8 cache on the XLA and Pallas paths")
     args = p.parse_args(argv)
-    args.compute_dtype = args.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    args.compute_dtype = args.compute_dtype or ("float32" if host.on_cpu() else "bfloat16")
     if args.compare:
         return compare(args)
     cfg = bench_config(args)

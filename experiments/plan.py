@@ -194,7 +194,7 @@ def plan(config, opts: Options = Options()) -> dict:
 
 def _slot_copy_bytes(cfg: ModelConfig, state, shardings, mesh, stack) -> int:
     """Bytes per device of the stage's own copy of its layer slots, weights and their gradients,
-    where the schedule does not run the stored layout (sharding/pipeline.py:to_slots, dualpipev.py:
+    where the schedule does not run the stored layout (sharding/stages.py:to_slots, dualpipev.py:
     v_layout): the uneven split (S does not divide L), circular rounds, and DualPipeV's V. Each slot
     holds one layer whole over `pipeline`, split over the stored spec's other axes only."""
     if stack is None or "moe_layers" not in state.params:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharding import pipeline as pl
+from sharding import stages
 from sharding.stage_batch import StageBatch
 
 
@@ -44,7 +44,7 @@ def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndar
     chunk 2S - 1 - r's. Chunks are balanced like `stage_layers`; padding slots point at layer 0."""
     chunks = 2 * num_stages
     k = -(-num_layers // chunks)
-    starts = np.cumsum([0] + pl.stage_layers(num_layers, chunks))
+    starts = np.cumsum([0] + stages.stage_layers(num_layers, chunks))
     index, valid = [], []
     for r in range(num_stages):
         for c in (r, chunks - 1 - r):
@@ -70,7 +70,7 @@ def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
     if num_layers % (2 * s):
         index, _ = v_layer_slots(num_layers, s)
         if stored_specs is not None:
-            return pl.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
+            return stages.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
         return jax.tree.map(lambda a: a[index], stacked)
     k = num_layers // (2 * s)
     rank = lambda c: c if c < s else 2 * s - 1 - c  # noqa: E731
@@ -212,7 +212,7 @@ def schedule_table(num_stages: int, num_microbatches: int, *, backward: bool = T
     return Table(table, len(rows), *sizes, busy=busy / (kinds * s * len(rows)))
 
 
-def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline",
+def apply(layer_fn: stages.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline",
           stored_specs=None, split: bool = False):
     """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
     forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient. x, y
@@ -237,7 +237,7 @@ def apply(layer_fn: pl.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mes
         ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]
         grads, dxs = _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis,
                           split=split)
-        return grads, dxs, jax.tree.map(pl._zero_cotangent, side)
+        return grads, dxs, jax.tree.map(stages.zero_cotangent, side)
 
     run.defvjp(fwd, bwd)
     out, aux = run(params, x_MxB_, side_M_)
@@ -280,8 +280,8 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
         put = jax.lax.dynamic_update_index_in_dim
 
         def f_chunk(p, ok, h, e):
-            y, aux = pl._run_chunk(layer_fn, p, ok, h, e)
-            return y, pl._float_leaves(aux)
+            y, aux = stages.run_chunk(layer_fn, p, ok, h, e)
+            return y, stages.float_leaves(aux)
 
         layout = {}
 
@@ -308,7 +308,7 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
             acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), by_chunk[0])
             extra0 = (stash0, buffer(table.wait_w), acc0)
         else:
-            _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: pl._run_chunk(layer_fn, p, ok, h, e), *chunk(0),
+            _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: stages.run_chunk(layer_fn, p, ok, h, e), *chunk(0),
                                            xs[0], side_of(0))
             aux0 = jax.tree.map(lambda a: jnp.zeros((2, m, *a.shape), a.dtype), aux_shapes)
             extra0 = aux0
@@ -346,7 +346,7 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
             else:
                 def do_f(aux):
                     h = jnp.where(r["f_in"] < 0, x_in, inbox_a[jnp.maximum(r["f_in"], 0)])
-                    y, a = pl._run_chunk(layer_fn, *chunk(r["f_v"]), h, side_of(r["f_m"]))
+                    y, a = stages.run_chunk(layer_fn, *chunk(r["f_v"]), h, side_of(r["f_m"]))
                     return jax.tree.map(lambda b, x: b.at[r["f_v"], r["f_m"]].set(x), aux, a), y
 
                 dh = zero

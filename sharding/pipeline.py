@@ -61,11 +61,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sharding import dualpipev
 from sharding.rules import BATCH_AXES, STAGE_BATCH_AXES
 from sharding.stage_batch import StageBatch, splits_stack_batch
-
-# (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
-LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+from sharding.stages import LayerFn, float_leaves, run_chunk, stage_layers, to_slots, zero_cotangent
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
@@ -78,12 +77,6 @@ def is_active(mesh, axis: str = "pipeline") -> bool:
 def slots_per_stage(num_layers: int, num_stages: int, repeats: int = 1) -> int:
     """Layer slots each stage holds: `repeats` chunks of ceil(L / (repeats * S)) slots."""
     return repeats * -(-num_layers // (num_stages * repeats))
-
-
-def stage_layers(num_layers: int, num_stages: int) -> list[int]:
-    """Real layers on each stage: Q on the first L mod S stages, Q - 1 on the rest (Q on all if even)."""
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (i < extra) for i in range(num_stages)]
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int, repeats: int = 1) -> float:
@@ -124,55 +117,6 @@ def pad_layers(stacked: Any, num_stages: int, repeats: int = 1, *, mesh=None, ax
     if stored_specs is not None:
         return to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis), jnp.asarray(valid)
     return jax.tree.map(lambda x: x[index], stacked), jnp.asarray(valid)
-
-
-def _axis_dim(spec, axis: str) -> int | None:
-    """The dimension a PartitionSpec splits over mesh axis `axis`, or None."""
-    for dim, entry in enumerate(spec):
-        if entry == axis or (isinstance(entry, tuple) and axis in entry):
-            return dim
-    return None
-
-
-def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: str = "pipeline") -> Any:
-    """stacked[index] ([S * K, ...] slots, stage-major, split over `axis` on the slot dimension) for
-    an [L, ...] stack stored with `stored_specs` (PartitionSpecs; the layer axis cannot take `axis`
-    when S does not divide L, so a later dimension d holds it, rules.py). Each stage gathers the
-    slots of every stage from its own d-slice (local) and one tiled all_to_all over `axis` swaps
-    them: stage s ends with its K slots whole on d. No stage holds more than its slots' share of a
-    weight; the plain gather `stacked[index]` leaves that to XLA's partitioner (on an even DualPipeV
-    V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
-    not split over `axis` is replicated there: each stage takes its slots. A dimension split over
-    `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
-    order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
-    comment below). The backward is the transpose (all_to_all back, local scatter-add)."""
-    s = mesh.shape[axis]
-    table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
-    leaves, treedef = jax.tree.flatten(stacked)
-    specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
-    if len(specs) != len(leaves):
-        raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
-    # A layer axis split over `axis` (S divides L but the schedule's slots are not the stored
-    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `axis`:
-    # the all_to_all below would index a stage's own layers by global layer numbers.
-    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
-
-    def in_spec(a, d):
-        return P() if d is None else P(*([None] * d), axis)
-
-    def body(*local):
-        stage = jax.lax.axis_index(axis)
-        out = []
-        for a, d in zip(local, dim_of):
-            if d is None:
-                out.append(jnp.take(a, table_SxK[stage], axis=0))
-            else:
-                out.append(jax.lax.all_to_all(a[index], axis, 0, d, tiled=True))
-        return tuple(out)
-
-    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_spec(a, d) for a, d in zip(leaves, dim_of)),
-                          out_specs=tuple(P(axis) for _ in leaves), axis_names={axis}, check_vma=False)(*leaves)
-    return jax.tree.unflatten(treedef, moved)
 
 
 def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
@@ -216,7 +160,6 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     split = splits_stack_batch(schedule, m, s)
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
-        from sharding import dualpipev  # here: dualpipev builds on this module
         out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis,
                                    stored_specs=stored_specs, split=split)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
@@ -232,16 +175,6 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
         activity = m / (m + s - 1)  # the forward runs as GPipe's
     aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
     return (out, aux, activity) if return_activity else (out, aux)
-
-
-def _run_chunk(layer_fn: LayerFn, chunk_params, chunk_valid, x, side):
-    """x through the K slots of one chunk (padding slots pass x on): (y, aux [K, ...])."""
-    def body(h, layer):
-        p, ok = layer
-        y, aux = layer_fn(p, h, side)
-        return jnp.where(ok, y, h), aux
-
-    return jax.lax.scan(body, x, (chunk_params, chunk_valid))
 
 
 def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
@@ -276,7 +209,7 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
             # One round: the stage's slots as they are, loop-invariant, so autodiff keeps them once
             # rather than a copy per tick (indexed by the traced round, [ticks, K, ...] of weights).
             chunk = (local_params, local_valid) if repeats == 1 else jax.tree.map(lambda a: a[rnd], by_round)
-            y, aux = _run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
+            y, aux = run_chunk(layer_fn, *chunk, inp, jax.tree.map(lambda a: a[micro], side))
             if hand:  # the last stage finishes microbatch t - (S - 1)
                 done = t - (s - 1)
                 outs = batch.write(outs, y, jnp.maximum(done, 0), done >= 0, src=s - 1)
@@ -325,20 +258,10 @@ def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, spl
         ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]  # integer outputs: none
         grads, dxs = _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux,
                                            mesh=mesh, axis=axis, split=split)
-        return grads, dxs, jax.tree.map(_zero_cotangent, side)
+        return grads, dxs, jax.tree.map(zero_cotangent, side)
 
     run.defvjp(fwd, bwd)
     return run
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _float_leaves(tree) -> list:
-    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
 
 
 def one_f_one_b_units(num_stages: int, num_microbatches: int) -> int:
@@ -375,8 +298,8 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
 
         def stage_vjp(p, h, e):
             def f(p_, h_):
-                y, aux = _run_chunk(layer_fn, p_, local_valid, h_, e)
-                return y, _float_leaves(aux)
+                y, aux = run_chunk(layer_fn, p_, local_valid, h_, e)
+                return y, float_leaves(aux)
             return jax.vjp(f, p, h)
 
         layout = {}

@@ -41,8 +41,12 @@ def check_targets(targets: str) -> str:
 
 
 def _is_expert_module(module) -> bool:
-    from dsv3_jax.model.moe import MoE
-    return isinstance(module, MoE)
+    """A module whose projections hold one matrix per routed expert (an `expert` logical axis)."""
+    for name in getattr(type(module), "LORA_TARGETS", {}):
+        var = getattr(module, name, None)
+        if isinstance(var, (nnx.Param, QuantizedWeight)) and "expert" in params.logical_axes(var):
+            return True
+    return False
 
 
 def targets(model: nnx.Module, which: str) -> Iterator[tuple[tuple[str, ...], nnx.Module, str, int]]:

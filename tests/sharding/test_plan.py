@@ -95,7 +95,7 @@ def test_671b_pipeline_on_16_uneven_stages_lowers_and_fits():
 # parallelism, FSDP (experts gathered per layer), dropless expert=8 with per-layer remat, a capacity
 # factor, and the pipelined stack on pipeline=4 x data=2 (remat): GPipe and DualPipeV with 8 MoE
 # layers (the stored layout; DualPipeV's V moved by ppermutes), 1F1B with 9 (3, 2, 2, 2: the uneven
-# split, its slots moved by `pipeline.to_slots`; the plan counts the stage's slot copy). The reference
+# split, its slots moved by `stages.to_slots`; the plan counts the stage's slot copy). The reference
 # is XLA's own figure for the compiled step. (At the helpers' shrunk sizes, D = 32, the plan
 # over-counts data=2,expert=4 by 1.43: the estimate is for real widths.)
 PIPE = {"num_layers": 9, "remat": True}

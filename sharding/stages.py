@@ -1,0 +1,92 @@
+"""What every pipeline schedule shares (sharding/pipeline.py's GPipe, circular and 1F1B,
+sharding/dualpipev.py's V): the layer function's type, how many layers each stage holds, the move
+of a stored stack into a schedule's stage-major slots, and one chunk of slots run in a scan."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+# (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
+LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Real layers on each stage: Q on the first L mod S stages, Q - 1 on the rest (Q on all if even)."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (i < extra) for i in range(num_stages)]
+
+
+def _axis_dim(spec, axis: str) -> int | None:
+    """The dimension a PartitionSpec splits over mesh axis `axis`, or None."""
+    for dim, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return dim
+    return None
+
+
+def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: str = "pipeline") -> Any:
+    """stacked[index] ([S * K, ...] slots, stage-major, split over `axis` on the slot dimension) for
+    an [L, ...] stack stored with `stored_specs` (PartitionSpecs; the layer axis cannot take `axis`
+    when S does not divide L, so a later dimension d holds it, rules.py). Each stage gathers the
+    slots of every stage from its own d-slice (local) and one tiled all_to_all over `axis` swaps
+    them: stage s ends with its K slots whole on d. No stage holds more than its slots' share of a
+    weight; the plain gather `stacked[index]` leaves that to XLA's partitioner (on an even DualPipeV
+    V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
+    not split over `axis` is replicated there: each stage takes its slots. A dimension split over
+    `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
+    order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
+    comment below). The backward is the transpose (all_to_all back, local scatter-add)."""
+    s = mesh.shape[axis]
+    table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
+    leaves, treedef = jax.tree.flatten(stacked)
+    specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
+    if len(specs) != len(leaves):
+        raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
+    # A layer axis split over `axis` (S divides L but the schedule's slots are not the stored
+    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `axis`:
+    # the all_to_all below would index a stage's own layers by global layer numbers.
+    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
+
+    def in_spec(a, d):
+        return P() if d is None else P(*([None] * d), axis)
+
+    def body(*local):
+        stage = jax.lax.axis_index(axis)
+        out = []
+        for a, d in zip(local, dim_of):
+            if d is None:
+                out.append(jnp.take(a, table_SxK[stage], axis=0))
+            else:
+                out.append(jax.lax.all_to_all(a[index], axis, 0, d, tiled=True))
+        return tuple(out)
+
+    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_spec(a, d) for a, d in zip(leaves, dim_of)),
+                          out_specs=tuple(P(axis) for _ in leaves), axis_names={axis}, check_vma=False)(*leaves)
+    return jax.tree.unflatten(treedef, moved)
+
+
+def run_chunk(layer_fn: LayerFn, chunk_params, chunk_valid, x, side):
+    """x through the K slots of one chunk (padding slots pass x on): (y, aux [K, ...])."""
+    def body(h, layer):
+        p, ok = layer
+        y, aux = layer_fn(p, h, side)
+        return jnp.where(ok, y, h), aux
+
+    return jax.lax.scan(body, x, (chunk_params, chunk_valid))
+
+
+def zero_cotangent(x):
+    """A zero cotangent for `x` (float0 for integer arrays)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def float_leaves(tree) -> list:
+    """The floating-point leaves of `tree` (those that take a gradient)."""
+    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
