@@ -164,12 +164,3 @@ def test_the_logged_rate_counts_the_wait_for_the_steps_values():
     state = type("State", (), {"skipped": 0})()
     record = train._record(4, m, state, 3, time.perf_counter(), tokens_per_step=1000, flops_per_step=1e9, peak=1e12)
     assert record["tokens_per_sec"] <= 1000 / (7 * 0.05)
-
-
-def test_train_loop_reads_nothing_from_a_donated_state(tmp_path, compile_cache):
-    # The trainer donates its state on every platform, so a loop that keeps a state leaf past the next
-    # step reads a deleted buffer ("Array has been deleted", seen on an H200). CPU saves are
-    # synchronous, so the donation is real here too (the SIGKILL test above checks restored values).
-    result = run_train(tmp_path, "--steps=3", cache_dir=compile_cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["step"] for r in read_records(tmp_path)] == [1, 2, 3]
