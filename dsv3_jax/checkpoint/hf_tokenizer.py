@@ -2,9 +2,11 @@
 serve and convert.
 
 Written by `write_tokenizer_files` (the `--to-hf` export), from a tokenizer.json and its chat template:
-  tokenizer.json            the tokenizer, copied
-  tokenizer_config.json     bos/eos/pad tokens, the chat template, model_max_length (over the source
-                            folder's own tokenizer_config.json when there is one)
+  tokenizer.json            the tokenizer, with a post-processor that prepends BOS if it had none: HF's
+                            default tokenization (`add_special_tokens=True`) then gives the ids that
+                            generate and serve feed the model, BOS + text, as DeepSeek-V3's does
+  tokenizer_config.json     bos/eos/pad tokens, `add_bos_token`, the chat template, model_max_length
+                            (over the source folder's own tokenizer_config.json when there is one)
   special_tokens_map.json   bos/eos/pad tokens
   generation_config.json    bos/eos/pad ids, over the sampling defaults an HF source carried
 and the same ids go into config.json (`bos_token_id`, `eos_token_id`, `pad_token_id`), so that
@@ -21,6 +23,8 @@ import json
 import os
 import pathlib
 import shutil
+
+from tokenizers import processors
 
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -113,11 +117,11 @@ def write_tokenizer_files(tokenizer, out, *, model_max_length: int, chat_templat
 
     chat = ChatTokenizer(tokenizer, template_file=chat_template_file)
     tok, out = chat.tokenizer, pathlib.Path(out)
-    shutil.copy(chat.path, out / "tokenizer.json")
+    _write_with_bos(tok, chat.path, out / "tokenizer.json")
     source_config = chat.path.parent / "tokenizer_config.json"
     config = json.loads(source_config.read_text(encoding="utf-8")) if source_config.is_file() else {}
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # any HF tokenizer.json loads as this
-    config.update(chat.specials, model_max_length=model_max_length)
+    config.update(chat.specials, model_max_length=model_max_length, add_bos_token=True, add_eos_token=False)
     config.setdefault("clean_up_tokenization_spaces", False)  # decode gives back the text as encoded
     if chat.template is not None:
         config["chat_template"] = chat.template
@@ -131,3 +135,17 @@ def write_tokenizer_files(tokenizer, out, *, model_max_length: int, chat_templat
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return ids
+
+
+def _write_with_bos(tok, source: pathlib.Path, path: pathlib.Path) -> None:
+    """Writes `tok`'s tokenizer.json to `path` so that its default encoding is BOS + the text's ids
+    (a TemplateProcessing post-processor; a file that already does this is copied unchanged). The
+    chat template writes BOS itself, and transformers renders it without special tokens."""
+    hf, probe = tok.hf, "The man said"
+    if hf.encode(probe).ids == [tok.bos_id] + hf.encode(probe, add_special_tokens=False).ids:
+        shutil.copy(source, path)
+        return
+    bos = hf.id_to_token(tok.bos_id)
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.bos_id)])
+    hf.save(str(path))

@@ -84,3 +84,44 @@ def test_generation_defaults_read_as_transformers_reads_them(tmp_path, raw):
     assert ours.temperature == (sampled_at if theirs.do_sample else 0.0)
     assert ours.top_p == theirs.top_p and ours.top_k == theirs.top_k
     assert ours.max_new_tokens == theirs.max_new_tokens
+
+
+TEXTS = ["hi", "The man said", "  two  spaces\nand a line", "naïve café 東京", "a <|eos|> inside", ""]
+BOS_ONLY = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+                                                     {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [1], "tokens": ["<|bos|>"]}}}
+BOS_AND_EOS = {**BOS_ONLY, "single": [*BOS_ONLY["single"], {"SpecialToken": {"id": "<|eos|>", "type_id": 0}}],
+               "special_tokens": {**BOS_ONLY["special_tokens"],
+                                  "<|eos|>": {"id": "<|eos|>", "ids": [2], "tokens": ["<|eos|>"]}}}
+
+
+@pytest.mark.parametrize("post_processor", [None, BOS_ONLY, BOS_AND_EOS], ids=["none", "bos", "bos_and_eos"])
+def test_export_tokenizes_text_as_generate_and_serve_do(tmp_path, post_processor):
+    """transformers' default tokenization of the export (`add_special_tokens=True`) is ours: BOS, then
+    the text's ids, whatever the source tokenizer.json's post-processor did (none: the bundled BPE;
+    BOS only: DeepSeek-V3's, kept byte for byte; BOS and EOS: replaced). Chat prompts get one BOS."""
+    transformers = pytest.importorskip("transformers")
+    from dsv3_jax.checkpoint.hf_tokenizer import write_tokenizer_files
+    from dsv3_jax.data.chat_template import BUNDLED_TEMPLATE, ChatTokenizer
+    from dsv3_jax.data.tokenizer import load_tokenizer
+
+    (tmp_path / "template.jinja").write_text(BUNDLED_TEMPLATE)
+    source = json.loads(BUNDLED_PATH.read_text(encoding="utf-8"))
+    source["post_processor"] = post_processor
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.json").write_text(json.dumps(source), encoding="utf-8")
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_tokenizer_files(tmp_path / "src", out, model_max_length=64, chat_template_file=tmp_path / "template.jinja")
+    ours = load_tokenizer(BUNDLED_PATH)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    expected = [[ours.bos_id] + ours.encode(text) for text in TEXTS]
+    assert [theirs(text)["input_ids"] for text in TEXTS] == expected
+    assert theirs(TEXTS)["input_ids"] == expected
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    if post_processor is BOS_ONLY:
+        assert (out / "tokenizer.json").read_bytes() == (tmp_path / "src" / "tokenizer.json").read_bytes()
+    messages = [{"role": "user", "content": "2+2?"}]
+    chat = theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert chat == ChatTokenizer(BUNDLED_PATH).encode_chat(messages) and chat.count(ours.bos_id) == 1
