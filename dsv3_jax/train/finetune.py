@@ -51,10 +51,11 @@ def quantize_base(config, model: nnx.Module) -> nnx.Module:
     return model
 
 
-def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
+def adapt(config, model: nnx.Module, *, read_peft: bool = True, log: bool = False) -> dict | None:
     """With a `config.lora` section: LoRA adapters on the model (in place; read from a PEFT
     `--init_from` when `read_peft`, not on an abstract model) and the mask of the parameters that
-    train (the adapters). Without: None (every parameter trains)."""
+    train (the adapters). Without: None (every parameter trains). `log`: say which weights carry
+    adapters (the trainer adapts several copies of the model; one of them says it)."""
     if "lora" not in config:
         return None
     fields = config.lora.to_dict()
@@ -66,7 +67,8 @@ def adapt(config, model: nnx.Module, *, read_peft: bool = True) -> dict | None:
                 raise ValueError(f"config.lora.{field}={fields[field]} differs from the PEFT adapter's {value} "
                                  f"({peft}/adapter_config.json); pass --config.lora.{field}={value}")
     targets = lora.apply(model, lora_config(config))
-    logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
+    if log:
+        logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
     if peft and read_peft:
         logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))
     return optimizer.trainable_mask(split_model(model)[1], nnx.LoRAParam)

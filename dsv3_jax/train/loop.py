@@ -105,7 +105,7 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
 
     abstract_model = nnx.eval_shape(make_model)
     trainable = finetune.adapt(config, nnx.eval_shape(lambda: finetune.quantize_base(
-        config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))), read_peft=False)  # the mask only: same adapters, same tree
+        config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))), read_peft=False, log=True)  # the mask: same tree
     _, params, _ = state_lib.split_model(abstract_model)
     decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
     tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
