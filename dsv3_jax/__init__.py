@@ -22,5 +22,16 @@ def __getattr__(name):
     raise AttributeError(f"module 'dsv3_jax' has no attribute {name!r}")
 
 
+def require_extra(extra: str, *modules: str, needed_by: str) -> None:
+    """Imports `modules`, those of setup.py's `extra` that `needed_by` uses; a missing one raises
+    ModuleNotFoundError saying which pip command installs it (a plain `pip install -e .` has no extras)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(f"{needed_by} needs {e.name}, from the {extra!r} extra: "
+                                      f"pip install -e \".[{extra}]\"", name=e.name) from e
+
+
 def __dir__():
     return __all__ + ["__version__"]

@@ -21,6 +21,8 @@ import re
 
 from etils import epath
 
+from dsv3_jax import require_extra
+
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
@@ -38,7 +40,10 @@ def resolve(path: str | os.PathLike) -> str:
 
 def at(path: str | os.PathLike) -> epath.Path:
     """The `epath.Path` for `path` (after `resolve`): open, read_text, exists, iterdir, mkdir."""
-    return epath.Path(resolve(path))
+    path = resolve(path)
+    if path.startswith("gs://"):
+        require_extra("gcs", "gcsfs", "google.cloud.storage", needed_by=path)
+    return epath.Path(path)
 
 
 def join(base: str | os.PathLike, *parts: str) -> str:

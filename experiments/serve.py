@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
     try:
         app, engine = build(args)
-    except (ValueError, OSError) as e:  # MeshError is one
+    except (ValueError, OSError, ModuleNotFoundError) as e:  # MeshError is one; ModuleNotFoundError: no serve extra
         return cli.fail(e)
     import uvicorn
 

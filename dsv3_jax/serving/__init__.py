@@ -4,6 +4,10 @@ runner (the one adapter to the model's inference step) -> engine (slots, queue, 
 server (FastAPI). See docs/serving.md and `python -m experiments.serve`.
 """
 
+from dsv3_jax import require_extra
+
+require_extra("serve", "fastapi", "psutil", "uvicorn", needed_by="dsv3_jax.serving")
+
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer, tokenizer_file
 from dsv3_jax.serving.engine import Engine, Event, QueueFull, Request, SamplingParams
 from dsv3_jax.serving.runner import Runner
