@@ -135,3 +135,34 @@ def test_export_tokenizer_and_transformers_generate_stops_at_eos(run_dir, tmp_pa
         hf.lm_head.weight[2] = hf.lm_head.weight[third] * 2.0  # EOS now outscores `third` wherever it wins
         stopped = hf.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
     assert stopped[:-1] == free[:len(stopped) - 1] and stopped[-1] == 2 and len(stopped) <= 3, (free, stopped)
+
+
+def test_transformers_generate_with_default_tokenization_gives_our_tokens(run_dir, tmp_path, capsys, monkeypatch):
+    """transformers' greedy `generate` on the export, a text prompt tokenized as `AutoTokenizer`
+    tokenizes by default, continues it as `experiments.generate` does (both prepend BOS). It drops
+    only the MTP layer's weights, which docs/serving.md's `_keys_to_ignore_on_load_unexpected` silences."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from dsv3_jax.data import load_tokenizer
+    from experiments import generate
+
+    out = tmp_path / "hf"
+    run_folder.export_hf(run_folder.find(run_dir), str(out), progress=False)
+    prompt, new = "The man said", 12
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    ours, _ = generate.encode_prompts(load_tokenizer(out), [prompt], bos=True)
+    assert ids.tolist() == ours.tolist()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    mtp_layer = f"model.layers.{hf.config.num_hidden_layers}."
+    assert info["unexpected_keys"] and all(k.startswith(mtp_layer) for k in info["unexpected_keys"])
+    assert not info["missing_keys"]
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    continuation = tok.decode(theirs[0, ids.shape[1]:], skip_special_tokens=True)
+    generate.main([f"--checkpoint={out}", f"--prompt={prompt}", f"--max_new_tokens={new}"])
+    printed = capsys.readouterr().out
+    assert printed.startswith(prompt + continuation + "\nprefill "), (printed, theirs.tolist())
+    monkeypatch.setattr(type(hf), "_keys_to_ignore_on_load_unexpected", [mtp_layer.replace(".", r"\.")])
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["unexpected_keys"]
