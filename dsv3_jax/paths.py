@@ -4,9 +4,8 @@ A pod's hosts share no disk, so a run's work directory is a URL into an object s
 reads and writes the same checkpoints, and `generate`, `convert` and `serve` read the run from
 there. Python file operations go through etils `epath` (gcsfs for `gs://`, from the `gcs` extra;
 s3fs for `s3://`), array data through tensorstore's kvstore driver for the same URL (`gcs` for
-`gs://`). A local
-path is made absolute (a relative one means the directory the command ran in); a URL is kept as
-given, never passed through `os.path`.
+`gs://`). A local path is made absolute (a relative one means the directory the command ran in);
+a URL is kept as given, never passed through `os.path`.
 
 Object stores have no append and no rename: `write_text` replaces a whole object.
 
