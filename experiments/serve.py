@@ -30,11 +30,12 @@ import sys
 import time
 
 import sharding
-from dsv3_jax.serving.server import MAX_REQUEST_BYTES
 from experiments.generate import add_weight_flags, mesh_sizes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from dsv3_jax.serving.server import MAX_REQUEST_BYTES  # here: main first says if the serve extra is missing
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="training run or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
@@ -112,14 +113,18 @@ def _warn_on_compiles() -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    # force: an imported library may have put a handler on the root logger already
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
     from dsv3_jax import cli
 
     try:
+        import dsv3_jax.serving  # noqa: F401
+    except ModuleNotFoundError as e:  # no serve extra: the message names it
+        return cli.fail(e)
+    args = parse_args(argv)
+    # force: an imported library may have put a handler on the root logger already
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
+    try:
         app, engine = build(args)
-    except (ValueError, OSError, ModuleNotFoundError) as e:  # MeshError is one; ModuleNotFoundError: no serve extra
+    except (ValueError, OSError) as e:  # MeshError is one
         return cli.fail(e)
     import uvicorn
 
