@@ -21,8 +21,6 @@ CPU). Default: CPU -> TPU style interpreted, TPU -> Mosaic TPU, GPU -> Triton.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -69,18 +67,30 @@ def resolve(backend: str | Backend | None = None, interpret: bool | None = None)
     return Backend(style=style, interpret=bool(interpret))
 
 
-def compiler_params(be: Backend, *, dimension_semantics: Sequence[str],
-                    num_warps: int = 4, num_stages: int = 2,
-                    vmem_limit_bytes: int | None = None):
-    """`compiler_params=` for `pl.pallas_call` in this backend's style."""
+def pallas_call(be: Backend, kernel, *, name: str, out_shape, **grid):
+    """`pl.pallas_call(kernel, ...)(...)`'s callable compiled in `be`'s style; `grid` holds `grid_spec`
+    or `grid`, `in_specs`, ... Every TPU kernel here reduces over its last grid axis ("arbitrary", the
+    others "parallel"); Triton runs 4 warps and 2 pipeline stages."""
     if be.style == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=tuple(dimension_semantics),
-                                    vmem_limit_bytes=vmem_limit_bytes)
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        axes = len(grid["grid_spec"].grid if "grid_spec" in grid else grid["grid"])
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * (axes - 1) + ("arbitrary",))
+    else:
+        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=be.interpret, name=name,
+                          **grid)
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+def check_triton_blocks(be: Backend, **blocks: int) -> None:
+    """Triton tensors need power-of-two sizes: raises naming the first of `blocks` that is not one >= 16."""
+    if be.style == "triton":
+        for name, b in blocks.items():
+            if b < 16 or b != next_pow2(b):
+                raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+
+
+def round_up(x, m: int):
+    """x rounded up to a multiple of m (an int, or a traced integer array)."""
+    return (x + m - 1) // m * m
 
 
 def next_pow2(x: int) -> int:

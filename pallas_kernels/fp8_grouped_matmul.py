@@ -30,7 +30,7 @@ def _tile_layout(group_sizes, m: int, block_m: int):
     sizes = jnp.minimum(jnp.maximum(group_sizes.astype(jnp.int32), 0), m)
     ends = jnp.minimum(jnp.cumsum(sizes), m)  # rows past M (over-full groups) are dropped
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    padded = round_up_traced(ends - starts, block_m)
+    padded = round_up(ends - starts, block_m)
     pad_ends = jnp.cumsum(padded)
     pad_starts = pad_ends - padded
     num_tiles = -(-m // block_m) + g
@@ -45,10 +45,6 @@ def _tile_layout(group_sizes, m: int, block_m: int):
     last_group = jnp.max(jnp.where(tile_valid == 1, tile_group, 0))
     tile_group = jnp.where(tile_valid == 1, tile_group, last_group)  # unused tiles: no new DMA
     return dest, tile_group, tile_valid, num_tiles
-
-
-def round_up_traced(x, m):
-    return (x + m - 1) // m * m
 
 
 def _tpu_grouped_kernel(tg_ref, valid_ref, *refs, **kw):
@@ -100,21 +96,15 @@ def fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes, *, out_dtype=jnp
     kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
     out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
     if be.style == "tpu":
-        def w_map(i, j, kk, tg, valid):
-            return tg[i], j, kk * valid[i]
-        def ws_map(i, j, kk, tg, valid):
-            return tg[i], kk * valid[i], 0, j
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bk),
             in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk, tg, v: (i, kk * v[i])),
                       pl.BlockSpec((subs, bm, 1), lambda i, j, kk, tg, v: (kk * v[i], i, 0)),
-                      pl.BlockSpec((None, bn, bk), w_map),
-                      pl.BlockSpec((None, subs, 1, bn), ws_map)],
+                      pl.BlockSpec((None, bn, bk), lambda i, j, kk, tg, v: (tg[i], j, kk * v[i])),
+                      pl.BlockSpec((None, subs, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
         kernel = functools.partial(_tpu_grouped_kernel, **kw)
-        sem = ("parallel", "parallel", "arbitrary")
-        operands = (tile_group, tile_valid, x, xs, w, ws)
     else:
         w = w.reshape(g * np_, kp)
         ws = jnp.moveaxis(ws, 0, 2).reshape(kbp, 1, g * np_)
@@ -129,13 +119,8 @@ def fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes, *, out_dtype=jnp
             out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
         kernel = functools.partial(_triton_grouped_kernel, num_k=kp // bk, n_padded=np_,
                                    block_n=bn, **kw)
-        sem = ("parallel", "parallel")
-        operands = (tile_group, tile_valid, x, xs, w, ws)
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid_spec=grid_spec,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-        interpret=be.interpret, name="fp8_grouped_matmul",
-    )(*operands)
+    out = _backend.pallas_call(be, kernel, name="fp8_grouped_matmul", out_shape=out_shape,
+                               grid_spec=grid_spec)(tile_group, tile_valid, x, xs, w, ws)
     return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
 
 

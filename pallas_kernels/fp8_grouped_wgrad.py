@@ -107,7 +107,6 @@ def fp8_grouped_wgrad(lhs_q, lhs_scale, rhs_q, rhs_scale, tile_group, group_size
             out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, b, tg: (tg[b], i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
         kernel = functools.partial(_tpu_kernel, dot_dtype=dot_dtype)
-        sem = ("parallel", "parallel", "arbitrary")
         operands = (tile_group, lhs, ls, rhs, rs)
     else:
         count = jnp.zeros((g,), jnp.int32).at[tile_group].add(1)
@@ -122,13 +121,9 @@ def fp8_grouped_wgrad(lhs_q, lhs_scale, rhs_q, rhs_scale, tile_group, group_size
                       pl.BlockSpec((nb, 1, bn), lambda i, j, gi: (0, 0, j))],
             out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, gi: (gi, i, j)))
         kernel = functools.partial(_triton_kernel, dot_dtype=dot_dtype)
-        sem = ("parallel", "parallel", "parallel")
         operands = (start, count, lhs, ls, rhs, rs)
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid_spec=grid_spec,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-        interpret=be.interpret, name="fp8_grouped_wgrad",
-    )(*operands)
+    out = _backend.pallas_call(be, kernel, name="fp8_grouped_wgrad", out_shape=out_shape,
+                               grid_spec=grid_spec)(*operands)
     # A group without tokens owns no block, so the TPU grid never writes its output.
     return jnp.where((group_sizes > 0)[:, None, None], out[:, :k, :n], 0).astype(out_dtype)
 

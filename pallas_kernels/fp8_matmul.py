@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import pad_axis, round_up
@@ -43,10 +44,7 @@ class BlockSizes:
             raise ValueError(f"{block_k=} must be a multiple of {TILE}")
         if be.style == "tpu" and (block_m % 8 or block_n % 128):
             raise ValueError(f"TPU blocks need {block_m=} % 8 == 0 and {block_n=} % 128 == 0")
-        if be.style == "triton":
-            for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-                if b < 16 or b != _backend.next_pow2(b):
-                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+        _backend.check_triton_blocks(be, block_m=block_m, block_n=block_n, block_k=block_k)
 
     def dot_dtype(self, be: _backend.Backend):
         native = self.fp8_dot if self.fp8_dot is not None else be.style == "triton"
@@ -173,8 +171,7 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
                     pl.BlockSpec((bn, bk), lambda i, j, k: (j, k)),
                     pl.BlockSpec((subs, 1, bn), lambda i, j, k: (k, 0, j))]
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))
-        scratch = [pltpu_vmem((bm, bn))]
-        sem = ("parallel", "parallel", "arbitrary")
+        scratch = [pltpu.VMEM((bm, bn), jnp.float32)]
     else:
         grid = (mp // bm, np_ // bn)
         kernel = functools.partial(_triton_kernel, num_k=kp // bk, block_n=bn, **kw)
@@ -183,20 +180,10 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
                     pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
                     pl.BlockSpec((kbp, 1, bn), lambda i, j: (0, 0, j))]
         out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-        scratch, sem = [], ("parallel", "parallel")
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-        interpret=be.interpret, name="fp8_matmul",
-    )(x, xs, w, ws)
+        scratch = []
+    out = _backend.pallas_call(be, kernel, name="fp8_matmul", out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+                               grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch)(x, xs, w, ws)
     return out[:m, :n]
-
-
-def pltpu_vmem(shape, dtype=jnp.float32):
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.VMEM(shape, dtype)
 
 
 def fp8_matmul_reference(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16, **_):

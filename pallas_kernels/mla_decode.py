@@ -45,8 +45,7 @@ class BlockSizes:
         block_kv = self.block_kv
         if be.style == "tpu" and block_kv % 128:
             raise ValueError(f"{block_kv=} must be a multiple of 128 on TPU")
-        if be.style == "triton" and (block_kv < 16 or block_kv != _backend.next_pow2(block_kv)):
-            raise ValueError(f"{block_kv=} must be a power of two >= 16 for Triton")
+        _backend.check_triton_blocks(be, block_kv=block_kv)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.block_h is not None and (self.block_h < 16 or self.block_h != _backend.next_pow2(self.block_h)):
@@ -218,7 +217,7 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
                        pl.BlockSpec((None, None, hp, 1), o_map)],
             scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
                             pltpu.VMEM((hp, rp), jnp.float32)])
-        kernel, sem = functools.partial(_tpu_kernel, **kw), ("parallel", "parallel", "arbitrary")
+        kernel = functools.partial(_tpu_kernel, **kw)
     else:
         bh = min(hp, bs.block_h or 16)
         q_map = lambda bi, si, hi: (bi, hi, 0)
@@ -232,12 +231,9 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
                      + ([pl.BlockSpec((None, sp, g), kv_map)] if fp8 else []),
             out_specs=[pl.BlockSpec((None, None, bh, rp), o_map),
                        pl.BlockSpec((None, None, bh, 1), o_map)])
-        kernel, sem = functools.partial(_triton_kernel, **kw), ("parallel", "parallel", "parallel")
-    o_part, lse_part = pl.pallas_call(
-        kernel, out_shape=out_shape, grid_spec=grid_spec,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-        interpret=be.interpret, name="mla_decode",
-    )(*inputs)
+        kernel = functools.partial(_triton_kernel, **kw)
+    o_part, lse_part = _backend.pallas_call(be, kernel, name="mla_decode", out_shape=out_shape,
+                                            grid_spec=grid_spec)(*inputs)
     out, lse = _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
     return (out, lse) if return_lse else out
 

@@ -50,10 +50,7 @@ class BlockSizes:
             raise ValueError(f"{block_q=} and {block_k=} must divide one another")
         if be.style == "tpu" and (block_q % 8 or block_k % 128):
             raise ValueError(f"TPU needs {block_q=} % 8 == 0 and {block_k=} % 128 == 0")
-        if be.style == "triton":
-            for name, b in (("block_q", block_q), ("block_k", block_k)):
-                if b < 16 or b != _backend.next_pow2(b):
-                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+        _backend.check_triton_blocks(be, block_q=block_q, block_k=block_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +131,6 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
 
         grid = (b, h, n_outer, n_inner)
         scratch = [pltpu.VMEM(s, jnp.float32) for s in carry_shapes]
-        sem = ("parallel", "parallel", "parallel", "arbitrary")
     else:
         in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
                                  lambda o, bi, hi_, op=op: _index(op, bi, hi_, o)) for a, op in outer]
@@ -157,12 +153,9 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
             for r, v in zip(out_refs, finish(carry, o_vals)):
                 r[...] = v.astype(r.dtype)
 
-        grid, scratch, sem = (n_outer, b, h), [], ("parallel", "parallel", "parallel")
-    return pl.pallas_call(
-        kernel, out_shape=list(out_shapes), grid=grid, in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=scratch, interpret=be.interpret, name=name,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-    )(*o_arrays, *i_arrays)
+        grid, scratch = (n_outer, b, h), []
+    return _backend.pallas_call(be, kernel, name=name, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
+                                out_specs=out_specs, scratch_shapes=scratch)(*o_arrays, *i_arrays)
 
 
 def _scores(q, k, q_seg, k_seg, q0, k0, scale):

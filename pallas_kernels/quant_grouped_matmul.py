@@ -51,10 +51,7 @@ class BlockSizes:
             raise ValueError(f"{group=} must be a multiple of 32 (an int8 sublane tile; Triton dots of group/2 >= 16)")
         if be.style == "tpu" and (self.block_m % 8 or self.block_n % 128):
             raise ValueError(f"TPU blocks need block_m={self.block_m} % 8 == 0 and block_n={self.block_n} % 128 == 0")
-        if be.style == "triton":
-            for name, b in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
-                if b < 16 or b != _backend.next_pow2(b):
-                    raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+        _backend.check_triton_blocks(be, block_m=self.block_m, block_n=self.block_n, block_k=self.block_k)
 
 
 def _nibbles(p_int8):
@@ -214,7 +211,6 @@ def _kernel(static, x, w_q, w_scale, group_sizes):
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
         kernel = functools.partial(_tpu_kernel, fmt=fmt, group=group)
-        sem = ("parallel", "parallel", "arbitrary")
         operands = (tile_group, tile_valid, xt, q, s[:, :, None, :])
     else:
         gk = kp // group
@@ -227,13 +223,9 @@ def _kernel(static, x, w_q, w_scale, group_sizes):
                       pl.BlockSpec((g * gk, np_), lambda i, j: (0, 0))],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
         kernel = functools.partial(_triton_kernel, fmt=fmt, group=group, groups_per_expert=gk, block_n=bn)
-        sem = ("parallel", "parallel")
         operands = (tile_group, tile_valid, xt, q.reshape(g * kp // pack, np_), s.reshape(g * gk, np_))
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid_spec=grid_spec,
-        compiler_params=_backend.compiler_params(be, dimension_semantics=sem),
-        interpret=be.interpret, name=f"{fmt}_grouped_matmul",
-    )(*operands)
+    out = _backend.pallas_call(be, kernel, name=f"{fmt}_grouped_matmul",
+                               out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid_spec=grid_spec)(*operands)
     return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
 
 

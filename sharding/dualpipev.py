@@ -42,16 +42,7 @@ from sharding.stage_batch import StageBatch
 def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """(layer index, validity) of the S * 2 * K slots, rank-major: rank r holds chunk r's K slots then
     chunk 2S - 1 - r's. Chunks are balanced like `stage_layers`; padding slots point at layer 0."""
-    chunks = 2 * num_stages
-    k = -(-num_layers // chunks)
-    starts = np.cumsum([0] + stages.stage_layers(num_layers, chunks))
-    index, valid = [], []
-    for r in range(num_stages):
-        for c in (r, chunks - 1 - r):
-            count = starts[c + 1] - starts[c]
-            index += [starts[c] + j if j < count else 0 for j in range(k)]
-            valid += [j < count for j in range(k)]
-    return np.asarray(index, np.int32), np.asarray(valid)
+    return stages.chunk_slots(num_layers, [[r, 2 * num_stages - 1 - r] for r in range(num_stages)])
 
 
 def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
@@ -82,7 +73,7 @@ def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
         return jax.tree.map(lambda e, o: jnp.where(first_even, jnp.concatenate([e, o]), jnp.concatenate([o, e])),
                             even, odd)
 
-    specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), stacked)
+    specs = stages.stage_specs(stacked, axis)
     return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names={axis},
                          check_vma=False)(stacked)
 
@@ -224,25 +215,14 @@ def apply(layer_fn: stages.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *,
     params = v_layout(stacked, mesh=mesh, axis=axis, stored_specs=stored_specs)
     fwd_table, bwd_table = schedule_table(s, m, backward=False), schedule_table(s, m)
 
-    @jax.custom_vjp
-    def run(params, xs, side):
+    def forward(params, xs, side):
         return _run(layer_fn, fwd_table, params, valid, xs, side, None, None, mesh=mesh, axis=axis, split=split)
 
-    def fwd(params, xs, side):
-        return run(params, xs, side), (params, xs, side)
+    def backward(params, xs, side, ct_y, ct_aux):
+        return _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis, split=split)
 
-    def bwd(res, ct):
-        params, xs, side = res
-        ct_y, ct_aux = ct
-        ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]
-        grads, dxs = _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis,
-                          split=split)
-        return grads, dxs, jax.tree.map(stages.zero_cotangent, side)
-
-    run.defvjp(fwd, bwd)
-    out, aux = run(params, x_MxB_, side_M_)
-    slot_of_layer = np.argsort(np.where(valid, index, num_layers), kind="stable")[:num_layers]
-    return out, jax.tree.map(lambda a: a[slot_of_layer], aux)
+    out, aux = stages.hand_run(forward, backward)(params, x_MxB_, side_M_)
+    return out, jax.tree.map(lambda a: a[stages.slot_of_layer(index, valid)], aux)
 
 
 def _ends(table: Table) -> dict:
@@ -266,7 +246,7 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
     gradient, one microbatch each (`_ends`)."""
     s, m = mesh.shape[axis], xs.shape[0]
     backward = ct_y is not None
-    param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    param_specs = stages.stage_specs(params, axis)
     rows = {f: jnp.asarray(a) for f, a in table.rows.items()}
     batch = StageBatch(split, m, axis=axis, num_stages=s)
 
@@ -279,33 +259,18 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
         buffer = lambda n: jnp.zeros((n, *xs.shape[1:]), xs.dtype)  # noqa: E731
         put = jax.lax.dynamic_update_index_in_dim
 
-        def f_chunk(p, ok, h, e):
-            y, aux = stages.run_chunk(layer_fn, p, ok, h, e)
-            return y, stages.float_leaves(aux)
-
-        layout = {}
-
-        def stash_of(p, ok, h, e):
-            out, vjp_fn = jax.vjp(lambda p_, h_: f_chunk(p_, ok, h_, e), p, h)
-            leaves, treedef = jax.tree.flatten(vjp_fn)
-            owners = [next((i for i, q in enumerate(jax.tree.leaves(p)) if leaf is q), -1) for leaf in leaves]
-            layout.update(treedef=treedef, owners=owners)
-            return out[0], [leaf for leaf, i in zip(leaves, owners) if i < 0]
+        chunk_vjp = stages.ChunkVjp(layer_fn)
 
         def vjp_of(stash, slot, v):
-            p, _ = chunk(v)
-            saved = iter([b[slot] for b in stash])
-            params_leaves = jax.tree.leaves(p)
-            leaves = [params_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
-            return jax.tree.unflatten(layout["treedef"], leaves)
+            return chunk_vjp.vjp(chunk(v)[0], [b[slot] for b in stash])
 
         def cot_aux(v, j):  # this chunk's aux cotangents for microbatch j: [K, ...] each
             return [a.reshape(2, -1, *a.shape[1:])[v][:, j] for a in ct_aux]
 
         if backward:
-            _, res_shapes = jax.eval_shape(stash_of, *chunk(0), xs[0], side_of(0))
+            _, res_shapes = jax.eval_shape(chunk_vjp.forward, *chunk(0), xs[0], side_of(0))
             stash0 = [jnp.zeros((table.stash, *r.shape), r.dtype) for r in res_shapes]
-            acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), by_chunk[0])
+            acc0 = stages.grad_accumulator(by_chunk[0])
             extra0 = (stash0, buffer(table.wait_w), acc0)
         else:
             _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: stages.run_chunk(layer_fn, p, ok, h, e), *chunk(0),
@@ -336,7 +301,7 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
                 def do_f(extra):
                     stash, wait, acc = extra
                     h = jnp.where(r["f_in"] < 0, x_in, inbox_a[jnp.maximum(r["f_in"], 0)])
-                    y, res = stash_of(*chunk(r["f_v"]), h, side_of(r["f_m"]))
+                    y, res = chunk_vjp.forward(*chunk(r["f_v"]), h, side_of(r["f_m"]))
                     stash = [put(b, x, r["f_res"], 0) for b, x in zip(stash, res)]
                     return (stash, wait, acc), y
 

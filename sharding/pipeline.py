@@ -64,7 +64,8 @@ from jax.sharding import PartitionSpec as P
 from sharding import dualpipev
 from sharding.rules import BATCH_AXES, STAGE_BATCH_AXES
 from sharding.stage_batch import StageBatch, splits_stack_batch
-from sharding.stages import LayerFn, float_leaves, run_chunk, stage_layers, to_slots, zero_cotangent
+from sharding.stages import (ChunkVjp, LayerFn, chunk_slots, grad_accumulator, hand_run, run_chunk, slot_of_layer,
+                             stage_layers, stage_specs, to_slots)
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
@@ -91,41 +92,7 @@ def layer_slots(num_layers: int, num_stages: int, repeats: int = 1) -> tuple[np.
     chunk c = r * S + s runs on stage s in round r, so stage s holds chunks s, S + s, ... in order.
     Padding slots point at layer 0.
     """
-    chunks = num_stages * repeats
-    k = -(-num_layers // chunks)
-    starts = [0]
-    for count in stage_layers(num_layers, chunks):
-        starts.append(starts[-1] + count)
-    index, valid = [], []
-    for s in range(num_stages):
-        for r in range(repeats):
-            c = r * num_stages + s
-            count = starts[c + 1] - starts[c]
-            index += [starts[c] + j if j < count else 0 for j in range(k)]
-            valid += [j < count for j in range(k)]
-    return np.asarray(index, np.int32), np.asarray(valid)
-
-
-def pad_layers(stacked: Any, num_stages: int, repeats: int = 1, *, mesh=None, axis: str = "pipeline",
-               stored_specs: Any = None) -> tuple[Any, jax.Array]:
-    """([S * R * K, ...] slot params, bool validity) for an [L, ...] stack (as is when R = 1, S | L).
-    With `stored_specs` (the stack's PartitionSpecs) the slots are moved by `to_slots`."""
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    if repeats == 1 and num_layers % num_stages == 0:
-        return stacked, jnp.ones((num_layers,), bool)
-    index, valid = layer_slots(num_layers, num_stages, repeats)
-    if stored_specs is not None:
-        return to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis), jnp.asarray(valid)
-    return jax.tree.map(lambda x: x[index], stacked), jnp.asarray(valid)
-
-
-def _slot_of_layer(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
-    """Slot position of each real layer (the inverse of `layer_slots` on its valid slots)."""
-    if repeats == 1 and num_layers % num_stages == 0:
-        return np.arange(num_layers)
-    index, valid = layer_slots(num_layers, num_stages, repeats)
-    slots = np.nonzero(valid)[0]
-    return slots[np.argsort(index[slots], kind="stable")]
+    return chunk_slots(num_layers, [[r * num_stages + s for r in range(repeats)] for s in range(num_stages)])
 
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
@@ -164,16 +131,20 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
                                    stored_specs=stored_specs, split=split)
         busy = dualpipev.schedule_table(s, m, backward=False).busy
         return (out, aux, busy) if return_activity else (out, aux)
-    params, valid = pad_layers(stacked, s, repeats, mesh=mesh, axis=axis, stored_specs=stored_specs)
-    if schedule == "gpipe" or schedule == "circular":
-        out, aux, activity = _gpipe(layer_fn, params, valid, x_MxB_, side_M_, mesh=mesh, axis=axis, repeats=repeats)
+    index, valid = layer_slots(num_layers, s, repeats)
+    if repeats == 1 and num_layers % s == 0:  # the stored layout: no data moves
+        params = stacked
+    elif stored_specs is not None:
+        params = to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
     else:
-        even = num_layers % s == 0
-        run = _hand_backward(layer_fn, np.ones(num_layers, bool) if even else layer_slots(num_layers, s)[1],
-                             mesh=mesh, axis=axis, split=split)
-        out, aux = run(params, x_MxB_, side_M_)
+        params = jax.tree.map(lambda a: a[index], stacked)
+    if schedule == "gpipe" or schedule == "circular":
+        out, aux, activity = _gpipe(layer_fn, params, jnp.asarray(valid), x_MxB_, side_M_, mesh=mesh, axis=axis,
+                                    repeats=repeats)
+    else:
+        out, aux = _hand_backward(layer_fn, valid, mesh=mesh, axis=axis, split=split)(params, x_MxB_, side_M_)
         activity = m / (m + s - 1)  # the forward runs as GPipe's
-    aux = jax.tree.map(lambda a: a[_slot_of_layer(num_layers, s, repeats)], aux)  # slots -> [L, M, ...]
+    aux = jax.tree.map(lambda a: a[slot_of_layer(index, valid)], aux)  # slots -> [L, M, ...]
     return (out, aux, activity) if return_activity else (out, aux)
 
 
@@ -185,7 +156,7 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
     each output as it is produced (`StageBatch`), x and y split over `axis` when `split`."""
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
-    param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    param_specs = stage_specs(params, axis)
     ticks = repeats * m + s - 1
     batch = StageBatch(split, m, axis=axis, num_stages=s)
 
@@ -242,32 +213,16 @@ def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, spl
     """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
     inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`); x, y and their
     gradients split over `axis` on the microbatch dimension when `split` (`StageBatch`)."""
-
-    @jax.custom_vjp
-    def run(params, xs, side):
+    def forward(params, xs, side):
         out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1,
                              hand=True, split=split)
         return out, aux
 
-    def fwd(params, xs, side):
-        return run(params, xs, side), (params, xs, side)
+    def backward(params, xs, side, ct_y, ct_aux):
+        return _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux, mesh=mesh,
+                                     axis=axis, split=split)
 
-    def bwd(res, ct):
-        params, xs, side = res
-        ct_y, ct_aux = ct
-        ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]  # integer outputs: none
-        grads, dxs = _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux,
-                                           mesh=mesh, axis=axis, split=split)
-        return grads, dxs, jax.tree.map(zero_cotangent, side)
-
-    run.defvjp(fwd, bwd)
-    return run
-
-
-def one_f_one_b_units(num_stages: int, num_microbatches: int) -> int:
-    """Units of the 1F1B backward: each stage runs M forwards and M backwards, one per unit, and
-    the last of them (stage 0's backward of microbatch M - 1) ends unit 2 (M + S - 1)."""
-    return 2 * (num_microbatches + num_stages - 1)
+    return hand_run(forward, backward)
 
 
 def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str,
@@ -287,48 +242,29 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
     """
     s = mesh.shape[axis]
     m = xs.shape[0]
-    param_specs = jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), params)
+    param_specs = stage_specs(params, axis)
     aux_specs = [P(axis)] * len(ct_aux)
     batch = StageBatch(split, m, axis=axis, num_stages=s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
         stage = jax.lax.axis_index(axis)
         side_of = lambda i: jax.tree.map(lambda a: a[i], side)  # noqa: E731
-        param_leaves = jax.tree.leaves(local_params)
-
-        def stage_vjp(p, h, e):
-            def f(p_, h_):
-                y, aux = run_chunk(layer_fn, p_, local_valid, h_, e)
-                return y, float_leaves(aux)
-            return jax.vjp(f, p, h)
-
-        layout = {}
-
-        def stash_of(p, h, e):  # the vjp's residuals, less the parameters (found by identity)
-            out, vjp_fn = stage_vjp(p, h, e)
-            leaves, treedef = jax.tree.flatten(vjp_fn)
-            owners = [next((i for i, q in enumerate(jax.tree.leaves(p)) if leaf is q), -1) for leaf in leaves]
-            layout.update(treedef=treedef, owners=owners)
-            return out[0], [leaf for leaf, i in zip(leaves, owners) if i < 0]
-
-        _, res_shapes = jax.eval_shape(stash_of, local_params, xs[0], side_of(0))
+        chunk_vjp = ChunkVjp(layer_fn)
+        _, res_shapes = jax.eval_shape(chunk_vjp.forward, local_params, local_valid, xs[0], side_of(0))
         stash0 = [jnp.zeros((s, *r.shape), r.dtype) for r in res_shapes]
-        grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), local_params)
+        grads0 = grad_accumulator(local_params)
 
         # recv_act / recv_grad: what came from the stage before / after; the first stage's comes
         # from x, the last stage's from ct_y (read before the switch: a psum every stage joins)
         def forward(carry, recv_act, recv_grad, fm, bm):
             stash, grads = carry
-            y, res = stash_of(local_params, recv_act, side_of(fm))
+            y, res = chunk_vjp.forward(local_params, local_valid, recv_act, side_of(fm))
             stash = [jax.lax.dynamic_update_index_in_dim(b, r, fm % s, 0) for b, r in zip(stash, res)]
             return (stash, grads), y, jnp.zeros_like(recv_grad)
 
         def backward(carry, recv_act, recv_grad, fm, bm):
             stash, grads = carry
-            saved = iter([b[bm % s] for b in stash])
-            leaves = [param_leaves[i] if i >= 0 else next(saved) for i in layout["owners"]]
-            vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
-            dp, dh = vjp_fn((recv_grad, [a[:, bm] for a in ct_aux]))
+            dp, dh = chunk_vjp.vjp(local_params, [b[bm % s] for b in stash])((recv_grad, [a[:, bm] for a in ct_aux]))
             grads = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dp)
             return (stash, grads), jnp.zeros_like(recv_act), dh
 
@@ -354,8 +290,9 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
             recv_grad = jax.lax.ppermute(send_grad, axis, [(i + 1, i) for i in range(s - 1)])
             return (carry, dxs, recv_act, recv_grad), None
 
+        # the last unit (stage 0's backward of microbatch M - 1) is 2 (M + S - 1) - 1
         init = ((stash0, grads0), jnp.zeros_like(xs), jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]))
-        ((_, grads), dxs, _, _), _ = jax.lax.scan(unit, init, jnp.arange(one_f_one_b_units(s, m)))
+        ((_, grads), dxs, _, _), _ = jax.lax.scan(unit, init, jnp.arange(2 * (m + s - 1)))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, local_params)
         return grads, batch.result(dxs, src=0)
 

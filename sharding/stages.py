@@ -1,6 +1,7 @@
 """What every pipeline schedule shares (sharding/pipeline.py's GPipe, circular and 1F1B,
-sharding/dualpipev.py's V): the layer function's type, how many layers each stage holds, the move
-of a stored stack into a schedule's stage-major slots, and one chunk of slots run in a scan."""
+sharding/dualpipev.py's V): the layer function's type, how many layers each stage holds, which
+layer each stage-major slot runs, the move of a stored stack into those slots, one chunk of slots
+run in a scan, and the custom_vjp and residual stash of the schedules whose backward runs by hand."""
 
 from __future__ import annotations
 
@@ -19,6 +20,31 @@ def stage_layers(num_layers: int, num_stages: int) -> list[int]:
     """Real layers on each stage: Q on the first L mod S stages, Q - 1 on the rest (Q on all if even)."""
     base, extra = divmod(num_layers, num_stages)
     return [base + (i < extra) for i in range(num_stages)]
+
+
+def chunk_slots(num_layers: int, chunks_of_stage: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(layer index, bool validity) of the stage-major slots when the stack is cut into C chunks of
+    K = ceil(L / C) slots, balanced like `stage_layers`, and stage s holds chunks_of_stage[s] in
+    that order. Padding slots point at layer 0."""
+    chunks = sum(len(c) for c in chunks_of_stage)
+    k = -(-num_layers // chunks)
+    starts = np.cumsum([0] + stage_layers(num_layers, chunks))
+    index, valid = [], []
+    for c in (c for stage in chunks_of_stage for c in stage):
+        count = starts[c + 1] - starts[c]
+        index += [starts[c] + j if j < count else 0 for j in range(k)]
+        valid += [j < count for j in range(k)]
+    return np.asarray(index, np.int32), np.asarray(valid)
+
+
+def slot_of_layer(index: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Slot position of each real layer: the inverse of `chunk_slots` on its valid slots."""
+    return np.argsort(np.where(valid, index, len(index)), kind="stable")[:int(valid.sum())]
+
+
+def stage_specs(tree, axis: str) -> Any:
+    """PartitionSpecs splitting every leaf of `tree` over `axis` on its first (slot) dimension."""
+    return jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), tree)
 
 
 def _axis_dim(spec, axis: str) -> int | None:
@@ -90,3 +116,54 @@ def zero_cotangent(x):
 def float_leaves(tree) -> list:
     """The floating-point leaves of `tree` (those that take a gradient)."""
     return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+
+def hand_run(forward: Callable, backward: Callable) -> Callable:
+    """`f(slot params, x, side) -> (y, aux)` as a custom_vjp: `forward(params, x, side)` keeps only
+    its inputs, `backward(params, x, side, ct_y, ct_aux leaves)` gives (param grads, x grads); side
+    inputs get no gradient, and integer aux outputs no cotangent."""
+
+    @jax.custom_vjp
+    def run(params, xs, side):
+        return forward(params, xs, side)
+
+    def fwd(params, xs, side):
+        return run(params, xs, side), (params, xs, side)
+
+    def bwd(res, ct):
+        params, xs, side = res
+        ct_y, ct_aux = ct
+        ct_aux = [a for a in jax.tree.leaves(ct_aux) if a.dtype != jax.dtypes.float0]
+        grads, dxs = backward(params, xs, side, ct_y, ct_aux)
+        return grads, dxs, jax.tree.map(zero_cotangent, side)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+class ChunkVjp:
+    """A chunk's `jax.vjp`, split so that a hand-run backward can stash it between a forward and its
+    backward: `forward` returns y and the residuals less the parameters (found by identity: they
+    are read again rather than stored), `vjp` rebuilds the vjp function from both."""
+
+    def __init__(self, layer_fn: LayerFn):
+        self.layer_fn = layer_fn
+
+    def forward(self, p, ok, h, side) -> tuple[jax.Array, list]:
+        def f(p_, h_):
+            y, aux = run_chunk(self.layer_fn, p_, ok, h_, side)
+            return y, float_leaves(aux)
+
+        out, vjp_fn = jax.vjp(f, p, h)
+        leaves, self.treedef = jax.tree.flatten(vjp_fn)
+        self.owners = [next((i for i, q in enumerate(jax.tree.leaves(p)) if leaf is q), -1) for leaf in leaves]
+        return out[0], [leaf for leaf, i in zip(leaves, self.owners) if i < 0]
+
+    def vjp(self, p, saved: list) -> Callable:
+        saved, param_leaves = iter(saved), jax.tree.leaves(p)
+        return jax.tree.unflatten(self.treedef, [param_leaves[i] if i >= 0 else next(saved) for i in self.owners])
+
+
+def grad_accumulator(params) -> Any:
+    """Zero weight gradients of `params`' shapes, accumulated in at least fp32."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), params)
