@@ -127,14 +127,20 @@ def fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes, *, out_dtype=jnp
 def fp8_grouped_matmul_reference(x_q, x_scale, w_q, w_scale, group_sizes, *,
                                  out_dtype=jnp.bfloat16, **_):
     """Plain jnp: every group's dense `fp8_matmul_reference`, kept on that group's rows."""
-    m = x_q.shape[0]
+    def dense(gi):
+        return fp8_matmul_reference(x_q, x_scale, w_q[gi], w_scale[gi], out_dtype=jnp.float32)
+
+    return grouped_rows_reference(dense, group_sizes, x_q.shape[0], w_q.shape[1], w_q.shape[0]).astype(out_dtype)
+
+
+def grouped_rows_reference(dense_fn, group_sizes, m: int, n: int, groups: int):
+    """[M, N] fp32: dense_fn(g) ([M, N] fp32, every row through group g's weights) kept on group g's
+    rows, rows [start_g, start_g + group_sizes[g]) of the contiguous layout; other rows give 0."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")
 
-    def one_group(carry, gi):
-        out_g = fp8_matmul_reference(x_q, x_scale, w_q[gi], w_scale[gi], out_dtype=jnp.float32)
-        return carry + jnp.where((row_group == gi)[:, None], out_g, 0.0), None
+    def one_group(acc, gi):
+        return acc + jnp.where((row_group == gi)[:, None], dense_fn(gi), 0.0), None
 
-    out0 = jnp.zeros((m, w_q.shape[1]), jnp.float32)
-    out, _ = jax.lax.scan(one_group, out0, jnp.arange(w_q.shape[0]))
-    return out.astype(out_dtype)
+    out, _ = jax.lax.scan(one_group, jnp.zeros((m, n), jnp.float32), jnp.arange(groups))
+    return out

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import pad_axis, round_up
-from pallas_kernels.fp8_grouped_matmul import _tile_layout
+from pallas_kernels.fp8_grouped_matmul import _tile_layout, grouped_rows_reference
 
 FORMATS = ("int8", "int4")
 
@@ -243,14 +243,10 @@ def quant_grouped_matmul_reference(x, w_q, w_scale, group_sizes, *, fmt: str, gr
     """Plain jnp, same numerics: each expert's weight dequantised to x's dtype, x . w in fp32, the
     rows of each group kept."""
     _check(x, w_q, w_scale, group_sizes, fmt, group)
-    m = x.shape[0]
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")
 
-    def one_group(acc, gi):
+    def dense(gi):
         w = dequantize_reference(w_q[gi], w_scale[gi], fmt=fmt, group=group, dtype=x.dtype)
-        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        return acc + jnp.where((row_group == gi)[:, None], y, 0.0), None
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    out, _ = lax.scan(one_group, jnp.zeros((m, w_q.shape[2]), jnp.float32), jnp.arange(w_q.shape[0]))
+    out = grouped_rows_reference(dense, group_sizes, x.shape[0], w_q.shape[2], w_q.shape[0])
     return out.astype(out_dtype or x.dtype)
