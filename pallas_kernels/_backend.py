@@ -52,8 +52,7 @@ def resolve(backend: str | Backend | None = None, interpret: bool | None = None)
     """
     if isinstance(backend, Backend):
         return backend if interpret is None else dataclasses.replace(backend, interpret=interpret)
-    platform = jax.default_backend()
-    native = {"tpu": "tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}.get(platform)
+    native = _ALIASES.get(jax.default_backend())  # the platforms: tpu, gpu/cuda/rocm, cpu (None)
     if backend in (None, "auto"):
         style = native or "tpu"
     elif backend == "interpret":
@@ -80,12 +79,15 @@ def pallas_call(be: Backend, kernel, *, name: str, out_shape, **grid):
                           **grid)
 
 
-def check_triton_blocks(be: Backend, **blocks: int) -> None:
-    """Triton tensors need power-of-two sizes: raises naming the first of `blocks` that is not one >= 16."""
-    if be.style == "triton":
-        for name, b in blocks.items():
-            if b < 16 or b != next_pow2(b):
-                raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
+def check_blocks(be: Backend, *, rows: tuple[str, ...] = (), lanes: tuple[str, ...] = (), **blocks: int) -> None:
+    """Raises naming the first of `blocks` (name=size) that `be` cannot tile: on TPU the `rows`
+    named must be multiples of 8 (sublanes) and the `lanes` of 128; Triton needs powers of two >= 16."""
+    for name, b in blocks.items():
+        tile = 8 if name in rows else 128 if name in lanes else 1
+        if be.style == "tpu" and b % tile:
+            raise ValueError(f"TPU needs {name}={b} % {tile} == 0")
+        if be.style == "triton" and (b < 16 or b != next_pow2(b)):
+            raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
 
 
 def round_up(x, m: int):

@@ -42,9 +42,8 @@ class BlockSizes:
         block_m, block_n, block_k = self.block_m, self.block_n, self.block_k
         if block_k % TILE:
             raise ValueError(f"{block_k=} must be a multiple of {TILE}")
-        if be.style == "tpu" and (block_m % 8 or block_n % 128):
-            raise ValueError(f"TPU blocks need {block_m=} % 8 == 0 and {block_n=} % 128 == 0")
-        _backend.check_triton_blocks(be, block_m=block_m, block_n=block_n, block_k=block_k)
+        _backend.check_blocks(be, rows=("block_m",), lanes=("block_n",), block_m=block_m, block_n=block_n,
+                              block_k=block_k)
 
     def dot_dtype(self, be: _backend.Backend):
         native = self.fp8_dot if self.fp8_dot is not None else be.style == "triton"

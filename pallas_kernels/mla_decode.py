@@ -45,7 +45,7 @@ class BlockSizes:
         block_kv = self.block_kv
         if be.style == "tpu" and block_kv % 128:
             raise ValueError(f"{block_kv=} must be a multiple of 128 on TPU")
-        _backend.check_triton_blocks(be, block_kv=block_kv)
+        _backend.check_blocks(be, block_kv=block_kv)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.block_h is not None and (self.block_h < 16 or self.block_h != _backend.next_pow2(self.block_h)):

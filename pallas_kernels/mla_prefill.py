@@ -48,9 +48,7 @@ class BlockSizes:
         block_q, block_k = self.block_q, self.block_k
         if max(block_q, block_k) % min(block_q, block_k):
             raise ValueError(f"{block_q=} and {block_k=} must divide one another")
-        if be.style == "tpu" and (block_q % 8 or block_k % 128):
-            raise ValueError(f"TPU needs {block_q=} % 8 == 0 and {block_k=} % 128 == 0")
-        _backend.check_triton_blocks(be, block_q=block_q, block_k=block_k)
+        _backend.check_blocks(be, rows=("block_q",), lanes=("block_k",), block_q=block_q, block_k=block_k)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,9 +49,8 @@ class BlockSizes:
             raise ValueError(f"block_k={self.block_k} must be a multiple of {group=}")
         if group % 32:
             raise ValueError(f"{group=} must be a multiple of 32 (an int8 sublane tile; Triton dots of group/2 >= 16)")
-        if be.style == "tpu" and (self.block_m % 8 or self.block_n % 128):
-            raise ValueError(f"TPU blocks need block_m={self.block_m} % 8 == 0 and block_n={self.block_n} % 128 == 0")
-        _backend.check_triton_blocks(be, block_m=self.block_m, block_n=self.block_n, block_k=self.block_k)
+        _backend.check_blocks(be, rows=("block_m",), lanes=("block_n",), block_m=self.block_m, block_n=self.block_n,
+                              block_k=self.block_k)
 
 
 def _nibbles(p_int8):

@@ -28,6 +28,7 @@ exchange with the other's compute: the overlap is in the schedule, not yet in th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -270,13 +271,10 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
         if backward:
             _, res_shapes = jax.eval_shape(chunk_vjp.forward, *chunk(0), xs[0], side_of(0))
             stash0 = [jnp.zeros((table.stash, *r.shape), r.dtype) for r in res_shapes]
-            acc0 = stages.grad_accumulator(by_chunk[0])
-            extra0 = (stash0, buffer(table.wait_w), acc0)
+            extra0 = (stash0, buffer(table.wait_w), stages.grad_accumulator(by_chunk[0]))
         else:
-            _, aux_shapes = jax.eval_shape(lambda p, ok, h, e: stages.run_chunk(layer_fn, p, ok, h, e), *chunk(0),
-                                           xs[0], side_of(0))
-            aux0 = jax.tree.map(lambda a: jnp.zeros((2, m, *a.shape), a.dtype), aux_shapes)
-            extra0 = aux0
+            _, aux_shapes = jax.eval_shape(functools.partial(stages.run_chunk, layer_fn), *chunk(0), xs[0], side_of(0))
+            extra0 = jax.tree.map(lambda a: jnp.zeros((2, m, *a.shape), a.dtype), aux_shapes)
 
         def unit(carry, row_u):
             (inbox_a, inbox_g, ends, extra), (row_u, e) = carry, row_u
@@ -287,8 +285,7 @@ def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh,
 
                 def do_w(extra):
                     stash, wait, acc = extra
-                    vjp_fn = vjp_of(stash, r["w_res"], r["w_v"])
-                    dp, _ = vjp_fn((wait[r["w_slot"]], cot_aux(r["w_v"], r["w_m"])))
+                    dp, _ = vjp_of(stash, r["w_res"], r["w_v"])((wait[r["w_slot"]], cot_aux(r["w_v"], r["w_m"])))
                     acc = jax.tree.map(lambda g, d: put(g, g[r["w_v"]] + d.astype(g.dtype), r["w_v"], 0), acc, dp)
                     return stash, wait, acc
 

@@ -103,13 +103,13 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
     (None for none); side replicated over `axis`, x too except under 1f1b and dualpipev when S
     divides M: split there on the microbatch dimension, as is y (`splits_stack_batch`; other mesh
-    axes stay automatic). `schedule`
-    (default: gpipe, or circular when `repeats` R > 1) is one of SCHEDULES: circular makes each
-    microbatch go round the ring of stages R times, stage s holding chunks s, S + s, ... (needs
-    M >= S); 1f1b runs the same forward and its own backward (`_one_f_one_b_backward`); dualpipev
-    lays the stack out as a V of 2S chunks with a forward and backward of its own
-    (sharding/dualpipev.py). Side inputs get no gradient under those two. Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second
-    output per layer and microbatch, and with `return_activity` also the fraction of stage-ticks of
+    axes stay automatic). `schedule` (default: gpipe, or circular when `repeats` R > 1) is one of
+    SCHEDULES: circular makes each microbatch go round the ring of stages R times, stage s holding
+    chunks s, S + s, ... (needs M >= S); 1f1b runs the same forward and its own backward
+    (`_one_f_one_b_backward`); dualpipev lays the stack out as a V of 2S chunks with a forward and
+    backward of its own (sharding/dualpipev.py). Side inputs get no gradient under those two.
+    Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second output per layer and
+    microbatch, and with `return_activity` also the fraction of stage-ticks of
     the forward that did work. `stored_specs` (PartitionSpecs of `stacked`, optional) lets an
     uneven split move each stage's layers with `to_slots` instead of a gather.
     """
