@@ -278,9 +278,9 @@ def decode_step_args(cfg: ModelConfig, model, mesh, dep: Deployment, rules=None)
                                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     sampling = jax.tree.map(host, RowSampling.greedy(b, table_width(dep.context - drafts)))
     args = (state_sds, cache_sds, host(np.arange(b, dtype=np.int32)), host(np.zeros((b, 1 + drafts), np.int32)),
-            host(np.zeros(b, np.int32)), host(np.zeros(b, bool)), sampling)
-    _, decode = runner_lib._compiled(graphdef, dep.context, dep.use_mtp, cache_sh)
-    return decode, args
+            host(np.zeros(b, np.int32)), host(np.zeros(b, bool)), sampling, None, None)
+    opts = runner_lib.steps.StepOptions(dep.use_mtp, logprobs=True)  # the runner's own step
+    return runner_lib.steps.compiled(graphdef, opts, cache_sh).decode, args
 
 
 def _path(keypath) -> tuple[str, ...]:

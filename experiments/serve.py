@@ -87,8 +87,8 @@ def build(args: argparse.Namespace):
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules)
     start = time.perf_counter()
     runner.warm_up()
-    logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunk widths %s, decode "
-                 "buckets of %s rows%s", time.perf_counter() - start, runner.buckets, runner.decode_buckets,
+    logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunks of %s tokens, decode "
+                 "buckets of %s rows%s", time.perf_counter() - start, runner.chunk, runner.decode_buckets,
                  f", on the mesh {dict(mesh.shape)}" if mesh is not None else "")
     _warn_on_compiles()
     prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py

@@ -13,21 +13,17 @@ both are reused across tokens and calls. `GenerateStats` counts the traces of ea
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import time
 from typing import Iterator, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv3_jax.inference import prefill, speculative
+from dsv3_jax.inference import prefill, steps
 from dsv3_jax.inference.cache import CACHE_DTYPES, bucket_slots, init_cache
-from dsv3_jax.inference.decode import model_step
-from dsv3_jax.inference.sampling import SamplingConfig, sample
+from dsv3_jax.inference.sampling import SamplingConfig
 from dsv3_jax.model.transformer import check_tokens
 
 
@@ -68,44 +64,6 @@ class StepTokens(NamedTuple):
     counts: np.ndarray  # int32 [B]
 
 
-def _constrain(tree, sharding):
-    if sharding is None:
-        return tree
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), tree)
-
-
-class Steps(NamedTuple):
-    prefill: object  # jitted prefill.prefill_chunk, pure in (state, cache, window, start, lengths, carry, key)
-    decode: object  # jitted (state, cache, tokens, positions, key, step) -> (emitted, accepted, next tokens, cache)
-    traces: collections.Counter  # "prefill" / "decode": times each was traced, for this bundle only
-
-
-@functools.lru_cache(maxsize=32)
-def _compiled(graphdef, use_mtp: bool, sampling: SamplingConfig, cache_sharding) -> Steps:
-    """Jitted steps, pure in (state, cache, tokens, positions, key); cached so calls reuse them."""
-    traces = collections.Counter()
-
-    def prefill_step(state, cache, window, start, lengths, carry, key, *, width):
-        traces["prefill"] += 1
-        carry, cache = prefill.prefill_chunk(nnx.merge(graphdef, state), cache, window, start, lengths, carry, key,
-                                             width=width, sampling=sampling)
-        return carry, _constrain(cache, cache_sharding)
-
-    def decode(state, cache, tokens, positions, key, step):
-        traces["decode"] += 1
-        key = jax.random.fold_in(key, step)  # in the step: no host-side dispatch per token
-        model = nnx.merge(graphdef, state)
-        if use_mtp:
-            emitted, accepted, nxt, cache = speculative.step(model, cache, tokens, positions, key, sampling=sampling)
-            return emitted, accepted, nxt, _constrain(cache, cache_sharding)
-        out = model_step(model, cache, tokens, positions[:, None])
-        token = sample(out.logits[:, 0], key, sampling)
-        return token[:, None], jnp.zeros_like(positions), token[:, None], _constrain(out.cache, cache_sharding)
-
-    return Steps(jax.jit(prefill_step, donate_argnums=1, static_argnames="width"),
-                 jax.jit(decode, donate_argnums=1), traces)
-
-
 def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp, cache_dtype):
     cfg = model.config
     prompts = np.asarray(prompts)
@@ -116,7 +74,7 @@ def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp, cac
     if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t:
         raise ValueError(f"lengths must be [batch={b}] ints in [1, {t}] (the padded prompt length), got {lengths}")
     valid = np.arange(t)[None] < lengths[:, None]
-    check_tokens(jnp.asarray(np.where(valid, prompts, 0)), cfg.vocab_size)  # padding may hold anything
+    check_tokens(np.where(valid, prompts, 0), cfg.vocab_size)  # padding may hold anything
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if t + max_new_tokens > cfg.max_position_embeddings:
@@ -137,13 +95,14 @@ class Generation:
 
     See `generate` for the arguments; `param_shardings` (a pytree of shardings matching
     `nnx.state(model)`) and `cache_sharding` (one sharding for every cache array [L, B, S, ...])
-    place the weights and the cache for sharded decoding.
+    place the weights and the cache for sharded decoding. `rows`: the rows asked for (default all); the
+    later ones only pad the batch to a multiple of a mesh's token shards, and no statistic counts them.
     """
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
                  pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
-                 param_shardings=None, cache_sharding=None):
+                 param_shardings=None, cache_sharding=None, rows: int | None = None):
         cfg = model.config
         prefill.check_chunk(prefill_chunk)
         cache_dtype = cache_dtype or cfg.compute_dtype
@@ -160,13 +119,16 @@ class Generation:
         slots = bucket_slots(max(t + max_new_tokens + self.depths, prefill.padded_end(t, prefill_chunk)))
         cache = init_cache(cfg, b, slots, cache_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
-        self.steps = _compiled(graphdef, use_mtp, self.sampling, cache_sharding)
+        self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
+        self.rows = b if rows is None else rows
         self._moe_counts_shape = (cfg.num_moe_layers, cfg.num_routed_experts) if cfg.num_moe_layers else None
         self.stats = GenerateStats()
         self._out = np.full((b, t + max_new_tokens), pad_id, np.int32)
         self._out[:, :t] = np.where(np.arange(t)[None] < self.lengths[:, None], self.prompts, pad_id)
         self._count = np.zeros((b,), np.int32)
         self._done = np.zeros((b,), bool)
+        self._all_rows, self._all_active = np.arange(b, dtype=np.int32), np.ones((b,), bool)
+        self._requested = np.arange(b) < self.rows
 
     def _keep(self, tokens_BxK: np.ndarray, n_BxK: np.ndarray) -> StepTokens:
         """Writes each active row's first n tokens, cut at max_new_tokens and after a stop token."""
@@ -180,44 +142,44 @@ class Generation:
                     self._done[row] = True
                     break
             self._done[row] |= self._count[row] >= self.max_new_tokens
-        self.stats.generated_tokens += int(counts.sum())
+        self.stats.generated_tokens += int(counts[self._requested].sum())
         return StepTokens(tokens_BxK, counts)
 
-    def _prefill(self) -> jax.Array:
+    def _prefill(self) -> np.ndarray:
         """Runs the prompt through the cache chunk by chunk; returns the first decode step's tokens."""
         b = self.prompts.shape[0]
         carry = prefill.init_carry(b, self.depths, self._moe_counts_shape)
-        lengths = jnp.asarray(self.lengths)
         for start, width in self.chunks:
-            window = jnp.asarray(prefill.window(self.prompts, start, width, self.depths))
-            carry, self.cache = self.steps.prefill(self.state, self.cache, window, jnp.int32(start), lengths, carry,
-                                                   self.key, width=width)
+            window = prefill.window(self.prompts, start, width, self.depths)
+            (carry, _), self.cache = self.steps.prefill(self.state, self.cache, self._all_rows, window,
+                                                        np.int32(start), self.lengths, carry, None, self.key)
         self.stats.prefill_chunks = len(self.chunks)
         if carry.expert_counts is not None:
             self.stats.prompt_expert_counts = np.asarray(carry.expert_counts)
-        return jnp.concatenate([carry.first[:, None], carry.drafts], axis=1)
+        return np.concatenate([np.asarray(carry.first)[:, None], np.asarray(carry.drafts)], axis=1)
 
     def __iter__(self) -> Iterator[StepTokens]:
         traces_before = dict(self.steps.traces)
         start = time.perf_counter()
         tokens = self._prefill()
-        first = np.asarray(tokens[:, 0])
+        first = tokens[:, 0]
         self.stats.prefill_seconds = time.perf_counter() - start
         self.stats.prefill_traces = self.steps.traces["prefill"] - traces_before.get("prefill", 0)
         yield self._keep(first[:, None], np.ones_like(self._count))
         positions = self.lengths.copy()
         while not self._done.all():
             active, start = ~self._done, time.perf_counter()
-            emitted, accepted, tokens, self.cache = self.steps.decode(self.state, self.cache, tokens, positions,
-                                                                      self.key, np.int32(self.stats.forwards + 1))
+            out, self.cache = self.steps.decode(self.state, self.cache, self._all_rows, tokens, positions,
+                                                self._all_active, None, self.key, np.int32(self.stats.forwards + 1))
             self.stats.decode_traces = self.steps.traces["decode"] - traces_before.get("decode", 0)
-            emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+            emitted, accepted, tokens = np.asarray(out.emitted), np.asarray(out.accepted), out.next_tokens
             seconds = time.perf_counter() - start
             self.stats.forwards += 1
-            self.stats.row_steps += int(active.sum())
-            self.stats.step_tokens += int((accepted + 1)[active].sum())
-            self.stats.proposed_drafts += int(active.sum()) * (emitted.shape[1] - 1)
-            self.stats.accepted_drafts += int(accepted[active].sum())
+            counted = active & self._requested
+            self.stats.row_steps += int(counted.sum())
+            self.stats.step_tokens += int((accepted + 1)[counted].sum())
+            self.stats.proposed_drafts += int(counted.sum()) * (emitted.shape[1] - 1)
+            self.stats.accepted_drafts += int(accepted[counted].sum())
             # finished rows stay in the batch but stop advancing, so their slots stay in the bucket
             positions = np.where(active, positions + accepted + 1, positions).astype(np.int32)
             kept = self._keep(emitted, accepted + 1)
@@ -225,7 +187,7 @@ class Generation:
                 self.stats.first_step_seconds = seconds
             else:
                 self.stats.decode_seconds += seconds
-                self.stats.timed_tokens += int(kept.counts.sum())
+                self.stats.timed_tokens += int(kept.counts[self._requested].sum())
             yield kept
 
     def output(self) -> np.ndarray:
@@ -253,5 +215,5 @@ def generate(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, t
                      cache_dtype=cache_dtype, prefill_chunk=prefill_chunk, **placement)
     for _ in gen:
         pass
-    out = jnp.asarray(gen.output())
+    out = jax.device_put(gen.output())  # a transfer: jnp.asarray would compile a copy per prompt length
     return (out, gen.stats) if return_stats else out

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.inference.decode import model_step, mtp_draft
-from dsv3_jax.inference.sampling import SamplingConfig, sample
+from dsv3_jax.inference.sampling import Draw, TokenLogprobs, draw, penalized_logits, token_logprobs
 from dsv3_jax.model import ModelCache
 
 DEFAULT_CHUNK = 512  # tokens per prefill chunk (a power of two): a short prompt pays one chunk
@@ -62,30 +62,44 @@ class PrefillCarry(NamedTuple):
 
 
 def init_carry(batch: int, depths: int, expert_counts_shape) -> PrefillCarry:
-    counts = None if expert_counts_shape is None else jnp.zeros(expert_counts_shape, jnp.float32)
-    return PrefillCarry(jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, depths), jnp.int32), counts)
+    """Zeros on the host (numpy: nothing to compile)."""
+    counts = None if expert_counts_shape is None else np.zeros(expert_counts_shape, np.float32)
+    return PrefillCarry(np.zeros((batch,), np.int32), np.zeros((batch, depths), np.int32), counts)
 
 
 def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Array, lengths_B: jax.Array,
-                  carry: PrefillCarry, key: jax.Array, *, width: int, sampling: SamplingConfig
-                  ) -> tuple[PrefillCarry, ModelCache]:
-    """One chunk of W = width tokens at positions start .. start + W - 1 (a `window`)."""
-    b = window_BxN.shape[0]
+                  carry: PrefillCarry, d: Draw, *, logprobs: bool = False
+                  ) -> tuple[tuple[PrefillCarry, TokenLogprobs | None], ModelCache]:
+    """One chunk of W tokens at positions start .. start + W - 1 (a `window`, W = N - 1 - M) of
+    prompts `lengths_B` long. With `logprobs`, also the log-probabilities [B, W] of each position's
+    next token (the prompt's, or at a row's last prompt token the sampled one)."""
+    b, n = window_BxN.shape
+    depths = 0 if cache.mtp is None else cache.mtp.latent.shape[0]
+    width, slots = n - 1 - depths, jax.tree.leaves(cache)[0].shape[2]
     rows = jnp.arange(b)
-    positions = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
-    out = model_step(model, cache, window_BxN[:, :width], positions, positions < lengths_B[:, None])
+    index = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+    positions = jnp.minimum(index, slots - 1)  # padding writes stay inside the cache
+    out = model_step(model, cache, window_BxN[:, :width], positions, index < lengths_B[:, None])
     last = lengths_B - 1 - start  # the row's last prompt token, as an index into this chunk
     here = (last >= 0) & (last < width)
     last = jnp.clip(last, 0, width - 1)
-    # The head at each row's last token only: the chunk's other logits are never read, and with
-    # them unused the compiled step drops the [B, W, V] head (a third of a chunk's work at V 8K).
-    first = jnp.where(here, sample(model.logits(out.hidden[rows, last]), key, sampling), carry.first)
+    # Without logprobs, the head at each row's last token only: the chunk's other logits are never
+    # read, and with them unused the compiled step drops the [B, W, V] head.
+    logits_BxV = penalized_logits(out.logits[rows, last] if logprobs else model.logits(out.hidden[rows, last]),
+                                  d.rows)
+    first = jnp.where(here, draw(logits_BxV, d), carry.first)
+    next_BxN = window_BxN[:, 1:].at[rows, last].set(jnp.where(here, first, window_BxN[rows, last + 1]))
     counts = carry.expert_counts
     if counts is not None:
         counts = counts + out.router_stats.expert_counts
     cache, drafts = out.cache, carry.drafts
     if cache.mtp is not None:
-        next_tokens = window_BxN[:, 1:].at[rows, last].set(jnp.where(here, first, window_BxN[rows, last + 1]))
-        new, cache = mtp_draft(model, cache, out.hidden, next_tokens, positions, last, active_B=here)
+        new, cache = mtp_draft(model, cache, out.hidden, next_BxN, positions, last, active_B=here)
         drafts = jnp.where(here[:, None], new, drafts)
-    return PrefillCarry(first, drafts, counts), cache
+    lp = None
+    if logprobs:  # the prompt's tokens by the model itself (none was sampled); the sampled one as drawn
+        lp = token_logprobs(out.logits, next_BxN[:, :width], jnp.zeros((b, width), jnp.float32))
+        drawn = token_logprobs(logits_BxV, first, d.rows.temperature)
+        lp = TokenLogprobs(*(a.at[rows, last].set(jnp.where(here.reshape(-1, *[1] * (x.ndim - 1)), x, a[rows, last]))
+                             for a, x in zip(lp, drawn)))
+    return (PrefillCarry(first, drafts, counts), lp), cache

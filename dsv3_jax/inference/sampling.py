@@ -51,14 +51,18 @@ class SamplingConfig:
         return self.temperature == 0
 
     @property
-    def filters(self) -> dict:
-        """Which filters are on, for `filtered_logits` (known when tracing)."""
-        return {"top_k": self.top_k is not None, "top_p": self.top_p is not None and self.top_p < 1}
+    def filters(self) -> tuple[bool, bool]:
+        """Whether top_k and top_p are on, for `Draw` (known when tracing)."""
+        return self.top_k is not None, self.top_p is not None and self.top_p < 1
 
     def rows(self, batch: int) -> "RowSampling":
         """These settings for every one of `batch` rows."""
         return RowSampling(jnp.full(batch, self.temperature, jnp.float32), jnp.full(batch, self.top_k or 0, jnp.int32),
                            jnp.full(batch, self.top_p or 1.0, jnp.float32), jnp.zeros(batch, jnp.uint32))
+
+    def draw_with(self, key: jax.Array, batch: int) -> "Draw":
+        """generate()'s draw: these settings for every row, the rows keyed by splitting `key`."""
+        return Draw(self.rows(batch), jax.random.split(key, batch), self.greedy, self.filters)
 
 
 class RowSampling(NamedTuple):
@@ -79,6 +83,11 @@ class RowSampling(NamedTuple):
                   np.ones((batch, width), np.float32)) if width else (None, None, None)
         return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32),
                    np.zeros(batch, np.uint32), *tables)
+
+    def draw_at(self, positions_B: jax.Array) -> "Draw":
+        """The engine's draw: row b keyed by (its request's seed, the position of the token drawn), so
+        its draws do not depend on the other rows of the batch."""
+        return Draw(self, row_keys(self.seed, positions_B))
 
     def scalars(self) -> tuple:
         """The [B] parameters (temperature, top_k, top_p, seed), without the penalty tables."""
@@ -128,25 +137,26 @@ def row_keys(seed_B: jax.Array, positions_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, positions_B)
 
 
-def draw(logits_BxV: jax.Array, s: RowSampling, keys_B: jax.Array, **filters) -> jax.Array:
-    """int32 [B] next tokens: argmax for greedy rows, else a draw with row b's key keys_B[b] from
-    its filtered distribution. The one sampler: `sample_rows` (serving) and `sample` (generate())."""
-    drawn = jax.vmap(lambda key, x: jax.random.categorical(key, x))(keys_B, filtered_logits(logits_BxV, s, **filters))
-    greedy = jnp.argmax(logits_BxV, axis=-1)
-    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+class Draw(NamedTuple):
+    """How a step draws: every row's parameters and key. `greedy` (no row samples: no distribution
+    is computed) and `filters` (top_k, top_p: whether any row uses each) are known when tracing."""
+
+    rows: RowSampling
+    keys: jax.Array  # [B]: in the engine from (seed, position), in generate() split from the step's key
+    greedy: bool = False
+    filters: tuple[bool, bool] = (True, True)
 
 
-def sample_rows(logits_BxV: jax.Array, s: RowSampling, positions_B: jax.Array) -> jax.Array:
-    """The engine's draw: row b keyed by (its request's seed, the position of the token drawn)."""
-    return draw(logits_BxV, s, row_keys(s.seed, positions_B))
-
-
-def sample(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """generate()'s draw: int32 [B] next tokens, the rows keyed by splitting `key`."""
-    b = logits_BxV.shape[0]
-    if cfg.greedy:  # known when tracing: no filters to compute
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    return draw(logits_BxV, cfg.rows(b), jax.random.split(key, b), **cfg.filters)
+def draw(logits_BxV: jax.Array, d: Draw) -> jax.Array:
+    """int32 [B] next tokens: argmax for greedy rows, else a draw with row b's key from its filtered
+    distribution. The one sampler of generate() and the engine."""
+    greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    if d.greedy:
+        return greedy
+    top_k, top_p = d.filters
+    x = filtered_logits(logits_BxV, d.rows, top_k=top_k, top_p=top_p)
+    drawn = jax.vmap(lambda key, x: jax.random.categorical(key, x))(d.keys, x)
+    return jnp.where(d.rows.temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
 MAX_LOGPROBS = 20  # OpenAI's ceiling for `logprobs` / `top_logprobs`: every step returns this many

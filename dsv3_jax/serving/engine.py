@@ -263,10 +263,8 @@ class Engine:
         return restores
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
-        start, valid, width = request.chunks[0]
-        following = request.prompt[start + valid] if start + valid < len(request.prompt) else -1
-        out = self.runner.prefill_chunk(slot, np.asarray(request.prompt[start:start + valid], np.int32), start,
-                                        width, sampling, following)
+        start, valid, _ = request.chunks[0]
+        out = self.runner.prefill_chunk(slot, request.prompt, start, sampling)
         if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
             key = self.prefix.wants(request.prompt, start // self.runner.chunk)
             if key is not None:

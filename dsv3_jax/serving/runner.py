@@ -5,11 +5,12 @@ with MTP speculation (each slot feeds its last token and M drafts; `inference.sp
 Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
 M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
 
-All model math is the model's own forward with a cache, through `dsv3_jax.inference.decode`'s
-`model_step` and `mtp_draft`, the steps `generate()` runs; prompts are cut into chunks by
-`dsv3_jax.inference.prefill.plan`, as `generate()` cuts them. Each call's tokens attend to the
-cache slots before their positions and to each other. Only the slot's rows [1, S] of the cache are
-cut out for a prefill chunk and written back, so the other slots' rows are never touched. The cache holds stale entries at positions a row has not
+The steps are the inference core's (`dsv3_jax.inference.steps`: `prefill.prefill_chunk` and
+`steps.decode_step`, the ones `generate()` runs), with per-row sampling, penalties and
+log-probabilities switched on; prompts are cut into chunks by `dsv3_jax.inference.prefill.plan`, as
+`generate()` cuts them. Each call's tokens attend to the cache slots before their positions and to
+each other. Only the slot's rows [1, S] of the cache are cut out for a prefill chunk and written
+back, so the other slots' rows are never touched. The cache holds stale entries at positions a row has not
 reached; attention never reads them (see `dsv3_jax.inference.cache`), so a freed slot needs no
 clearing and idle rows of the decode step may write anywhere at or past their frontier.
 
@@ -39,15 +40,12 @@ import functools
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv3_jax.inference import init_cache, model_step, mtp_draft
-from dsv3_jax.inference import prefill as chunking
+from dsv3_jax.inference import init_cache, prefill, steps
 from dsv3_jax.inference.cache import CACHE_DTYPES, cache_sharding, token_shards  # noqa: F401 (re-exported)
-from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs, penalized_logits, sample_rows, token_logprobs
-from dsv3_jax.inference.speculative import accept_slots
+from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.penalties import table_width
 
 
@@ -63,11 +61,6 @@ class PrefillResult(NamedTuple):
     next_tokens: np.ndarray  # int32 [K]: the sampled next token, then the MTP drafts that follow it
     logprobs: TokenLogprobs  # numpy [W] / [W, N]: entry i of the token after chunk position i (the prompt's
     # next token, or at the prompt's last position the sampled one); entries past the valid ones are padding
-
-
-def chunk_buckets(chunk: int) -> tuple[int, ...]:
-    """Chunk widths a prefill compiles for: those `prefill.plan` uses (`chunk` alone)."""
-    return tuple(sorted({chunking.plan(n, chunk)[-1][1] for n in range(1, chunk + 1)}))
 
 
 def decode_buckets(max_batch: int, multiple: int = 1) -> tuple[int, ...]:
@@ -87,36 +80,18 @@ def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([active, np.flatnonzero(~active_B)[:n - len(active)]]).astype(np.int32)
 
 
-def _rows(cache, slot):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
-
-
-def _put_rows(cache, rows, slot):
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1), cache, rows)
-
-
 @functools.partial(jax.jit, static_argnames="width")
 def _read_block(cache, slot, start, *, width):
     """The slot's cache rows at positions start .. start + width - 1: [L, 1, W, ...] per array."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(_rows_of(a, slot), start, width, axis=2), cache)
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (0, slot, start) + (0,) * (a.ndim - 3),
+                                                        (a.shape[0], 1, width) + a.shape[3:]), cache)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="sharding")
 def _write_block(cache, block, slot, start, *, sharding=None):
     def put(a, b):
         return jax.lax.dynamic_update_slice(a, b, (0, slot, start) + (0,) * (a.ndim - 3))
-    return _constrain(jax.tree.map(put, cache, block), sharding)
-
-
-def _constrain(cache, sharding):
-    """The cache in `sharding` (on a mesh): what a step returns is what the next one takes."""
-    if sharding is None:
-        return cache
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache)
-
-
-def _rows_of(a, slot):
-    return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+    return steps._constrain(jax.tree.map(put, cache, block), sharding)
 
 
 class Runner:
@@ -135,14 +110,14 @@ class Runner:
                              f"got {max_seq_len}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        chunking.check_chunk(chunk)
+        prefill.check_chunk(chunk)
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
-        self.cache_dtype, self.buckets = cache_dtype, chunk_buckets(chunk)
+        self.cache_dtype = cache_dtype
         self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
         shards = token_shards(mesh)
-        if max_batch % shards or self.buckets[0] % shards:
+        if max_batch % shards or chunk % shards:
             raise ValueError(f"on this mesh a step's tokens are split over {shards} devices (data x fsdp x expert): "
-                             f"max_batch={max_batch} and the smallest prefill width {self.buckets[0]} (chunk={chunk}) "
+                             f"max_batch={max_batch} and the prefill width chunk={chunk} "
                              f"must be multiples of {shards}")
         self.decode_buckets = decode_buckets(max_batch, shards)
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
@@ -150,7 +125,8 @@ class Runner:
         self.penalty_width = table_width(self.context)  # columns of RowSampling's penalty tables
         graphdef, self.state = nnx.split(model)
         self.reset()
-        self._prefill, self._decode = _compiled(graphdef, max_seq_len, use_mtp, self.cache_sharding)
+        self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, logprobs=True), self.cache_sharding)
+        self._moe_counts_shape = (cfg.num_moe_layers, cfg.num_routed_experts) if cfg.num_moe_layers else None
 
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""
@@ -165,22 +141,22 @@ class Runner:
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
-        return [(start, min(width, length - start), width) for start, width in chunking.plan(length, self.chunk)]
+        return [(start, min(width, length - start), width) for start, width in prefill.plan(length, self.chunk)]
 
-    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, width: int, sampling: RowSampling,
-                      following: int = -1) -> PrefillResult:
-        """Writes `tokens` (positions start ..) into the slot's rows. `following`: the prompt token
-        after this chunk, -1 for the last chunk. Returns the sampled next token (kept by the caller
-        only after the last chunk) with its MTP drafts, and the chunk's next-token log-probabilities."""
-        padded = np.zeros((2, width + 1), np.int32)  # row 0 the chunk, row 1 the chunk shifted left
-        padded[0, :len(tokens)] = tokens
-        padded[1, :len(tokens) - 1] = tokens[1:]
+    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int, sampling: RowSampling) -> PrefillResult:
+        """Writes the prompt's chunk at `start` into the slot's rows. Returns the sampled next token
+        (kept by the caller only after the last chunk) with its MTP drafts, and the chunk's
+        next-token log-probabilities."""
+        prompt = np.asarray(prompt, np.int32)[None]
+        window = prefill.window(prompt, start, self.chunk, self.drafts)
         row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
+        carry = prefill.init_carry(1, self.drafts, self._moe_counts_shape)
         with self._on_mesh():
-            out, self.cache = self._prefill(self.state, self.cache, padded[:, :width], np.int32(slot),
-                                            np.int32(start), np.int32(len(tokens)), np.int32(following), row)
-        nxt, logprobs = jax.device_get(out)
-        return PrefillResult(nxt, TokenLogprobs(*logprobs))
+            out, self.cache = self.steps.prefill(self.state, self.cache, np.array([slot], np.int32), window,
+                                                 np.int32(start), np.array([prompt.shape[1]], np.int32), carry, row,
+                                                 None)
+        (carry, logprobs) = jax.device_get(out)
+        return PrefillResult(np.concatenate([carry.first, carry.drafts[0]]), TokenLogprobs(*(a[0] for a in logprobs)))
 
     def read_block(self, slot: int, start: int):
         """A copy of the slot's cache rows at positions start .. start + chunk - 1 (a prefix block)."""
@@ -200,7 +176,7 @@ class Runner:
         picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
         out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
                          np.asarray(active_B, bool)[rows_N], picked)
-        emitted_N, accepted_N, nxt_N, counts, logprobs_N = jax.device_get(out)
+        emitted_N, accepted_N, nxt_N, counts, logprobs_N = jax.device_get(tuple(out))
         emitted, accepted, nxt, *logprobs = (_scatter_rows(a, rows_N, self.max_batch)
                                              for a in (emitted_N, accepted_N, nxt_N, *logprobs_N))
         return StepResult(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
@@ -208,16 +184,15 @@ class Runner:
     def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
         """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
         with self._on_mesh():
-            out, self.cache = self._decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N,
-                                           sampling)
+            out, self.cache = self.steps.decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N,
+                                                sampling, None, None)
         return out
 
     def warm_up(self) -> None:
         """Compiles every prefill width and decode bucket (on idle slots: their rows hold nothing yet)."""
         b = self.max_batch
         greedy = RowSampling.greedy(b, self.penalty_width)
-        for w in self.buckets:
-            self.prefill_chunk(0, np.zeros(w, np.int32), 0, w, greedy)
+        self.prefill_chunk(0, np.zeros(self.chunk, np.int32), 0, greedy)
         for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
             self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
                        np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width))
@@ -230,57 +205,3 @@ def _scatter_rows(a_NxX: np.ndarray, rows_N: np.ndarray, batch: int) -> np.ndarr
     out = np.zeros((batch, *a_NxX.shape[1:]), a_NxX.dtype)
     out[rows_N] = a_NxX
     return out
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled(graphdef, max_seq_len: int, use_mtp: bool, cache_sharding=None):
-    def prefill(state, cache, tokens_2xW, slot, start, valid, following, sampling):
-        model = nnx.merge(graphdef, state)
-        tokens, shifted = tokens_2xW[:1], tokens_2xW[1:]
-        index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        positions = jnp.minimum(start + index, max_seq_len - 1)  # padding writes stay inside the cache
-        out = model_step(model, _rows(cache, slot), tokens, positions, index < valid)
-        last = penalized_logits(jax.lax.dynamic_index_in_dim(out.logits[0], valid - 1, keepdims=True), sampling)
-        token = sample_rows(last, sampling, (start + valid)[None])
-        rows, nxt = out.cache, token[:, None]
-        after = jnp.where(following >= 0, following, token[0])  # the token after the chunk's last one
-        next_1xW = shifted.at[0, valid - 1].set(after)
-        # the prompt's tokens by the model itself (none was sampled: no temperature, no penalties); the
-        # sampled one as it was drawn
-        logprobs = token_logprobs(out.logits[0], next_1xW[0], jnp.zeros(next_1xW[0].shape, jnp.float32))
-        drawn = token_logprobs(last, token, sampling.temperature)
-        logprobs = TokenLogprobs(*(a.at[valid - 1].set(jnp.where(following >= 0, a[valid - 1], d[0]))
-                                   for a, d in zip(logprobs, drawn)))
-        if use_mtp:  # the MTP depths read t_{i+1} at i: the next prompt token, or the sampled one
-            depths = rows.mtp.latent.shape[0]
-            next_1xN = jnp.pad(next_1xW, ((0, 0), (0, depths)))
-            drafts, rows = mtp_draft(model, rows, out.hidden, next_1xN, positions, (valid - 1)[None])
-            nxt = jnp.concatenate([nxt, drafts], axis=1)
-        return (nxt[0], logprobs), _constrain(_put_rows(cache, rows, slot), cache_sharding)
-
-    def decode(state, cache, rows_N, tokens_NxK, positions_N, active_N, sampling):
-        whole = rows_N.shape[0] == jax.tree.leaves(cache)[0].shape[1]  # then rows_N is every slot, in order
-        picked = cache if whole else jax.tree.map(lambda a: jnp.take(a, rows_N, axis=1), cache)
-        out, picked = _decode_rows(nnx.merge(graphdef, state), picked, tokens_NxK, positions_N, active_N, sampling)
-        cache = picked if whole else jax.tree.map(lambda a, r: a.at[:, rows_N].set(r), cache, picked)
-        return out, _constrain(cache, cache_sharding)
-
-    def _decode_rows(model, cache, tokens_BxK, positions_B, active_B, sampling):
-        b, k = tokens_BxK.shape
-        positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
-        out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))
-        counts = None if out.router_stats is None else out.router_stats.expert_counts
-        logits = penalized_logits(out.logits, sampling)
-        if not use_mtp:
-            token = sample_rows(logits[:, 0], sampling, positions_B + 1)[:, None]
-            logprobs = token_logprobs(logits, token, sampling.temperature[:, None])
-            return (token, jnp.zeros_like(positions_B), token, counts, logprobs), out.cache
-        emitted, accepted = accept_slots(logits, tokens_BxK[:, 1:], sampling, positions_B)
-        # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
-        next_BxN = jnp.pad(emitted, ((0, 0), (0, k - 1)))
-        drafts, cache = mtp_draft(model, out.cache, out.hidden, next_BxN, positions_BxK, accepted)
-        last = emitted[jnp.arange(b), accepted]
-        logprobs = token_logprobs(logits, emitted, jnp.broadcast_to(sampling.temperature[:, None], (b, k)))
-        return (emitted, accepted, jnp.concatenate([last[:, None], drafts], axis=1), counts, logprobs), cache
-
-    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)

@@ -1,5 +1,7 @@
 """Tiny fp32 models with O(1) logits (so greedy choices are not near-ties) and their references."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,23 @@ from flax import nnx
 from dsv3_jax import DeepSeekV3, ModelConfig
 
 VOCAB = 64
+
+
+@contextlib.contextmanager
+def jax_compiles():
+    """Every jit trace and backend compile (jax's own compile events, any thread) during the block."""
+    events = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    seen = []
+
+    def listener(event, seconds, **kwargs):
+        if event in events:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def tiny_config(**overrides) -> ModelConfig:

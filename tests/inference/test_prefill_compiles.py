@@ -5,9 +5,9 @@ import pytest
 from flax import nnx
 
 from dsv3_jax import DeepSeekV3
-from dsv3_jax.inference import Generation
+from dsv3_jax.inference import Generation, generate
 from dsv3_jax.inference.prefill import plan
-from tests.inference.conftest import tiny_config
+from tests.inference.conftest import VOCAB, jax_compiles, tiny_config
 
 CHUNK = 64
 
@@ -46,3 +46,20 @@ def test_100_prompt_lengths_compile_one_prefill_and_one_decode_per_cache_bucket(
     for _ in gen:
         pass
     assert gen.stats.prefill_traces == 0  # a new length in a known bucket reuses its compiled chunk
+
+
+@pytest.mark.parametrize("use_mtp", [False, True])
+def test_a_new_prompt_length_in_a_compiled_bucket_compiles_nothing(use_mtp):
+    """Not the steps, nor any small program around them: padding and positions are host numpy."""
+    model = DeepSeekV3(tiny_config(), rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(1)
+
+    def run(length, **kw):
+        prompts = rng.randint(0, VOCAB, (2, length)).astype(np.int32)
+        return generate(model, prompts, 3, lengths=np.array([length, 1]), prefill_chunk=16, use_mtp=use_mtp, **kw)
+
+    run(20, temperature=0.7)  # 20 + 3 new tokens: the 32-slot bucket, two chunks
+    with jax_compiles() as compiles:
+        for length in (17, 22, 27):  # + 3 new + 1 draft: all in the 32-slot bucket
+            run(length, temperature=0.7)
+    assert compiles == []

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dsv3_jax.inference import SamplingConfig, generate
-from dsv3_jax.inference.sampling import sample
+from dsv3_jax.inference.sampling import draw
 from tests.inference.conftest import VOCAB
 
 
@@ -32,7 +32,7 @@ def numpy_support(logits_BxV: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
 def test_samples_stay_in_numpy_support(cfg):
     logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 48))) * 2
     keys = jax.random.split(jax.random.key(1), 3000)
-    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample(jnp.asarray(logits), k, cfg)))(keys))  # [N, B]
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: draw(jnp.asarray(logits), cfg.draw_with(k, 6))))(keys))  # [N, B]
     support = numpy_support(logits, cfg)
     rows = np.broadcast_to(np.arange(6), tokens.shape)
     assert support[rows, tokens].all(), "a token outside the top-k / top-p set was sampled"
@@ -43,7 +43,7 @@ def test_samples_stay_in_numpy_support(cfg):
 
 def test_greedy_is_argmax_and_bad_settings_are_named():
     logits = jax.random.normal(jax.random.key(2), (4, 32))
-    np.testing.assert_array_equal(sample(logits, jax.random.key(0), SamplingConfig()), np.argmax(logits, -1))
+    np.testing.assert_array_equal(draw(logits, SamplingConfig().draw_with(jax.random.key(0), 4)), np.argmax(logits, -1))
     for kw, field in [(dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p")]:
         with pytest.raises(ValueError, match=field):
             SamplingConfig(**kw)

@@ -66,7 +66,7 @@ def test_speculative_acceptance_keeps_the_target_distribution(sampling):
     logits = jax.random.normal(jax.random.key(0), (1, 3, 12)) * 1.5
     drafts = jnp.array([[int(jnp.argsort(logits[0, 0])[-2]), 3]], jnp.int32)  # a likely but not top draft
     keys = jax.random.split(jax.random.key(1), 20000)
-    emitted, accepted = jax.jit(jax.vmap(lambda k: accept(logits, drafts, k, sampling)))(keys)
+    emitted, accepted = jax.jit(jax.vmap(lambda k: accept(logits, drafts, sampling.draw_with(k, 1))))(keys)
     freq = np.bincount(np.asarray(emitted[:, 0, 0]), minlength=12) / len(keys)
     x = np.asarray(logits[0, 0], np.float64) / sampling.temperature
     keep = np.ones(12, bool)

@@ -18,7 +18,7 @@ from dsv3_jax.inference import generate
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
 from dsv3_jax.serving.engine import EngineFailed
 from tests.helpers import free_port
-from tests.inference.conftest import VOCAB, tiny_config
+from tests.inference.conftest import VOCAB, jax_compiles, tiny_config
 
 MAX_BATCH, CHUNK = 8, 16
 
@@ -46,23 +46,6 @@ def queue_limit(engine, max_queue: int):
         yield
     finally:
         engine.max_queue = before
-
-
-@contextlib.contextmanager
-def jax_compiles():
-    """Every jit trace and backend compile (jax's own compile events, any thread) during the block."""
-    events = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-    seen = []
-
-    def listener(event, seconds, **kwargs):
-        if event in events:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class Collector:
@@ -94,8 +77,8 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     assert compiles == [], "warm-up must compile every shape a request meets"
     assert engine.slots_in_use() == 0 and engine.queue_length() == 0
     runner = engine.runner  # compiled once per prefill width and decode bucket (at warm-up), whatever the lengths
-    assert runner._prefill._cache_size() == len(runner.buckets)
-    assert runner._decode._cache_size() == len(runner.decode_buckets) == 4  # 1, 2, 4, 8 rows
+    assert runner.steps.prefill._cache_size() == 1
+    assert runner.steps.decode._cache_size() == len(runner.decode_buckets) == 4  # 1, 2, 4, 8 rows
     for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
         alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
         assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
