@@ -161,7 +161,8 @@ def main(argv=None) -> None:
                          top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
-                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules))
+                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
+                         rows=len(args.prompt))
     except (ValueError, OSError) as e:
         sys.exit(cli.fail(e))
     if run:

@@ -1,6 +1,7 @@
 """`python -m experiments.generate --mesh ...` loads the weights onto a device mesh (4 fake CPU
 devices) shard by shard; greedy decoding gives the text of the single-device load."""
 
+import re
 import subprocess
 import sys
 
@@ -8,18 +9,22 @@ from tests.inference.test_cli import HF_DIR, ROOT, char_tokenizer
 from tests.sharding import workers
 
 
-def _generate(tok, devices: int, *flags) -> str:
+def _generate(tok, devices: int, *flags) -> list[str]:
     env = workers.fake_device_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}",
            "--prompt=hello world", "--max_new_tokens=6", "--cache_dtype=float32", "--dtype=float32", *flags]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout.splitlines()[0]
+    return res.stdout.splitlines()
 
 
 def test_mesh_load_generates_the_same_text(tmp_path):
+    """... and counts the same tokens: not the rows that pad the one prompt to the mesh's 4 shards."""
     tok = char_tokenizer(tmp_path / "tokenizer.json")
-    assert _generate(tok, 4, "--mesh=fsdp=2,expert=2") == _generate(tok, 1)
+    mesh, alone = _generate(tok, 4, "--mesh=fsdp=2,expert=2"), _generate(tok, 1)
+    assert mesh[0] == alone[0]
+    timed = [int(re.search(r"then (\d+) tokens in", "\n".join(out)).group(1)) for out in (mesh, alone)]
+    assert timed[0] == timed[1] > 0, timed
 
 
 def test_bad_mesh_flag_is_a_usage_error(tmp_path):
