@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax.inference import prefill, steps
-from dsv3_jax.inference.cache import CACHE_DTYPES, bucket_slots, init_cache
+from dsv3_jax.inference.cache import bucket_slots, init_cache
 from dsv3_jax.inference.sampling import SamplingConfig
 from dsv3_jax.model.transformer import check_tokens
 
@@ -64,7 +64,7 @@ class StepTokens(NamedTuple):
     counts: np.ndarray  # int32 [B]
 
 
-def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp, cache_dtype):
+def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp):
     cfg = model.config
     prompts = np.asarray(prompts)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
@@ -85,8 +85,6 @@ def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp, cac
         raise ValueError(f"stop_tokens {bad} lie outside [0, vocab_size={cfg.vocab_size})")
     if use_mtp and model.mtp is None:
         raise ValueError("use_mtp=True needs a model with MTP modules (config num_mtp_layers >= 1)")
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
     return prompts.astype(np.int32), lengths
 
 
@@ -106,8 +104,7 @@ class Generation:
         cfg = model.config
         prefill.check_chunk(prefill_chunk)
         cache_dtype = cache_dtype or cfg.compute_dtype
-        self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp,
-                                               cache_dtype)
+        self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp)
         self.max_new_tokens, self.stop_tokens, self.pad_id = max_new_tokens, tuple(int(s) for s in stop_tokens), pad_id
         self.sampling = SamplingConfig(float(temperature), top_k, top_p)
         self.key = jax.random.key(seed)
@@ -121,7 +118,7 @@ class Generation:
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
         self.rows = b if rows is None else rows
-        self._moe_counts_shape = (cfg.num_moe_layers, cfg.num_routed_experts) if cfg.num_moe_layers else None
+        self.model_config = cfg
         self.stats = GenerateStats()
         self._out = np.full((b, t + max_new_tokens), pad_id, np.int32)
         self._out[:, :t] = np.where(np.arange(t)[None] < self.lengths[:, None], self.prompts, pad_id)
@@ -148,7 +145,7 @@ class Generation:
     def _prefill(self) -> np.ndarray:
         """Runs the prompt through the cache chunk by chunk; returns the first decode step's tokens."""
         b = self.prompts.shape[0]
-        carry = prefill.init_carry(b, self.depths, self._moe_counts_shape)
+        carry = prefill.init_carry(self.model_config, b, self.depths)
         for start, width in self.chunks:
             window = prefill.window(self.prompts, start, width, self.depths)
             (carry, _), self.cache = self.steps.prefill(self.state, self.cache, self._all_rows, window,

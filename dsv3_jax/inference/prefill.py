@@ -61,9 +61,9 @@ class PrefillCarry(NamedTuple):
     expert_counts: jax.Array | None  # float32 [L_moe, E] prompt tokens routed per expert, summed
 
 
-def init_carry(batch: int, depths: int, expert_counts_shape) -> PrefillCarry:
+def init_carry(cfg, batch: int, depths: int) -> PrefillCarry:
     """Zeros on the host (numpy: nothing to compile)."""
-    counts = None if expert_counts_shape is None else np.zeros(expert_counts_shape, np.float32)
+    counts = np.zeros((cfg.num_moe_layers, cfg.num_routed_experts), np.float32) if cfg.num_moe_layers else None
     return PrefillCarry(np.zeros((batch,), np.int32), np.zeros((batch, depths), np.int32), counts)
 
 

@@ -49,14 +49,6 @@ from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.penalties import table_width
 
 
-class StepResult(NamedTuple):
-    emitted: np.ndarray  # int32 [B, K]: slot b's new tokens are emitted[b, :accepted[b] + 1]
-    accepted: np.ndarray  # int32 [B]: drafts accepted (0 without speculation)
-    next_tokens: np.ndarray  # int32 [B, K]: what each slot feeds next step (last token, drafts)
-    expert_counts: np.ndarray | None  # float32 [L_moe, E]: tokens of active slots routed per expert
-    logprobs: TokenLogprobs | None = None  # numpy [B, K] / [B, K, N]: of emitted[b, i] (`token_logprobs`)
-
-
 class PrefillResult(NamedTuple):
     next_tokens: np.ndarray  # int32 [K]: the sampled next token, then the MTP drafts that follow it
     logprobs: TokenLogprobs  # numpy [W] / [W, N]: entry i of the token after chunk position i (the prompt's
@@ -103,8 +95,6 @@ class Runner:
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
         cache_dtype = cache_dtype or cfg.compute_dtype
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
         if not 2 <= max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len must lie in [2, max_position_embeddings={cfg.max_position_embeddings}], "
                              f"got {max_seq_len}")
@@ -126,7 +116,6 @@ class Runner:
         graphdef, self.state = nnx.split(model)
         self.reset()
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, logprobs=True), self.cache_sharding)
-        self._moe_counts_shape = (cfg.num_moe_layers, cfg.num_routed_experts) if cfg.num_moe_layers else None
 
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""
@@ -150,7 +139,7 @@ class Runner:
         prompt = np.asarray(prompt, np.int32)[None]
         window = prefill.window(prompt, start, self.chunk, self.drafts)
         row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
-        carry = prefill.init_carry(1, self.drafts, self._moe_counts_shape)
+        carry = prefill.init_carry(self.config, 1, self.drafts)
         with self._on_mesh():
             out, self.cache = self.steps.prefill(self.state, self.cache, np.array([slot], np.int32), window,
                                                  np.int32(start), np.array([prompt.shape[1]], np.int32), carry, row,
@@ -169,9 +158,9 @@ class Runner:
             self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start), sharding=self.cache_sharding)
 
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
-               sampling: RowSampling) -> StepResult:
+               sampling: RowSampling) -> steps.StepOut:
         """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b].
-        Rows of inactive slots in the result are zeros."""
+        Numpy results, the rows of inactive slots zeros."""
         rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets)
         picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
         out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
@@ -179,7 +168,7 @@ class Runner:
         emitted_N, accepted_N, nxt_N, counts, logprobs_N = jax.device_get(tuple(out))
         emitted, accepted, nxt, *logprobs = (_scatter_rows(a, rows_N, self.max_batch)
                                              for a in (emitted_N, accepted_N, nxt_N, *logprobs_N))
-        return StepResult(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
+        return steps.StepOut(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
 
     def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
         """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
