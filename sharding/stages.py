@@ -78,9 +78,6 @@ def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: 
     # the all_to_all below would index a stage's own layers by global layer numbers.
     dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
 
-    def in_spec(a, d):
-        return P() if d is None else P(*([None] * d), axis)
-
     def body(*local):
         stage = jax.lax.axis_index(axis)
         out = []
@@ -91,7 +88,7 @@ def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: 
                 out.append(jax.lax.all_to_all(a[index], axis, 0, d, tiled=True))
         return tuple(out)
 
-    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_spec(a, d) for a, d in zip(leaves, dim_of)),
+    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(P() if d is None else P(*([None] * d), axis) for d in dim_of),
                           out_specs=tuple(P(axis) for _ in leaves), axis_names={axis}, check_vma=False)(*leaves)
     return jax.tree.unflatten(treedef, moved)
 
