@@ -81,21 +81,19 @@ def main(argv=None) -> int:
 
     try:
         if args.to_hf:
-            from dsv3_jax.checkpoint import run_folder
-            from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf
+            from dsv3_jax.checkpoint import lora_export, run_folder
+            from dsv3_jax.checkpoint.orbax_to_hf import convert_orbax_to_hf, export_run
 
             kw = dict(fp8_out=args.fp8, dtype=args.dtype, shard_bytes=args.shard_size, progress=not args.no_progress,
                       overwrite=args.overwrite)
             run = run_folder.find(args.ckpt)  # a training run's folder or step: exported with its tokenizer
             if args.adapter_only:
-                from dsv3_jax.checkpoint import lora_export
-
                 if run is None:
                     raise CheckpointError(f"--adapter_only needs a LoRA training run's folder; {args.ckpt} is none")
                 summary = lora_export.export_adapter(run, args.out, overwrite=args.overwrite, base=args.base)
                 logging.info("wrote %s", summary)
                 return 0
-            summary = run_folder.export_hf(run, args.out, **kw) if run else convert_orbax_to_hf(args.ckpt, args.out, **kw)
+            summary = export_run(run, args.out, **kw) if run else convert_orbax_to_hf(args.ckpt, args.out, **kw)
         else:
             from dsv3_jax.checkpoint.hf_to_orbax import convert_hf_to_orbax
 

@@ -15,6 +15,7 @@ raised from the headers before anything is read.
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -25,11 +26,11 @@ from tqdm.auto import tqdm
 
 import sharding
 from dsv3_jax import paths
-from dsv3_jax.checkpoint import fp8, hf_names, orbax_layout, quantized, run_folder
+from dsv3_jax.checkpoint import fp8, hf_names, integrity, lora_export, orbax_layout, quantized, run_folder
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import DeepSeekV3
+from dsv3_jax.model import DeepSeekV3, lora
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import RouterBias, logical_axes
 from dsv3_jax.ops import quant
@@ -162,10 +163,11 @@ def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[Mo
     return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
 
 
-def restore_variables(item_dir: str, variables: dict, keys: dict, place) -> None:
+def restore_variables(item_dir: str, variables: dict, keys: dict, place, step: int | None = None) -> None:
     """Orbax restore of the arrays `keys` names ({variable path: key path in the item at `item_dir`}),
     each straight into `place(path, var)`'s sharding (a process reads only its devices' shards),
-    set into `variables` (the abstract model's). One path for converted checkpoints and runs."""
+    set into `variables` (the abstract model's). One path for converted checkpoints and runs; a
+    training step's arrays (`step`) are checked against its checksums (`integrity`)."""
     import orbax.checkpoint as ocp
 
     target: dict = {}
@@ -179,10 +181,16 @@ def restore_variables(item_dir: str, variables: dict, keys: dict, place) -> None
         try:
             restored = ckptr.restore(item_dir, ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(f"{item_dir} does not hold this model's parameters ({e})") from None
+        except Exception as e:  # a damaged file: Orbax passes TensorStore's error on as a bare Exception
+            damaged = integrity.from_read_error(step, item_dir, e)
+            if damaged is None and not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
+                raise
+            raise damaged or CheckpointError(f"{item_dir} does not hold this model's parameters ({e})") from None
     by_key = {tuple(k.key for k in keypath): value
               for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    manifest = integrity.read_manifest(paths.parent(item_dir)) if step is not None else None
+    if manifest is not None:
+        integrity.check(step, item_dir, manifest, {".".join(key): by_key[key] for key in keys.values()})
     for p, key in keys.items():
         variables[p].set_value(by_key[key])
 
@@ -289,7 +297,7 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, **co
     _, model = _abstract_model(run.model_config(), dtype, config_overrides)
     variables = _variables(model)
     keys = {p: ("router_bias" if isinstance(var, RouterBias) else "params",) + p for p, var in variables.items()}
-    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules))
+    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules), run.step)
     return model
 
 
@@ -305,6 +313,35 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
         window = _fp8_item_window(reader, leaf.path, target)
         var.set_value(build_array(var.shape, target, place(leaf.path, var),
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
+
+
+def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, **overrides) -> DeepSeekV3:
+    """A LoRA run's model with its adapters unmerged (the model training ran): the base as
+    `load_run` reads it, the run's adapters (`section`: its lora config) put on and filled from the step."""
+    fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts", "base_weights", "base_quantize")
+              if k in section}
+    cfg = lora.LoRAConfig(**fields)
+    model = _quantized_base(run, cfg, dtype, overrides) if cfg.quantized else load_run(run, dtype, **overrides)
+    lora.apply(model, cfg)
+    params = run_folder.StateParams(run)
+    for var_path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.LoRAParam):
+            var[...] = params.read(tuple(str(p) for p in var_path)).astype(var.dtype)
+    return model
+
+
+def _quantized_base(run, cfg, dtype, overrides):
+    """A QLoRA run's base, quantized as the run held it: the run's --init_from loaded with its
+    `base_weights` (the same quantization as the stored q and scales: deterministic)."""
+    with open(os.path.join(run.run_dir, "config.json")) as f:
+        init_from = json.load(f).get("train", {}).get("init_from")
+    if init_from and lora_export.is_peft_folder(init_from):  # started from a PEFT folder: its base
+        init_from = lora_export.peft_lora_config(init_from)["base"]
+    if not init_from or not os.path.exists(init_from):
+        raise CheckpointError(f"{run.run_dir} is a QLoRA run (lora.base_weights={cfg.base_weights}) whose base "
+                              f"--init_from={init_from!r} is no longer there; export it merged instead "
+                              f"(python -m dsv3_jax.convert --to-hf --ckpt={run.run_dir} --out=DIR)")
+    return load_pretrained(init_from, dtype, **cfg.load_kwargs(), **overrides)
 
 
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None, weights: str | None = None,
@@ -331,16 +368,14 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     if quantization is None and quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
-        from dsv3_jax.checkpoint import lora_export
-
-        if lora_export.lora_section(run.run_dir) is not None:  # a LoRA run: its base with its adapters
+        if (section := lora_export.lora_section(run.run_dir)) is not None:  # a LoRA run: its base with its adapters
             if mesh is not None:
                 raise CheckpointError(f"{path} is a LoRA run, which loads on one device; for a mesh export it "
                                       f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
             if quantization is not None:
                 raise CheckpointError(f"{path} is a LoRA run; to load it with weights={weights!r} export it merged "
                                       f"first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
-            return lora_export.load_adapted(path, dtype, **config_overrides)
+            return load_lora_run(run, section, dtype, **config_overrides)
         model = load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
         if quantization is not None:  # a run's state restores whole leaves (sharded); quantized one leaf at a time
             model_quant.quantize_model(model, quantization.fmt, quantization.targets, quantization.group)

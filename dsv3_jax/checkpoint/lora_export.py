@@ -22,6 +22,7 @@ import re
 import numpy as np
 
 from dsv3_jax.checkpoint import hf_names
+from dsv3_jax.checkpoint.run_folder import StateParams, check_step
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.model.lora import low_rank_delta
 
@@ -147,13 +148,12 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
     """PEFT folder `out` (adapter_config.json, adapter_model.safetensors) with the run's adapters."""
     from safetensors.numpy import save_file
 
-    from dsv3_jax.checkpoint.run_folder import StateParams
-
     section = lora_section(run.run_dir)
     if section is None:
         raise CheckpointError(f"{run.run_dir} is not a LoRA run (its config.json has no lora section)")
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
+    check_step(run)
     params = StateParams(run)
     tensors = peft_tensors(run.model_config(), params, params.keys)
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
@@ -162,47 +162,6 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(peft_config(section, modules, base), f, indent=2)
     return {"out": out, "tensors": len(tensors), "modules": len(modules), "step": run.step}
-
-
-def load_adapted(path, dtype=None, **overrides):
-    """A LoRA run's model with its adapters unmerged (the model training ran): the base as
-    `load.load_run` reads it, the run's adapters put on and filled from the step."""
-    from flax import nnx
-
-    from dsv3_jax.checkpoint.load import load_run
-    from dsv3_jax.checkpoint.run_folder import StateParams, find
-    from dsv3_jax.model import lora
-
-    run = find(path)
-    section = None if run is None else lora_section(run.run_dir)
-    if section is None:
-        raise CheckpointError(f"{path} is not a LoRA training run (no run folder with a lora config section)")
-    fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts", "base_weights", "base_quantize")
-              if k in section}
-    cfg = lora.LoRAConfig(**fields)
-    model = _quantized_base(run, cfg, dtype, overrides) if cfg.quantized else load_run(run, dtype, **overrides)
-    lora.apply(model, cfg)
-    params = StateParams(run)
-    for var_path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.LoRAParam):
-            var[...] = params.read(tuple(str(p) for p in var_path)).astype(var.dtype)
-    return model
-
-
-def _quantized_base(run, cfg, dtype, overrides):
-    """A QLoRA run's base, quantized as the run held it: the run's --init_from loaded with its
-    `base_weights` (the same quantization as the stored q and scales: deterministic)."""
-    from dsv3_jax.checkpoint.load import load_pretrained
-
-    with open(os.path.join(run.run_dir, "config.json")) as f:
-        init_from = json.load(f).get("train", {}).get("init_from")
-    if init_from and is_peft_folder(init_from):  # started from a PEFT folder: its base
-        init_from = peft_lora_config(init_from)["base"]
-    if not init_from or not os.path.exists(init_from):
-        raise CheckpointError(f"{run.run_dir} is a QLoRA run (lora.base_weights={cfg.base_weights}) whose base "
-                              f"--init_from={init_from!r} is no longer there; export it merged instead "
-                              f"(python -m dsv3_jax.convert --to-hf --ckpt={run.run_dir} --out=DIR)")
-    return load_pretrained(init_from, dtype, **cfg.load_kwargs(), **overrides)
 
 
 def is_peft_folder(path) -> bool:

@@ -24,12 +24,13 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, lora_export, orbax_layout, run_folder
 from dsv3_jax.checkpoint.hf_names import leaf_slices, slice_to_hf
 from dsv3_jax.checkpoint.hf_reader import scale_name
 from dsv3_jax.checkpoint.hf_to_orbax import begin_output, commit
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
@@ -220,3 +221,20 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": out, "tensors": len(tensors), "shards": len(by_shard), "bytes": total}
+
+
+def export_run(run: run_folder.RunStep, out: str, **convert_kw) -> dict:
+    """HF folder `out` (config.json, safetensors, the run's tokenizer with its chat template and
+    generation_config.json: `hf_tokenizer.write_tokenizer_files`) from a run's step.
+
+    The converter's own writer (`orbax_to_hf.write_hf`: HF names, shards, FP8 option) reads the
+    step's train state one [layer] or [layer, expert] slice at a time (`run_folder.StateParams`), so
+    the export holds one HF tensor at a time, never the model or a whole stacked leaf.
+    """
+    run_folder.check_step(run)
+    meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
+    template = run_folder.data_field(run.run_dir, "chat_template")  # an SFT run's own template, when it set one
+    params = lora_export.merged_params(run, run_folder.StateParams(run))  # LoRA runs: merged
+    summary = write_hf(meta, params, out, tokenizer=run.tokenizer or BUNDLED_PATH, chat_template_file=template,
+                       **convert_kw)
+    return {**summary, "step": run.step}

@@ -7,7 +7,8 @@ Layout written by `python -m experiments.train --workdir=RUN`:
   RUN/checkpoints/<step>/state the TrainState (params, router_bias, optimizer state, ...)
 `RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. `load.load_run`
 restores its parameters and router biases (the one restore path, `load.restore_variables`), each
-straight into its target sharding; `StateParams` reads slices for the HF export. RUN may be a URL
+straight into its target sharding; `StateParams` reads slices for the HF export, after
+`check_step` has checked them. RUN may be a URL
 (`gs://bucket/run`, dsv3_jax/paths.py), as the trainer writes it.
 """
 
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dsv3_jax import paths
-from dsv3_jax.checkpoint import orbax_layout
+from dsv3_jax.checkpoint import integrity, orbax_layout
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 
@@ -47,7 +48,7 @@ def _complete_steps(checkpoints: str) -> list[int]:
     return sorted(int(d.name) for d in paths.at(checkpoints).iterdir() if d.name.isdigit() and (d / marker).exists())
 
 
-def _data_field(run_dir: str, field: str) -> str | None:
+def data_field(run_dir: str, field: str) -> str | None:
     """`data.<field>` of the run's config.json (None when absent or unreadable)."""
     try:
         return json.loads(paths.at(paths.join(run_dir, "config.json")).read_text()).get("data", {}).get(field)
@@ -56,7 +57,7 @@ def _data_field(run_dir: str, field: str) -> str | None:
 
 
 def _tokenizer(run_dir: str) -> str | None:
-    return _data_field(run_dir, "tokenizer")
+    return data_field(run_dir, "tokenizer")
 
 
 def find(path: str | os.PathLike) -> RunStep | None:
@@ -101,21 +102,10 @@ class StateParams:
                               "does model_config.json belong to this run?")
 
 
-def export_hf(run: RunStep, out: str, **convert_kw) -> dict:
-    """HF folder `out` (config.json, safetensors, the run's tokenizer with its chat template and
-    generation_config.json: `hf_tokenizer.write_tokenizer_files`) from a run's step.
-
-    The converter's own writer (`orbax_to_hf.write_hf`: HF names, shards, FP8 option) reads the
-    step's train state one [layer] or [layer, expert] slice at a time (`StateParams`), so the export
-    holds one HF tensor at a time, never the model or a whole stacked leaf.
-    """
-    from dsv3_jax.checkpoint.orbax_to_hf import write_hf
-    from dsv3_jax.data.tokenizer import BUNDLED_PATH
-
-    from dsv3_jax.checkpoint.lora_export import merged_params
-
-    meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
-    template = _data_field(run.run_dir, "chat_template")  # an SFT run's own template, when it set one
-    summary = write_hf(meta, merged_params(run, StateParams(run)), out, tokenizer=run.tokenizer or BUNDLED_PATH,
-                       chat_template_file=template, **convert_kw)  # LoRA runs: merged
-    return {**summary, "step": run.step}
+def check_step(run: RunStep) -> None:
+    """Reads the step's parameters and router biases back against its checksums (`integrity`);
+    a step saved before they were recorded is used as it is."""
+    manifest = integrity.read_manifest(run.step_dir)
+    if manifest is not None:
+        integrity.check_stored(run.step, paths.join(run.step_dir, "state"), manifest,
+                               [n for n in manifest if n.split(".")[0] in ("params", "router_bias")])

@@ -13,12 +13,16 @@ saves a final checkpoint and exits cleanly instead of dying mid-step (or hanging
 from __future__ import annotations
 
 import ctypes
+import logging
 import signal
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dsv3_jax import paths
+from dsv3_jax.checkpoint import integrity
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from sharding import multihost
 from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
@@ -31,42 +35,126 @@ class Checkpointer:
         a synchronous save writes them and lets them go before the next step."""
         if every < 1 or keep < 1:
             raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
-        self.every = every
+        self.every, self.keep = every, keep
         if async_save is None:
             async_save = jax.default_backend() != "cpu"
         self._async = async_save
-        # The interval is applied here, not by Orbax, which also saves whenever no checkpoint exists yet.
-        options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=keep,
+        self._verified: int | None = None  # the newest step read back intact
+        # The interval and the rotation are applied here, not by Orbax: Orbax also saves whenever no
+        # checkpoint exists yet, and its max_to_keep would delete intact steps behind a damaged one.
+        options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None,
                                                enable_async_checkpointing=async_save, create=True)
         # A local folder or a URL (gs://...): Orbax writes through epath and tensorstore either way.
-        self.manager = ocp.CheckpointManager(paths.resolve(directory), options=options,
-                                             item_names=("state", "data"))
+        self.directory = paths.resolve(directory)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("state", "data", integrity.ITEM))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore(self, abstract_state, data_iterator, step: int | None = None):
-        """Restores the state (returned) and moves `data_iterator` to the saved position in place."""
-        step = self.latest_step() if step is None else step
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
-        release_freed_host_memory()
+        """Restores the state (returned) and moves `data_iterator` to the saved position in place.
+        Every array is checked against the step's checksums; without `step`, a damaged step is
+        set aside (renamed `<step>.damaged`, nothing deleted) and the next older one is tried."""
+        steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
+        for s in steps:
+            try:
+                state = self._restore_checked(s, abstract_state, data_iterator)
+            except CheckpointError as e:
+                if step is not None or s == steps[-1]:
+                    raise
+                logging.warning("%s; setting it aside as %s.damaged and resuming from the step before", e, s)
+                self._set_aside(s)
+                continue
+            self._verified = max(s, self._verified or s)
+            release_freed_host_memory()
+            return state
+        raise CheckpointError(f"{self.directory} holds no checkpoint to restore")
+
+    def _restore_checked(self, step: int, abstract_state, data_iterator):
+        step_dir = paths.join(self.directory, str(step))
+        manifest = integrity.read_manifest(step_dir)
+        state_dir = paths.join(step_dir, "state")
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
+        except Exception as e:  # Orbax passes TensorStore's read errors on as a bare Exception
+            raise integrity.from_read_error(step, state_dir, e) or e
+        if manifest is None:
+            logging.warning("checkpoint step %d has no checksums (saved before they were recorded): not verified",
+                            step)
+        else:
+            integrity.check(step, state_dir, manifest, integrity.flat(restored["state"]))
         return restored["state"]
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            paths.at(paths.join(self.directory, str(step))).rename(paths.join(self.directory, f"{step}.damaged"))
+        multihost.barrier(f"dsv3_set_aside_{step}")
+        self.manager.reload()
 
     def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or `force`); returns whether a save started."""
         if step % self.every and not force:
             return False
+        self._finish_and_rotate()
+        sums = integrity.checksums(state)
         started = self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator)))
+            state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator),
+            **{integrity.ITEM: ocp.args.JsonSave({"checksums": sums})}))
         if not self._async:
             release_freed_host_memory()
+            self._finish_and_rotate()
         return started
+
+    def _finish_and_rotate(self) -> None:
+        """Waits for the pending save, then deletes the steps beyond the `keep` newest, but only
+        those older than the newest step read back intact (the newest is read back when needed)."""
+        self._wait()
+        steps = sorted(self.manager.all_steps())
+        if len(steps) <= self.keep:
+            return
+        if self._verified != steps[-1] and _all_agree(self._reads_back(steps[-1])):
+            self._verified = steps[-1]
+        for s in steps[:-self.keep]:
+            if self._verified is not None and s < self._verified:
+                self.manager.delete(s)
+
+    def _reads_back(self, step: int) -> bool:
+        """Whether this process's share of `step`'s arrays reads back with their checksums."""
+        step_dir = paths.join(self.directory, str(step))
+        manifest = integrity.read_manifest(step_dir)
+        if manifest is None:
+            return False
+        try:
+            integrity.check_stored(step, paths.join(step_dir, "state"), manifest)
+        except CheckpointError as e:
+            logging.warning("%s; keeping the older steps", e)
+            return False
+        return True
+
+    def _wait(self) -> None:
+        """Waits for the pending save; a failed one (a full disk) is one `CheckpointError` line."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # Orbax re-raises the writer thread's error, e.g. OSError ENOSPC
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: "
+                                  f"{integrity.first_line(e)}") from None
 
     def close(self):
         """Waits for a pending async save, then releases the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self._wait()
+        finally:
+            self.manager.close()
+
+
+def _all_agree(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
 def release_freed_host_memory() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from dsv3_jax import load_pretrained
 from dsv3_jax.checkpoint import run_folder
+from dsv3_jax.checkpoint.orbax_to_hf import export_run
 from tests.train.conftest import REPO, STEPS, train_env
 
 
@@ -93,7 +94,7 @@ def test_export_reads_slices_and_equals_a_whole_model_export(run_dir, tmp_path, 
         return x
 
     monkeypatch.setattr(orbax_layout.ItemReader, "read", counting_read)
-    run_folder.export_hf(run_folder.find(run_dir), str(tmp_path / "hf"), progress=False)
+    export_run(run_folder.find(run_dir), str(tmp_path / "hf"), progress=False)
     a, b = HFCheckpoint(str(tmp_path / "ref")), HFCheckpoint(str(tmp_path / "hf"))
     assert sorted(a.names()) == sorted(b.names()) and len(a.names()) > 20
     for name in a.names():
@@ -120,7 +121,7 @@ def test_export_tokenizer_and_transformers_generate_stops_at_eos(run_dir, tmp_pa
     import transformers
 
     out = tmp_path / "hf"
-    run_folder.export_hf(run_folder.find(run_dir), str(out), progress=False)
+    export_run(run_folder.find(run_dir), str(out), progress=False)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,

@@ -129,11 +129,11 @@ def test_merged_export_loads_in_transformers_with_the_adapter_logits(lora_run, t
     torch = pytest.importorskip("torch")
     import transformers
 
-    from dsv3_jax.checkpoint import lora_export
+    from dsv3_jax.checkpoint import load_pretrained
 
     workdir, _, _ = lora_run
     _convert(f"--ckpt={workdir}", f"--out={tmp_path / 'merged'}")
-    model = lora_export.load_adapted(workdir, dtype="float32")
+    model = load_pretrained(workdir, dtype="float32")
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 12))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
@@ -151,7 +151,7 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
     peft = pytest.importorskip("peft")
     import transformers
 
-    from dsv3_jax.checkpoint import lora_export
+    from dsv3_jax.checkpoint import load_pretrained
     from dsv3_jax.train import finetune
     from dsv3_jax.train import loop as train_lib
     from experiments.configs import lora as lora_config
@@ -164,7 +164,7 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
     assert sorted(p.split(".", 3)[-1] for p in meta["target_parameters"]) == [
         "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.shared_experts.down_proj.weight",
         "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.up_proj.weight"]
-    model = lora_export.load_adapted(workdir, dtype="float32")
+    model = load_pretrained(workdir, dtype="float32")
     tokens = np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 12))
     ours = np.asarray(model(tokens))
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from dsv3_jax import load_pretrained
 from dsv3_jax.checkpoint import run_folder
+from dsv3_jax.checkpoint.orbax_to_hf import export_run
 from dsv3_jax.model.params import RouterBias
 from dsv3_jax.serving.chat import BUNDLED_TEMPLATE
 from tests.helpers import run_module
@@ -52,7 +53,7 @@ def test_generate_and_export_from_the_sft_run(sft_run, tmp_path):
                      "--max_new_tokens=4", "--prefill_chunk=16", env=train_env(), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith(prompt) and "tokens/s" in res.stdout
-    run_folder.export_hf(run_folder.find(sft_run), str(tmp_path / "hf"), progress=False)
+    export_run(run_folder.find(sft_run), str(tmp_path / "hf"), progress=False)
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config["chat_template"] == BUNDLED_TEMPLATE and config["eos_token"] == "<|eos|>"
 

@@ -1,0 +1,185 @@
+"""Checksums of a checkpoint's arrays: written with each training step, checked wherever a step is read.
+
+Orbax and TensorStore record none (zarr v2 has no checksum codec, OCDBT stores raw chunk bytes),
+so each step carries an `integrity` item (Orbax's JSON item): {array name: checksum}, the name
+Orbax gives the array in the `state` item (`ocp.tree.to_flat_dict(state, sep=".")`).
+
+The checksum of an array is sum_i mix(bits_i ^ mix(i)) mod 2**32 over its elements (i: flat C-order
+index, bits: the element's bits, mix: murmur3's 32-bit finalizer, a bijection): any changed element
+changes it, and a sum does not depend on how the array is cut. So it is computed on the devices by
+one jitted reduction over sharded arrays at save, over restored arrays in whatever sharding they
+were restored into, or over blocks read from the files (`checksum_block`), and the totals agree.
+
+A damaged step is a `CheckpointError` naming the step, the array and the file that holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from dsv3_jax import paths
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError
+
+ITEM = "integrity"
+BLOCK_BYTES = 256 << 20  # read at once when checking stored arrays
+
+
+def _mix(h):
+    """murmur3's fmix32 on uint32 (wrapping arithmetic; numpy or jax arrays)."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _bits(x) -> jax.Array:
+    """The element bits of `x` as uint32 (keys: their data; 8/16-bit types widened)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _sum(x, start) -> jax.Array:
+    bits = _bits(x)
+    strides = [math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)]
+    index = start + sum((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(s)
+                         for d, s in enumerate(strides)), jnp.uint32(0))
+    return jnp.sum(_mix(bits ^ _mix(index)), dtype=jnp.uint32)
+
+
+_sums = jax.jit(lambda leaves: [_sum(x, jnp.uint32(0)) for x in leaves])
+
+
+def checksum_block(block: np.ndarray, start: int) -> int:
+    """`_sum` of a C-contiguous block read from a file whose first element has flat index `start`,
+    on the host (numpy's uint32 arithmetic wraps like XLA's)."""
+    bits = block.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize])
+    index = ((start + np.arange(bits.size, dtype=np.uint64)) % 2**32).astype(np.uint32)
+    return int(np.sum(_mix(bits.astype(np.uint32) ^ _mix(index)), dtype=np.uint32))
+
+
+def flat(tree) -> dict[str, object]:
+    """{Orbax's array name: leaf} of a pytree."""
+    return ocp.tree.to_flat_dict(tree, sep=".")
+
+
+def checksums(tree) -> dict[str, int]:
+    """{array name: checksum} of a pytree of (possibly sharded) arrays; every process calls it."""
+    leaves = flat(tree)
+    return dict(zip(leaves, (int(s) for s in jax.device_get(_sums(list(leaves.values()))))))
+
+
+def read_manifest(step_dir: str) -> dict[str, int] | None:
+    """The step's checksums; None for a step written before they were recorded."""
+    item = paths.join(step_dir, ITEM)
+    if not paths.at(item).exists():
+        return None
+    return ocp.JsonCheckpointHandler().restore(paths.at(item))["checksums"]
+
+
+def check(step: int, item_dir: str, manifest: dict[str, int], arrays: dict[str, object]) -> None:
+    """Raises for the first of `arrays` ({name: restored array}) whose checksum is not the manifest's."""
+    names = [n for n in arrays if n in manifest]
+    got = checksums({n: arrays[n] for n in names})
+    for name in names:
+        if got[name] != manifest[name]:
+            raise damaged(step, item_dir, name, f"checksum {got[name]:#010x}, recorded {manifest[name]:#010x}")
+
+
+def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None) -> None:
+    """Reads the arrays `names` (default: all the manifest lists) from the files block by block
+    and checks each against the manifest; this process's share when there are several."""
+    names = sorted(manifest if names is None else set(names) & set(manifest))
+    for name in names[jax.process_index()::jax.process_count()]:
+        try:
+            arr = ts.open(_spec(item_dir, name), open=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+                          ).result()
+            total = sum(checksum_block(np.asarray(arr[index].read().result()), start)
+                        for index, start in _blocks(tuple(arr.shape), arr.dtype.numpy_dtype.itemsize)) % 2**32
+        except Exception as e:  # TensorStore's read errors on a damaged or truncated file
+            raise damaged(step, item_dir, name, first_line(e)) from None
+        if total != manifest[name]:
+            raise damaged(step, item_dir, name, f"checksum {total:#010x}, recorded {manifest[name]:#010x}")
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int):
+    """(index, flat start mod 2**32) of C-contiguous blocks of at most BLOCK_BYTES (a prefix of indices)."""
+    lead = 0
+    while lead < len(shape) and math.prod(shape[lead:]) * itemsize > BLOCK_BYTES:
+        lead += 1
+    inner = math.prod(shape[lead:])
+    for prefix in np.ndindex(*shape[:lead]):
+        yield prefix, (int(np.ravel_multi_index(prefix, shape[:lead])) * inner if lead else 0) % 2**32
+
+
+def _spec(item_dir: str, name: str) -> dict:
+    """TensorStore spec of array `name` in an Orbax item: in its OCDBT database, else its zarr folder."""
+    if paths.at(paths.join(item_dir, "manifest.ocdbt")).exists():
+        kv = {"driver": "ocdbt", "base": paths.kvstore(item_dir), "path": name + "/"}
+    else:
+        kv = paths.kvstore(paths.join(item_dir, name))
+    return {"driver": "zarr", "kvstore": kv}
+
+
+def damaged(step: int | None, item_dir: str, name: str, why: str) -> CheckpointError:
+    what = f"checkpoint step {step}" if step is not None else "checkpoint"
+    return CheckpointError(f"{what} is damaged: array {name} in {_file_of(item_dir, name)} does not read back "
+                           f"intact ({why})")
+
+
+def from_read_error(step: int | None, item_dir: str, error: BaseException) -> CheckpointError | None:
+    """A restore's TensorStore error on a damaged file (Orbax raises a bare `Exception` whose
+    message is the array's spec) as a `CheckpointError` naming the array; None for other errors."""
+    found = re.search(r"'path': '([^'/]+)/'", str(error))
+    return damaged(step, item_dir, found.group(1), first_line(error)) if found else None
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().split(". See full TensorStore details")[0]
+    return (text.splitlines() or [type(error).__name__])[0][:300]
+
+
+def _file_of(item_dir: str, name: str) -> str:
+    """The data file(s) holding array `name`: found in the OCDBT b-tree, else the array's zarr folder."""
+    try:
+        files = _ocdbt_files(item_dir).get(name)
+    except (ValueError, OSError):
+        files = None
+    if not files:
+        return paths.join(item_dir, name)
+    return ", ".join(paths.join(item_dir, f) for f in sorted(files))
+
+
+@functools.lru_cache(maxsize=8)
+def _ocdbt_files(item_dir: str) -> dict[str, set[str]]:
+    """{array name: data files (relative to `item_dir`)} from an OCDBT database's b-tree."""
+    kv = ts.KvStore.open(paths.kvstore(item_dir)).result()
+    out: dict[str, set[str]] = {}
+
+    def walk(node: str):
+        for entry in ts.ocdbt.dump(kv, node).result().get("entries", []):
+            for value in entry.values():
+                if isinstance(value, str) and value.startswith("btreenode:"):
+                    walk(value)
+            key = entry.get("key", b"")
+            name, _, chunk = (key.decode() if isinstance(key, bytes) else str(key)).partition("/")
+            where = entry.get("indirect_value") or (node if "inline_value" in entry else None)
+            if where and not chunk.startswith("."):  # a chunk (not .zarray): value:<prefix>:<file>:<off>:<len>
+                prefix, file = re.match(r"\w+:([^:]*):+([^:]+):\d+:\d+$", where).groups()
+                out.setdefault(name, set()).add(prefix + file)
+
+    for version in ts.ocdbt.dump(kv).result().get("versions", [])[-1:]:
+        walk(version["root"]["location"])
+    return out
