@@ -35,7 +35,6 @@ from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import RouterBias, logical_axes
 from dsv3_jax.ops import quant
 
-FP8_BLOCK = fp8.BLOCK
 dequantize_fp8 = fp8.dequantize
 
 
@@ -44,26 +43,21 @@ def _variables(model: nnx.Module) -> dict[tuple[str, ...], nnx.Variable]:
             if isinstance(node, nnx.Variable)}
 
 
-def placement(mesh, rules):
-    """-> f(path, variable) giving the sharding a parameter is built in: the rules table's
+def placement_of_axes(mesh, rules):
+    """-> f(logical axes, shape, name) giving the sharding an array is built in: the rules table's
     `NamedSharding` on `mesh` (rules: a preset name, a {logical axis: mesh axes} dict or None for
     the default preset), or this process's first device without a mesh."""
-    if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return lambda path, var: device
-    table = sharding.get_rules(rules)
-    return lambda path, var: sharding.named_sharding(logical_axes(var), tuple(var.shape), mesh, table,
-                                                     name=".".join(path))
-
-
-def placement_of_axes(mesh, rules):
-    """-> f(logical axes, shape, name) giving the sharding of an array that is not a model variable
-    (a quantized weight's q or scales): the same rules as `placement`."""
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return lambda axes, shape, name: device
     table = sharding.get_rules(rules)
     return lambda axes, shape, name: sharding.named_sharding(tuple(axes), tuple(shape), mesh, table, name=name)
+
+
+def placement(mesh, rules):
+    """-> f(path, variable) giving the sharding a model variable is built in (`placement_of_axes`)."""
+    place = placement_of_axes(mesh, rules)
+    return lambda path, var: place(logical_axes(var), var.shape, ".".join(path))
 
 
 class Quantization:

@@ -48,6 +48,7 @@ class Checkpointer:
         self.directory = paths.resolve(directory)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", integrity.ITEM))
+        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -99,9 +100,12 @@ class Checkpointer:
             return False
         self._finish_and_rotate()
         sums = integrity.checksums(state)
-        started = self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator),
-            **{integrity.ITEM: ocp.args.JsonSave({"checksums": sums})}))
+        try:
+            started = self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator),
+                **{integrity.ITEM: ocp.args.JsonSave({"checksums": sums})}))
+        except Exception as e:  # what Orbax raises from its writers, e.g. OSError ENOSPC
+            raise self._failed(step, e) from None
         if not self._async:
             release_freed_host_memory()
             self._finish_and_rotate()
@@ -137,9 +141,12 @@ class Checkpointer:
         """Waits for the pending save; a failed one (a full disk) is one `CheckpointError` line."""
         try:
             self.manager.wait_until_finished()
-        except Exception as e:  # Orbax re-raises the writer thread's error, e.g. OSError ENOSPC
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: "
-                                  f"{integrity.first_line(e)}") from None
+        except Exception as e:  # Orbax re-raises the writer thread's error
+            raise self._failed(None, e) from None
+
+    def _failed(self, step: int | None, e: Exception) -> CheckpointError:
+        what = f"step {step}" if step is not None else "the last checkpoint"
+        return CheckpointError(f"saving {what} in {self.directory} failed: {integrity.first_line(e)}")
 
     def close(self):
         """Waits for a pending async save, then releases the manager."""
@@ -147,6 +154,17 @@ class Checkpointer:
             self._wait()
         finally:
             self.manager.close()
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops the errors Orbax's writer threads log, each with its traceback (a full disk: dozens of
+    them): the failure reaches `Checkpointer._wait`, which raises it as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "/orbax/checkpoint/" in record.pathname)
+
+
+_ORBAX_ERRORS = _OrbaxErrors()
 
 
 def _all_agree(flag: bool) -> bool:
