@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 _DTYPES = ("float32", "bfloat16", "float16")
-MOE_IMPLS = ("auto", "ragged", "tiled", "capacity", "dense")
+MOE_IMPLS = ("auto", "ragged", "tiled", "padded", "dense")
 EXPERT_EXCHANGES = ("auto", "ragged", "padded")
 ATTENTION_IMPLS = ("xla", "pallas")
 HEAD_LOSS_IMPLS = ("chunked", "full")
@@ -93,7 +93,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     compute_dtype: str = "bfloat16"  # matmuls; router, softmax and norms always run in fp32
     # Implementation switches (each fast path has a reference twin held equal by tests).
-    moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, capacity or tiled on CPU (ops/dispatch.py; the lowering's platform)
+    moe_impl: str = "auto"  # auto: ragged_dot on TPU/GPU, padded groups or tiled on CPU (ops/dispatch.py; the lowering's platform)
     moe_tile_size: int = 128  # upper bound of the row tile of the tiled grouped matmul
     attention_impl: str = "xla"  # pallas: the flash MLA prefill kernel (pallas_kernels.mla_prefill)
     # The training loss's head: chunked applies it fused with the cross-entropy a chunk of tokens at

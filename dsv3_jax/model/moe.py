@@ -81,12 +81,11 @@ class MoE(nnx.Module):
         Same function when dropless. Returns (y [N, D], float32 [] dropped (token, expert) pairs).
         LoRA adapters on the routed experts ([E, ...] per layer) travel with the expert weights."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        impl = "fp8" if cfg.fp8_matmul else cfg.moe_impl
         mesh = jax.sharding.get_abstract_mesh()
         stacks = (self.w1[...], self.w3[...], self.w2[...])
         adapters, scale = lora.expert_arrays(self)
         adapters = tuple(a.astype(dt) for a in adapters)
-        scaled = {"lora_scale": scale, "impl": impl, "max_tile": cfg.moe_tile_size}
+        scaled = {"lora_scale": scale, "impl": cfg.moe_impl, "fp8": cfg.fp8_matmul, "max_tile": cfg.moe_tile_size}
         drop = lora.expert_dropout(self)  # a LoRA training step with adapter dropout: masks per sorted row
         if drop is not None and (expert_parallel.is_active(mesh) or expert_parallel.splits_tokens(mesh)):
             raise ValueError("lora.dropout > 0 with lora.experts=True runs on single-device expert dispatch only "

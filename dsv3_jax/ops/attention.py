@@ -41,7 +41,7 @@ def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
 
     Computed heads-first ([B, H, T, K]): every einsum is then a plain batched matmul over (B, H),
     and XLA:CPU transposes each operand once here instead of inside each of the five dots
-    (measured: 17.5 against 25 ms per layer, fwd + bwd, on the issue-11 config). Query rows go
+    (docs/benchmarks.md, Kernel choices). Query rows go
     `block` at a time (module docstring)."""
     batch, length = q_BxTxHxK.shape[:2]
     out_BxHxTxV = _attention(_heads_first(q_BxTxHxK), _heads_first(k_BxSxHxK), _heads_first(v_BxSxHxV),

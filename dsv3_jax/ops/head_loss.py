@@ -92,9 +92,9 @@ def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: 
 def _scan_chunks(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: bool, want_dw: bool,
                  vocab_major: bool):
     """`_scan`, with d h = d z W^T reading W as [D, V] or, `vocab_major`, as [V, D]: one transposed
-    copy of W a step, so that XLA:CPU runs a plain [C, V] x [V, D] matmul (at [256, 448] x 12,000:
-    12.8 against 16.9 ms; the train step 1.05x on the bench's `wide` and `issue27`, 1.00x on `bench`
-    and `odd`, docs/benchmarks.md). d W stays [D, V]: summing d W^T in [V, D] was slower (0.94x)."""
+    copy of W a step, so that XLA:CPU runs a plain [C, V] x [V, D] matmul, faster there than reading
+    W transposed in the dot (docs/benchmarks.md, Kernel choices). d W stays [D, V]: summing d W^T in
+    [V, D] was slower."""
     b, t, _ = h_BxTxD.shape
     n = -(-t // chunk)
     pad = n * chunk - t

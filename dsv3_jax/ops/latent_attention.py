@@ -80,7 +80,7 @@ def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, s
     """One block of P keys of the online softmax; carry = (max [B,H,W], sum [B,H,W], acc [B,H,W,C]),
     queries heads-first [B, H, W, *]. Heads-first, each block's two dots are plain batched matmuls
     ([H*W, C] x [C, P] and [H*W, P] x [P, C]); with acc as [B, W, H, C], XLA:CPU ran the second as a
-    transposed dot outside its fast matmul path, 10x the time of the first (profile in
+    transposed dot outside its fast matmul path, far slower than the first (profile in
     docs/benchmarks.md, 4K decode)."""
     m_prev, l_prev, acc_prev = carry
     s = (jnp.einsum("BHWC,BPC->BHWP", q_lat, latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)

@@ -24,26 +24,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+from dsv3_jax.ops import quant
 from dsv3_jax.ops.quant import QArray
-from dsv3_jax.ops.quant import matmul as quant_matmul
 
 MIN_AMAX = 1e-30  # guards 0/0 only; amax / 448 stays a normal fp32
 
 
-def _kernels():
-    """The Pallas kernels where the backend compiles them (TPU, GPU); elsewhere their jnp twins,
-    which compute the same quantised products in the same promotion order."""
-    import pallas_kernels as pk  # kernels carry no model knowledge; imported only on the FP8 path
+def _on_platform(kernel, reference):
+    """`kernel` (Pallas) in a program lowered for TPU or GPU, else its jnp twin `reference`, which
+    computes the same quantised products in the same promotion order."""
+    def run(*args, **kwargs):
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(reference, **kwargs),
+                                          default=functools.partial(kernel, **kwargs))
+    return run
 
-    if jax.default_backend() in ("tpu", "gpu"):
-        return pk.fp8_matmul, pk.fp8_grouped_matmul, pk.fp8_grouped_wgrad
-    return pk.fp8_matmul_reference, pk.fp8_grouped_matmul_reference, pk.fp8_grouped_wgrad_reference
+
+def _kernels():
+    """(matmul, grouped matmul, grouped Wgrad), each chosen for the platform the program is lowered for."""
+    return (_on_platform(pk.fp8_matmul, pk.fp8_matmul_reference),
+            _on_platform(pk.fp8_grouped_matmul, pk.fp8_grouped_matmul_reference),
+            _on_platform(pk.fp8_grouped_wgrad, pk.fp8_grouped_wgrad_reference))
 
 
 def _quantize_tokens(a_MxK):
     """1x128 tiles along the feature axis: ([M,K] e4m3, [M,KB] scales)."""
-    from pallas_kernels import quantize_1x128
-    return quantize_1x128(a_MxK.astype(jnp.float32), min_amax=MIN_AMAX)
+    return pk.quantize_1x128(a_MxK.astype(jnp.float32), min_amax=MIN_AMAX)
 
 
 def _quantize_tokens_t(a_MxK):
@@ -53,8 +59,7 @@ def _quantize_tokens_t(a_MxK):
 
 def _quantize_weight_t(w_KxN):
     """128x128 blocks of w^T: ([N,K] e4m3, [NB,KB] scales); transposed, the same blocks serve Dgrad."""
-    from pallas_kernels import quantize_128x128
-    return quantize_128x128(w_KxN.T.astype(jnp.float32), min_amax=MIN_AMAX)
+    return pk.quantize_128x128(w_KxN.T.astype(jnp.float32), min_amax=MIN_AMAX)
 
 
 def _dtype_carriers(x, w):
@@ -134,8 +139,7 @@ def _project(x, w, contract, compute_dtype, fp8):
     if isinstance(w, QArray):  # stored quantized (dsv3_jax/ops/quant.py): its own format decides
         if w.contract != contract:
             raise ValueError(f"quantized weight {w.shape} contracts {w.contract} axes, the call {contract}")
-        y = quant_matmul(x.reshape(-1, w.k), w, jnp.dtype(compute_dtype))
-        return y.reshape(*batch, *out)
+        return _quant_matmul(x.reshape(-1, w.k), w, jnp.dtype(compute_dtype)).reshape(*batch, *out)
     x, w = x.astype(compute_dtype), w.astype(compute_dtype)
     if fp8:
         x2, w2 = _flatten(x, w, contract)
@@ -143,13 +147,22 @@ def _project(x, w, contract, compute_dtype, fp8):
     return _plain_dot(x, w, contract).astype(compute_dtype)
 
 
+def _quant_matmul(x_MxK: jax.Array, qa: QArray, compute_dtype) -> jax.Array:
+    """x [M, K] . w for one quantized matrix (no stack axes) -> [M, N] in `compute_dtype`: FP8 through
+    the block-scaled kernel, int formats dequantised once (ops/quant.py's numerics)."""
+    if qa.fmt == "fp8":
+        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, compute_dtype)
+    w_KxN = quant.dequantize_2d(qa, compute_dtype)
+    return jnp.einsum("MK,KN->MN", x_MxK.astype(compute_dtype), w_KxN,
+                      preferred_element_type=jnp.float32).astype(compute_dtype)
+
+
 def _plain_dot(x, w, contract: int) -> jax.Array:
     """x . w over w's first `contract` axes, fp32 accumulation: `dot_2d` on CPU, `dot_over_axes`
     elsewhere. XLA:CPU canonicalises a dot over several free or contracted axes with transposes,
     and for the weight gradient (contracting B and T) it fused the backward's elementwise ops into
-    a transposed copy that cost more than the matmuls (a dense SwiGLU MLP's forward + backward at
-    [8, 256, 192] x 512: 48-55 ms over the axes, 19-24 ms as 2-D; docs/benchmarks.md). Elsewhere the
-    dot keeps its axes, which a sharded lowering partitions as they are."""
+    a transposed copy that cost more than the matmuls (docs/benchmarks.md, Kernel choices). Elsewhere
+    the dot keeps its axes, which a sharded lowering partitions as they are."""
     return jax.lax.platform_dependent(x, w, cpu=functools.partial(dot_2d, contract=contract),
                                       default=functools.partial(dot_over_axes, contract=contract))
 
@@ -178,15 +191,13 @@ def fp8_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.
 
 
 def _quantize_weights_t(w_GxKxN):
-    from pallas_kernels import quantize_128x128
-    quantize = functools.partial(quantize_128x128, min_amax=MIN_AMAX)
+    quantize = functools.partial(pk.quantize_128x128, min_amax=MIN_AMAX)
     return jax.vmap(quantize)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
 
 
 def _group_aligned_t(a_MxK, sizes_G):
     """128x1 tiles of each group's tokens: ([K,T] e4m3, [K,TB] scales), T in the aligned layout."""
-    from pallas_kernels import group_aligned_rows
-    dest_M, tile_group = group_aligned_rows(sizes_G, a_MxK.shape[0])
+    dest_M, tile_group = pk.group_aligned_rows(sizes_G, a_MxK.shape[0])
     a_TxK = jnp.zeros((tile_group.shape[0] * 128, a_MxK.shape[1]), jnp.float32)
     a_TxK = a_TxK.at[dest_M].set(a_MxK.astype(jnp.float32), mode="drop")
     return _quantize_tokens_t(a_TxK), tile_group

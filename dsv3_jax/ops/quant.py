@@ -14,7 +14,7 @@ a 2-D matrix over K = prod(contraction axes) and N = prod(output axes):
   orientation ([out, in]) the released weights and `pallas_kernels.fp8_matmul` use.
 
 The group g is `group` (128 by default) or K when K is smaller; K must be a multiple of it.
-Numerics of every int path (dense, tiled, ragged, Pallas): w = fp32(q) * scale rounded once to the
+Numerics of every int path (the dense reference, the tile loop, the Pallas kernel): w = fp32(q) * scale rounded once to the
 compute dtype, then x . w with fp32 accumulation. FP8 runs the block-scaled matmul with the
 activations quantised in 1x128 tiles (dsv3_jax/ops/linear.py). Quantized weights are for inference:
 they take no gradient.
@@ -29,6 +29,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import quantize_128x128  # the kernels' quantiser: the recipe the kernels expect
 
 FORMATS = ("fp8", "int8", "int4")
 QMAX = {"int8": 127.0, "int4": 7.0}
@@ -177,7 +179,6 @@ def quantize(w, fmt: str, *, contract: int, stack: int = 0, group: int = 128, na
     k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
     w_KxN = jnp.asarray(w, jnp.float32).reshape(*w.shape[:stack], k, n)
     if fmt == "fp8":
-        from pallas_kernels import quantize_128x128  # the kernels' quantiser: the recipe the kernels expect
         flat = jnp.swapaxes(w_KxN, -1, -2).reshape(-1, n, k)
         q, s = jax.vmap(lambda a: quantize_128x128(a, min_amax=FP8_MIN_AMAX))(flat)
         q, s = q.reshape(*w.shape[:stack], *q.shape[1:]), s.reshape(*w.shape[:stack], *s.shape[1:])
@@ -194,26 +195,3 @@ def physical_shapes(fmt: str, stack_shape: tuple[int, ...], k: int, n: int, grou
         return (st + (n, k), jnp.float8_e4m3fn), (st + (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32)
     rows = k // 2 if fmt == "int4" else k
     return (st + (rows, n), jnp.uint8 if fmt == "int4" else jnp.int8), (st + (k // group, n), jnp.float32)
-
-
-# ---- matmuls ----
-
-def group_slice(qa: QArray, j, dtype) -> jax.Array:
-    """Rows [j*g, (j+1)*g) of every stack element's [K, N], dequantised: [..., g, N] (int formats).
-    `j` may be traced: the ragged path walks K one group at a time, never all experts in bf16."""
-    g = qa.group
-    rows = g // 2 if qa.fmt == "int4" else g
-    q = jax.lax.dynamic_slice_in_dim(qa.q, j * rows, rows, axis=qa.q.ndim - 2)
-    s = jax.lax.dynamic_slice_in_dim(qa.scale, j, 1, axis=qa.scale.ndim - 2)
-    vals = unpack_int4(q, g) if qa.fmt == "int4" else q
-    return (vals.astype(jnp.float32) * s).astype(dtype)
-
-
-def matmul(x_MxK: jax.Array, qa: QArray, compute_dtype) -> jax.Array:
-    """x [M, K] . w for one quantized matrix (no stack axes) -> [M, N] in `compute_dtype`."""
-    if qa.fmt == "fp8":
-        from dsv3_jax.ops.linear import fp8_matmul_stored
-        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, compute_dtype)
-    w_KxN = dequantize_2d(qa, compute_dtype)
-    return jnp.einsum("MK,KN->MN", x_MxK.astype(compute_dtype), w_KxN,
-                      preferred_element_type=jnp.float32).astype(compute_dtype)

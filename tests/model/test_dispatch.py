@@ -1,11 +1,11 @@
-"""Dropless dispatch: the tiled and ragged grouped matmuls equal the dense every-expert reference."""
+"""Dropless dispatch: every expert-compute path equals numpy and the dense every-expert reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax.ops import capacity, dispatch
+from dsv3_jax.ops import dispatch, padded_groups, tile_loop
 
 
 def _problem(n, k, e, d=16, f=12, seed=0, skew=False):
@@ -34,7 +34,7 @@ def numpy_moe(x, experts, weights, w1, w3, w2):
     return out
 
 
-@pytest.mark.parametrize("impl", ["dense", "tiled", "capacity", "ragged"])
+@pytest.mark.parametrize("impl", ["dense", "tiled", "padded", "ragged"])
 @pytest.mark.parametrize("n, k, e, skew", [(37, 3, 8, False), (5, 2, 16, False), (64, 2, 8, True), (1, 1, 4, False)])
 def test_paths_equal_numpy(impl, n, k, e, skew):
     args = _problem(n, k, e, skew=skew)
@@ -42,25 +42,21 @@ def test_paths_equal_numpy(impl, n, k, e, skew):
     np.testing.assert_allclose(np.asarray(out), numpy_moe(*args), rtol=2e-5, atol=2e-5)
 
 
-def _overflow_case(experts, e) -> int:
-    """Which buffer the capacity path's pairs past C take: 0 none, 1 the usual, 2 the worst case's."""
-    m = experts.size
-    c, t = capacity.rows_per_expert(m, e), dispatch.overflow_tile_rows(m, e, 128)
-    over_E = np.maximum(np.bincount(np.asarray(experts).ravel(), minlength=e) - c, 0)
-    padded = int(np.sum(-(-over_E // t) * t))
-    return 0 if padded == 0 else 1 if padded <= dispatch.overflow_buffer_rows(m, c, e, t)[0] else 2
+def _rows_past_c(experts, e) -> int:
+    """Rows the padded groups leave to the tile loop: those past each expert's C."""
+    c = padded_groups.rows_per_expert(experts.size, e)
+    return int(np.sum(np.maximum(np.bincount(np.asarray(experts).ravel(), minlength=e) - c, 0)))
 
 
-@pytest.mark.parametrize("impl, n, k, e, skew", [("tiled", 40, 3, 8, False), ("capacity", 40, 3, 8, False),
-                                                 ("capacity", 40, 2, 8, True), ("capacity", 128, 1, 4, "one"),
+@pytest.mark.parametrize("impl, n, k, e, skew", [("tiled", 40, 3, 8, False), ("padded", 40, 3, 8, False),
+                                                 ("padded", 40, 2, 8, True), ("padded", 128, 1, 4, "one"),
                                                  ("ragged", 40, 3, 8, False)])
 def test_gradients_equal_dense(impl, n, k, e, skew):
-    """`capacity`, by how far the loads pass C: balanced, none (the tile loop skipped in both
-    passes); skewed, two experts far past it, in the usual overflow buffer; every row on one expert,
-    in the worst case's buffer."""
+    """`padded`, by how far the loads pass C: balanced, none; skewed, two experts far past it;
+    every row on one expert, all but C through the tile loop."""
     args = _problem(n, k, e, seed=1, skew=skew)
-    if impl == "capacity":
-        assert _overflow_case(args[1], e) == {False: 0, True: 1, "one": 2}[skew]
+    if impl == "padded":
+        assert (_rows_past_c(args[1], e) > 0) == bool(skew)
 
     def loss(impl, x, w, w1, w3, w2):
         return jnp.sum(jnp.sin(dispatch.routed_experts(x, args[1], w, w1, w3, w2, impl=impl)))
@@ -76,10 +72,10 @@ def test_fp8_path_is_close_and_differentiable():
     """FP8 grouped kernel: within the recipe's bound of the full-precision experts; grads flow."""
     args = _problem(64, 2, 8, d=256, f=160, seed=2)
     full = dispatch.routed_experts(*args, impl="dense")
-    quant = dispatch.routed_experts(*args, impl="fp8")
+    quant = dispatch.routed_experts(*args, fp8=True)
     a, b = np.asarray(quant, np.float64), np.asarray(full, np.float64)
     assert 0 < 1 - 2 * np.sum(a * b) / np.sum(a * a + b * b) < 2e-3
-    g = jax.grad(lambda w1: jnp.sum(dispatch.routed_experts(args[0], args[1], args[2], w1, *args[4:], impl="fp8")))
+    g = jax.grad(lambda w1: jnp.sum(dispatch.routed_experts(args[0], args[1], args[2], w1, *args[4:], fp8=True)))
     g_ref = jax.grad(lambda w1: jnp.sum(dispatch.routed_experts(args[0], args[1], args[2], w1, *args[4:], impl="dense")))
     ga, gb = np.asarray(g(args[3]), np.float64), np.asarray(g_ref(args[3]), np.float64)
     assert 1 - 2 * np.sum(ga * gb) / np.sum(ga * ga + gb * gb) < 1e-2
@@ -89,21 +85,22 @@ def test_sort_groups_rows_by_expert():
     experts = jnp.array([[3, 1], [0, 3], [1, 2]])
     rows = dispatch.sort_by_expert(experts, 5)
     assert np.asarray(rows.group_sizes_E).tolist() == [1, 2, 1, 2, 0]
-    assert np.all(np.diff(np.asarray(rows.expert_M)) >= 0)
     flat = np.asarray(experts).reshape(-1)
-    assert np.array_equal(flat[np.asarray(rows.order_M)], np.asarray(rows.expert_M))
+    expert_M, slot_M = tile_loop.expert_and_slot(rows.group_sizes_E, flat.size)
+    assert np.array_equal(flat[np.asarray(rows.order_M)], np.asarray(expert_M))
+    assert np.asarray(slot_M).tolist() == [0, 0, 1, 0, 0, 1]
     assert np.array_equal(np.asarray(rows.order_M) // 2, np.asarray(rows.token_M))
 
 
 def test_tile_keeps_padding_bounded_by_activated_rows():
     for rows, experts in [(4096, 8), (4096, 64), (4096, 256), (100, 64)]:
-        t = dispatch.tile_rows(rows, experts, 128)
+        t = tile_loop.tile_rows(rows, experts, 128)
         assert experts * t <= max(rows, experts * 8)  # padding <= max(M, 8E) rows
         assert t & (t - 1) == 0 and 8 <= t <= 128
 
 
 def test_auto_follows_the_platform_lowered_for():
-    """`auto` is ragged_dot in a TPU or CUDA program and the tiled path in a CPU one, whatever the host."""
+    """`auto` is ragged_dot in a TPU or CUDA program and a CPU path in a CPU one, whatever the host."""
     args = _problem(32, 2, 4, d=16, f=8, seed=0)
 
     def text(platform):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax.ops import dispatch, quant
+from dsv3_jax.ops import dispatch, quant, tile_loop
 from pallas_kernels.quant_grouped_matmul import (BlockSizes, quant_grouped_matmul,
                                                  quant_grouped_matmul_reference)
 from pallas_test_utils import LOWERINGS, lowers
@@ -26,11 +26,11 @@ def _operands(fmt, m=100, k=128, n=160, group=32, seed=0):
 
 
 def _jnp_path(x, qa):
-    """The model's tile unit (dispatch._tile_proj, a QArray expert dequantised per tile) on each
+    """The model's tile unit (tile_loop._tile_proj, a QArray expert dequantised per tile) on each
     group's rows: the jnp path the kernel stands in for."""
     out, start = np.zeros((x.shape[0], qa.shape[-1]), np.float32), 0
     for e, size in enumerate(SIZES):
-        out[start:start + size] = np.asarray(dispatch._tile_proj(x[start:start + size], qa[e]))
+        out[start:start + size] = np.asarray(tile_loop._tile_proj(x[start:start + size], qa[e]))
         start += size
     return out
 
@@ -79,13 +79,13 @@ def test_kernel_lowers(fmt, style_, platform):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_model_dispatch_through_the_kernel(fmt):
-    """grouped_expert_mlp(impl="pallas") (interpreted on CPU) equals the tile loop on the same experts."""
+    """int experts on the ragged path (the Pallas kernel, interpreted on CPU) equal the tile loop."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(40, 64)), jnp.float32)
     experts = jnp.asarray(rng.integers(0, 4, (40, 2)), jnp.int32)
     weights = jnp.asarray(rng.uniform(size=(40, 2)), jnp.float32)
     ws = [quant.quantize(jnp.asarray(rng.normal(size=s) / s[1] ** 0.5, jnp.float32), fmt, contract=1, stack=1,
                          group=32) for s in ((4, 64, 32), (4, 64, 32), (4, 32, 64))]
-    got = dispatch.routed_experts(x, experts, weights, *ws, impl="pallas")
+    got = dispatch.routed_experts(x, experts, weights, *ws, impl="ragged")
     want = dispatch.routed_experts(x, experts, weights, *ws, impl="tiled")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

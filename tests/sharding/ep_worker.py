@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import sharding  # noqa: E402
 from sharding import expert_parallel  # noqa: E402
-from dsv3_jax.ops import dispatch  # noqa: E402
+from dsv3_jax.ops import dispatch, tile_loop  # noqa: E402
 from tests.sharding import ep_tensor_worker  # noqa: E402
 
 N, D, F, E, K = 64, 16, 8, 32, 4
@@ -77,7 +77,7 @@ def expected_rows(experts, keep, p, cf):
     devices of one data index) and expert, its received rows rounded up to the tile."""
     n_local = N // SHARDS
     received = p * expert_parallel.capacity(n_local * K, p, cf)  # the static receive buffer
-    t = dispatch.tile_rows(received, E // p, TILE)
+    t = tile_loop.tile_rows(received, E // p, TILE)
     group_tokens = N // (SHARDS // p)
     total = 0
     for g in range(SHARDS // p):
@@ -88,7 +88,7 @@ def expected_rows(experts, keep, p, cf):
 
 
 def main():
-    dispatch._tile_swiglu = _counting_tile_swiglu(dispatch._tile_swiglu)
+    tile_loop._tile_swiglu = _counting_tile_swiglu(tile_loop._tile_swiglu)
     x, weights, w = inputs()
     local = functools.partial(dispatch.local_expert_mlp, impl="tiled", max_tile=TILE)
 

@@ -16,7 +16,7 @@ import pytest
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.config import ConfigError
-from dsv3_jax.ops import dispatch
+from dsv3_jax.ops import dispatch, tile_loop
 from sharding import expert_parallel
 from tests.sharding.workers import run_worker
 
@@ -88,8 +88,8 @@ def _receive_buffer(r=48, d=128, f=128, e=4, received=28):
     return x, expert, valid, w
 
 
-def test_receive_side_capacity_equals_dense():
-    """`capacity` on the receive side (one expert a row, gate weight 1): padding rows belong to no
+def test_receive_side_padded_groups_equal_dense():
+    """`padded` groups on the receive side (one expert a row, gate weight 1): padding rows belong to no
     expert and come out zero; received rows equal the dense reference, values and gradients."""
     x, expert, valid, w = _receive_buffer()
 
@@ -97,7 +97,7 @@ def test_receive_side_capacity_equals_dense():
         y = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl=impl)
         return jnp.sum(jnp.sin(y)), y
 
-    (_, y), grads = jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True)("capacity", x, *w)
+    (_, y), grads = jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True)("padded", x, *w)
     (_, y_ref), grads_ref = jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True)("dense", x, *w)
     assert np.all(np.asarray(y)[~valid] == 0)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
@@ -113,14 +113,15 @@ def test_receive_side_gives_padding_to_no_expert(impl, monkeypatch):
     x, expert, valid, w = _receive_buffer()
     e = w[0].shape[0]
     handed = []
-    ragged = dispatch._ragged_mlp  # the fp8 kernel runs inside it too (weight_mm=_fp8_mm)
+    ragged = dispatch._ragged_mlp  # the fp8 kernel runs inside it too
     monkeypatch.setattr(dispatch, "_ragged_mlp", lambda x_, sizes, *ws, **kw: handed.append(int(jnp.sum(sizes))) or
                         ragged(x_, sizes, *ws, **kw))
-    tile = dispatch._tile_swiglu
-    monkeypatch.setattr(dispatch, "_tile_swiglu", lambda x_, *ws: jax.debug.callback(
+    tile = tile_loop._tile_swiglu
+    monkeypatch.setattr(tile_loop, "_tile_swiglu", lambda x_, *ws: jax.debug.callback(
         lambda: handed.append(x_.shape[0])) or tile(x_, *ws))
 
-    y = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl=impl, max_tile=8)
+    options = dict(impl="auto", fp8=True) if impl == "fp8" else dict(impl=impl)
+    y = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, max_tile=8, **options)
     jax.effects_barrier()
     y_ref = dispatch.local_expert_mlp(x, expert, jnp.asarray(valid), *w, impl="dense")
     counts = np.bincount(np.asarray(expert)[valid], minlength=e)
