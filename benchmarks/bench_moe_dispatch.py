@@ -6,11 +6,14 @@ side by side in one run (the machine is shared and noisy), median of several rep
     python -m benchmarks.bench_moe_dispatch [--tokens 4096 --top_k 2 --dim 256 --hidden 128]
 
 With --grad the forward and backward (of sum(y^2)) are timed, as a train step runs them; with
---headroom H1 H2 ... the `capacity` path is timed at each C / mean rows per expert
-(dsv3_jax/ops/capacity.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
+--headroom H1 H2 ... the `padded` groups are timed at each C / mean rows per expert
+(dsv3_jax/ops/padded_groups.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
 
     python -m benchmarks.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32 64 \
-        --impls capacity tiled --grad --headroom 1.0 1.25
+        --impls padded tiled --grad --headroom 1.0 1.25
+
+Each impl is `dispatch.routed_experts(..., impl=...)`: the one expert-compute interface forced to
+one path (`auto` is the platform's choice).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax.ops import capacity, dispatch
+from dsv3_jax.ops import dispatch, padded_groups
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -42,11 +45,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--experts", type=int, nargs=2, default=(8, 64))
-    p.add_argument("--impls", nargs="+", default=["capacity", "tiled", "ragged", "dense"])
+    p.add_argument("--impls", nargs="+", default=["padded", "tiled", "ragged", "dense"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--grad", action="store_true", help="time forward + backward")
-    p.add_argument("--headroom", type=float, nargs="+", default=[capacity.HEADROOM],
-                   help="capacity: C over the mean rows per expert, one timing each")
+    p.add_argument("--headroom", type=float, nargs="+", default=[padded_groups.HEADROOM],
+                   help="padded: C over the mean rows per expert, one timing each")
     args = p.parse_args()
     print(f"backend={jax.default_backend()} tokens={args.tokens} top_k={args.top_k} D={args.dim} F={args.hidden}")
     rows = {}
@@ -59,7 +62,7 @@ def main() -> None:
         w3 = jax.random.normal(ks[3], (e, args.dim, args.hidden)) * 0.05
         w2 = jax.random.normal(ks[4], (e, args.hidden, args.dim)) * 0.05
         for name, impl, headroom in _cases(args):
-            capacity.HEADROOM = headroom  # read when the function is traced, by the first call
+            padded_groups.HEADROOM = headroom  # read when the function is traced, by the first call
             rows[(name, e)] = _time(_fn(impl, args.grad, experts, weights), x, w1, w3, w2, repeats=args.repeats)
     lo, hi = args.experts
     print(f"{'impl':14s} {f'{lo} experts':>12s} {f'{hi} experts':>12s} {'ratio':>7s}")
@@ -69,11 +72,11 @@ def main() -> None:
 
 
 def _cases(args) -> list[tuple[str, str, float]]:
-    """(row name, impl, capacity headroom) of each timing."""
+    """(row name, impl, padded groups' headroom) of each timing."""
     out = []
     for impl in args.impls:
-        heads = args.headroom if impl == "capacity" else [capacity.HEADROOM]
-        out += [(f"{impl} {h:g}" if impl == "capacity" else impl, impl, h) for h in heads]
+        heads = args.headroom if impl == "padded" else [padded_groups.HEADROOM]
+        out += [(f"{impl} {h:g}" if impl == "padded" else impl, impl, h) for h in heads]
     return out
 
 

@@ -66,7 +66,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from dsv3_jax import ModelConfig
-from dsv3_jax.ops import dispatch
+from dsv3_jax.ops import tile_loop
 from sharding import dualpipev, expert_parallel, pipeline, stage_batch
 
 
@@ -129,7 +129,7 @@ def grouped_rows(rows: int, experts: int, grouped: str, max_tile: int) -> int:
     """G: rows the grouped matmul holds for `rows` rows over `experts` experts (dispatch.py)."""
     if grouped != "tiled":
         return rows
-    t = dispatch.tile_rows(rows, experts, max_tile)
+    t = tile_loop.tile_rows(rows, experts, max_tile)
     return (-(-rows // t) + min(experts, rows)) * t
 
 

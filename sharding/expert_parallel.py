@@ -22,9 +22,10 @@ split (N not divisible by the axes' product, e.g. one decode token), they stay w
 
 Dropless by default: C = M, the worst case (every row of a device choosing one device), so no
 token is ever dropped, at the price of a P x M-row receive buffer (memory, not work).
-`capacity_factor` cf sets C = ceil(cf * M / P): a P*C = cf*M-row buffer; rows past C are dropped
-(their contribution is zero), as in GShard, and counted: `expert_parallel` returns the number of
-dropped (token, expert) pairs over the mesh.
+`capacity_factor` cf (`ModelConfig.expert_capacity_factor`) sets C = ceil(cf * M / P): a
+P*C = cf*M-row buffer; rows past C are dropped (their contribution is zero), as in GShard, and
+counted: `expert_parallel` returns the number of dropped (token, expert) pairs over the mesh. The
+only dropping path: ops/padded_groups.py, the CPU path of the single-device dispatch, is dropless.
 
 Two exchanges, same results (`exchange=`):
 - "padded": `all_to_all` of the [P, C, D] buffer, padding rows included. Runs on every backend;
@@ -166,8 +167,7 @@ def _by_destination(experts_NxK: jax.Array, local_experts: int, p: int):
 
 def combine(y_MxD: jax.Array, weights_NxK: jax.Array, dtype) -> jax.Array:
     """sum_k weights[n, k] * y[n * K + k] in fp32, returned in `dtype`: the gate-weighted sum of a
-    token's expert outputs, rows in (token, slot) order. The one combine (ops/dispatch.py and
-    ops/capacity.py use it)."""
+    token's expert outputs, rows in (token, slot) order. The one combine (ops/dispatch.py uses it)."""
     n, k = weights_NxK.shape
     out = jnp.einsum("NKD,NK->ND", y_MxD.reshape(n, k, -1), weights_NxK.astype(y_MxD.dtype),
                      preferred_element_type=jnp.float32)
