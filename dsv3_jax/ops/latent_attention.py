@@ -29,6 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from pallas_kernels import quantize_1x128
+
 FP8_BLOCK = 128  # latent values per fp8 scale
 INT8_MAX = 127.0  # symmetric int8: -127 .. 127, so 0 is exact and the range is even
 READ_BLOCK = 256  # cache slots per block read
@@ -41,8 +44,6 @@ def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
     if cache_dtype != "float8":
         dt = jnp.dtype(cache_dtype)
         return latent_BxWxC.astype(dt), None, k_pe_BxWxR.astype(dt)
-    from pallas_kernels import quantize_1x128  # kernels carry no model knowledge; imported on demand
-
     b, w, c = latent_BxWxC.shape
     q, scale = quantize_1x128(latent_BxWxC.reshape(b * w, c).astype(jnp.float32))
     return q.reshape(b, w, c), scale.reshape(b, w, -1), k_pe_BxWxR.astype(jnp.bfloat16)
@@ -207,8 +208,6 @@ def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, sof
     """`attend` for one query per row: the split-KV Pallas decode kernel over the cache (a stack
     is sliced at `layer` first), merged with the token's own entry by log-sum-exp -> [B, 1, H, C]
     float32."""
-    import pallas_kernels  # kernels carry no model knowledge; imported on demand
-
     dt = compute_dtype
     if layer is not None:
         cache = [None if a is None else a[layer] for a in cache]
