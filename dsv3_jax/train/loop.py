@@ -116,6 +116,7 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
     shardings = on_mesh.shardings if on_mesh is not None else state_lib.on_one_device(abstract)
     if ckpt is not None:
         state = ckpt.restore(checkpointing.abstract_like(abstract, shardings), train_iter)
+        host.trim_heap()  # the restore's host copies, before the first step's buffers
         logging.info("resumed from %s at step %d", ckpt.manager.directory, int(state.step))
     elif model is not None:
         finetune.adapt(config, model)  # LoRA: adapters on the loaded weights (a PEFT --init_from: read)
