@@ -313,8 +313,8 @@ def _save(ckpt: checkpointing.Checkpointer, step: int, state, train_iter, m, *, 
 
 
 def _check_restored(restored_step: int, m) -> None:
-    """The first step after a restore must be finite: a non-finite one there means the restored
-    weights are (the data and learning rate were fine when that checkpoint's run went on)."""
+    """The first step after a restore must be finite: a non-finite one there points at the restored
+    state itself (damaged, or saved by a run already diverging), not at the data or learning rate."""
     if int(m["consecutive_skips"]):
         raise TrainingError(
             f"step {restored_step + 1}, the first after restoring the checkpoint of step {restored_step}, had a "
