@@ -41,10 +41,8 @@ class YarnConfig:
         if self.factor <= 0:
             raise ConfigError(f"yarn.factor must be > 0, got {self.factor}")
         if self.original_max_position_embeddings <= 0:
-            raise ConfigError(
-                "yarn.original_max_position_embeddings must be > 0, "
-                f"got {self.original_max_position_embeddings}"
-            )
+            raise ConfigError(f"yarn.original_max_position_embeddings must be > 0, got "
+                              f"{self.original_max_position_embeddings}")
         if self.beta_fast <= self.beta_slow:
             raise ConfigError(f"yarn.beta_fast ({self.beta_fast}) must exceed yarn.beta_slow ({self.beta_slow})")
 
@@ -137,28 +135,13 @@ class ModelConfig:
     def tiny(cls, **overrides) -> "ModelConfig":
         """A few-MB model with every feature switched on: q LoRA, groups, YaRN, 1 dense layer, MTP."""
         base = cls(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_layers=3,
-            num_dense_layers=1,
-            num_heads=4,
-            q_lora_rank=48,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            num_routed_experts=16,
-            num_shared_experts=1,
-            num_experts_per_token=4,
-            num_expert_groups=4,
-            num_groups_per_token=2,
-            max_position_embeddings=1024,
+            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_layers=3, num_dense_layers=1, num_heads=4,
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            num_routed_experts=16, num_shared_experts=1, num_experts_per_token=4, num_expert_groups=4,
+            num_groups_per_token=2, max_position_embeddings=1024,
             yarn=YarnConfig(factor=4.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=1.0),
-            num_mtp_layers=1,
-            initializer_range=0.02,
-            compute_dtype="float32",
+            num_mtp_layers=1, initializer_range=0.02, compute_dtype="float32",
         )
         return base.replace(**overrides) if overrides else base
 
@@ -176,12 +159,9 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Inverse of `to_dict`; unknown keys are an error that lists the valid ones."""
         d = dict(d)
-        unknown = sorted(set(d) - set(cls.field_names()))
-        if unknown:
-            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; valid fields: {cls.field_names()}")
         if isinstance(d.get("yarn"), Mapping):
             d["yarn"] = YarnConfig(**d["yarn"])
-        return cls(**d)
+        return cls().replace(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -206,32 +186,23 @@ class ModelConfig:
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
             raise ConfigError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
         if self.num_dense_layers > self.num_layers:
-            raise ConfigError(
-                f"num_dense_layers ({self.num_dense_layers}) exceeds num_layers ({self.num_layers})"
-            )
+            raise ConfigError(f"num_dense_layers ({self.num_dense_layers}) exceeds num_layers ({self.num_layers})")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim must be even (pairs are rotated), got {self.qk_rope_head_dim}")
         if self.num_routed_experts % self.num_expert_groups:
-            raise ConfigError(
-                f"num_routed_experts ({self.num_routed_experts}) is not divisible into "
-                f"num_expert_groups ({self.num_expert_groups})"
-            )
+            raise ConfigError(f"num_routed_experts ({self.num_routed_experts}) is not divisible into "
+                              f"num_expert_groups ({self.num_expert_groups})")
         if self.experts_per_group < 2:
-            raise ConfigError(
-                f"each expert group needs at least 2 experts (groups are scored by their top-2), got "
-                f"num_routed_experts={self.num_routed_experts} / num_expert_groups={self.num_expert_groups}"
-            )
+            raise ConfigError(f"each expert group needs at least 2 experts (groups are scored by their top-2), got "
+                              f"num_routed_experts={self.num_routed_experts} / "
+                              f"num_expert_groups={self.num_expert_groups}")
         if self.num_groups_per_token > self.num_expert_groups:
-            raise ConfigError(
-                f"num_groups_per_token ({self.num_groups_per_token}) exceeds "
-                f"num_expert_groups ({self.num_expert_groups})"
-            )
+            raise ConfigError(f"num_groups_per_token ({self.num_groups_per_token}) exceeds "
+                              f"num_expert_groups ({self.num_expert_groups})")
         if self.num_experts_per_token > self.num_groups_per_token * self.experts_per_group:
-            raise ConfigError(
-                f"num_experts_per_token ({self.num_experts_per_token}) is larger than the kept groups hold: "
-                f"num_groups_per_token ({self.num_groups_per_token}) x experts_per_group "
-                f"({self.experts_per_group})"
-            )
+            raise ConfigError(f"num_experts_per_token ({self.num_experts_per_token}) is larger than the kept groups "
+                              f"hold: num_groups_per_token ({self.num_groups_per_token}) x experts_per_group "
+                              f"({self.experts_per_group})")
         if self.routed_scaling_factor <= 0:
             raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
         if self.rms_norm_eps <= 0:
@@ -349,51 +320,37 @@ class ModelConfig:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.yarn is not None:
             y = self.yarn
-            rope = {
-                "rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
-                "original_max_position_embeddings": y.original_max_position_embeddings,
-                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
-                "mscale_all_dim": y.mscale_all_dim, "truncate": y.truncate,
-            }
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
+                    "original_max_position_embeddings": y.original_max_position_embeddings,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
+                    "mscale_all_dim": y.mscale_all_dim, "truncate": y.truncate}
             if y.attention_factor is not None:
                 rope["attention_factor"] = y.attention_factor
-        return {
-            "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "deepseek_v3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "first_k_dense_replace": self.num_dense_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "n_routed_experts": self.num_routed_experts,
-            "n_shared_experts": self.num_shared_experts,
-            "num_experts_per_tok": self.num_experts_per_token,
-            "n_group": self.num_expert_groups,
-            "topk_group": self.num_groups_per_token,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "norm_topk_prob": self.norm_topk_prob,
-            "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc",
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_interleave": self.rope_interleave,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_nextn_predict_layers": self.num_mtp_layers,
-            "initializer_range": self.initializer_range,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "torch_dtype": "bfloat16" if self.param_dtype == "bfloat16" else "float32",
-        }
+        fixed = {**_HF_FIXED, "rope_parameters": rope}
+        out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        out |= {key: fixed[key] if field is None else getattr(self, field) for key, field in _HF_FIELDS.items()}
+        out["torch_dtype"] = "bfloat16" if self.param_dtype == "bfloat16" else "float32"
+        return out
+
+
+# config.json key -> ModelConfig field (None: a value DeepSeek-V3 fixes), in the order `to_hf_config` writes them.
+_HF_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "moe_intermediate_size": "moe_intermediate_size", "num_hidden_layers": "num_layers",
+    "first_k_dense_replace": "num_dense_layers", "num_attention_heads": "num_heads", "num_key_value_heads": "num_heads",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "num_routed_experts",
+    "n_shared_experts": "num_shared_experts", "num_experts_per_tok": "num_experts_per_token",
+    "n_group": "num_expert_groups", "topk_group": "num_groups_per_token",
+    "routed_scaling_factor": "routed_scaling_factor", "norm_topk_prob": "norm_topk_prob",
+    "scoring_func": None, "topk_method": None, "hidden_act": None, "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta", "rope_interleave": "rope_interleave", "rope_parameters": None,
+    "max_position_embeddings": "max_position_embeddings", "num_nextn_predict_layers": "num_mtp_layers",
+    "initializer_range": "initializer_range", "tie_word_embeddings": None, "attention_bias": None,
+}
+# The values DeepSeek-V3 fixes; a config.json with another one is refused.
+_HF_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu",
+             "tie_word_embeddings": False, "attention_bias": False}
 
 
 def _hf_to_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -402,60 +359,37 @@ def _hf_to_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
             raise ConfigError(f"{source}: missing required field {key!r}")
         return hf[key]
 
-    unsupported = {
-        "hidden_act": ("silu",), "scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",),
-        "tie_word_embeddings": (False,), "attention_bias": (False,),
-    }
-    for key, allowed in unsupported.items():
-        if key in hf and hf[key] not in allowed:
-            raise ConfigError(f"{source}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {allowed[0]!r})")
+    for key, allowed in _HF_FIXED.items():
+        if key in hf and hf[key] != allowed:
+            raise ConfigError(f"{source}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {allowed!r})")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     yarn = None
     if rope_type == "yarn":
         yarn = YarnConfig(
             factor=float(rope["factor"]),
-            original_max_position_embeddings=int(
-                rope.get("original_max_position_embeddings") or need("max_position_embeddings")
-            ),
-            beta_fast=float(rope.get("beta_fast") or 32),
-            beta_slow=float(rope.get("beta_slow") or 1),
-            mscale=float(rope.get("mscale") or 0.0),
-            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
-            attention_factor=rope.get("attention_factor"),
-            truncate=bool(rope.get("truncate", True)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings")
+                                                 or need("max_position_embeddings")),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)),
         )
     elif rope_type != "default":
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (use 'yarn' or 'default')")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    fields = dict(
-        vocab_size=need("vocab_size"),
-        hidden_size=need("hidden_size"),
-        intermediate_size=need("intermediate_size"),
-        moe_intermediate_size=need("moe_intermediate_size"),
-        num_layers=need("num_hidden_layers"),
-        num_dense_layers=hf.get("first_k_dense_replace", 0),
-        num_heads=need("num_attention_heads"),
-        q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=need("kv_lora_rank"),
-        qk_nope_head_dim=need("qk_nope_head_dim"),
-        qk_rope_head_dim=need("qk_rope_head_dim"),
-        v_head_dim=need("v_head_dim"),
-        num_routed_experts=need("n_routed_experts"),
-        num_shared_experts=hf.get("n_shared_experts") or 0,
-        num_experts_per_token=need("num_experts_per_tok"),
-        num_expert_groups=hf.get("n_group") or 1,
-        num_groups_per_token=hf.get("topk_group") or 1,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
-        max_position_embeddings=need("max_position_embeddings"),
-        yarn=yarn,
-        num_mtp_layers=hf.get("num_nextn_predict_layers") or 0,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
-    )
+    optional = {  # the keys a config.json may leave out, with HF's defaults
+        "first_k_dense_replace": hf.get("first_k_dense_replace", 0), "q_lora_rank": hf.get("q_lora_rank"),
+        "n_shared_experts": hf.get("n_shared_experts") or 0, "n_group": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "num_nextn_predict_layers": hf.get("num_nextn_predict_layers") or 0,
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+    }
+    fields = {field: optional[key] if key in optional else need(key)
+              for key, field in _HF_FIELDS.items() if field is not None and key != "num_key_value_heads"}
+    fields["yarn"] = yarn
     if hf.get("num_key_value_heads", fields["num_heads"]) != fields["num_heads"]:
         raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads in MLA")
     return fields
