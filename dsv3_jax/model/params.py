@@ -61,14 +61,11 @@ def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
     """Builds `count` independently initialised layers stacked on a leading `layers` axis."""
 
-    def make_one(layer_rngs):
-        return make_layer(layer_rngs)
-
     # Staged into a program (the sharded start's jit), one layer at a time: the RNG's uint32
     # intermediates (~8x a leaf's shard) then exist for one layer, not for the whole stack at once.
     # Run eagerly, all layers at once (vmap). Either way layer i draws from split key i: same values.
     staged = isinstance(jnp.zeros(()), jax.core.Tracer)
-    over_layers = nnx.scan(make_one, in_axes=(0,), out_axes=0) if staged else nnx.vmap(make_one, in_axes=(0,), out_axes=0)
+    over_layers = (nnx.scan if staged else nnx.vmap)(make_layer, in_axes=(0,), out_axes=0)
     stacked = nnx.split_rngs(splits=count)(over_layers)(rngs)
     for _, node in nnx.iter_graph(stacked):
         if isinstance(node, nnx.Variable):
@@ -86,11 +83,10 @@ def layer_constraint(stack: nnx.Module) -> Callable[[nnx.Module], nnx.Module]:
     specs = stack_specs(nnx.split(stack)[1])
     if specs is None:
         return lambda layer: layer
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
     def constrain(layer: nnx.Module) -> nnx.Module:
         graphdef, state = nnx.split(layer)
-        leaves, treedef = jax.tree.flatten(state, is_leaf=is_var)  # the stack's leaf order, less its L axis
+        leaves, treedef = jax.tree.flatten(state, is_leaf=_is_variable)  # the stack's leaf order, less its L axis
         leaves = [v.replace(jax.lax.with_sharding_constraint(v[...], P(*spec[1:]))) for v, spec in zip(leaves, specs)]
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
@@ -103,6 +99,9 @@ def stack_specs(state) -> list | None:
     mesh, rules = jax.sharding.get_abstract_mesh(), sharding.active_rules()
     if rules is None or mesh.empty or mesh.size == 1:
         return None
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return [sharding.logical_to_spec(logical_axes(v), v.shape, mesh, rules)
-            for v in jax.tree.leaves(state, is_leaf=is_var)]
+            for v in jax.tree.leaves(state, is_leaf=_is_variable)]
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)

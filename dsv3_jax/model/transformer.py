@@ -121,13 +121,18 @@ class DeepSeekV3(nnx.Module):
                                     unroll_max_layers=cfg.unroll_max_layers)
         if self.moe_layers is not None:
             x, stats, moe = self._moe_stack(x, ctx, moe)
-        h = self.norm(x)
+        new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
+        return self._outputs(x, emb, ctx, stats, with_mtp, new_cache)
+
+    def _outputs(self, x_BxTxD: jax.Array, emb_BxTxD: jax.Array, ctx: Context, stats: RouterStats | None,
+                 with_mtp: bool, cache: ModelCache | None = None) -> ModelOutput:
+        """The final norm, the main head and (`with_mtp`) the MTP depths after the layer stacks."""
+        h = self.norm(x_BxTxD)
         mtp_h = mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:
-            mtp_h, mtp_stats = run_mtp(self.mtp, h, emb, ctx, remat=cfg.remat)
+            mtp_h, mtp_stats = run_mtp(self.mtp, h, emb_BxTxD, ctx, remat=self.config.remat)
             mtp_logits = self.logits(mtp_h)
-        new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
-        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, new_cache, mtp_h)
+        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, cache, mtp_h)
 
     def _moe_stack(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None):
         """The MoE layers: in pipeline stages on a mesh with a `pipeline` axis (training), else scanned."""
@@ -174,12 +179,8 @@ class DeepSeekV3(nnx.Module):
 
         def after(args):
             model, (tokens, pos, seg, x, extra) = rebuild(), args
-            ctx, h = model._context(tokens, pos, seg, None, False), model.norm(x)
-            mtp_h = mtp_logits = mtp_stats = None
-            if model.mtp is not None:
-                mtp_h, mtp_stats = run_mtp(model.mtp, h, model.embed_tokens(tokens), ctx, remat=cfg.remat)
-                mtp_logits = model.logits(mtp_h)
-            return head_fn(ModelOutput(model.logits(h), h, None, mtp_logits, mtp_stats, None, mtp_h), extra)
+            ctx = model._context(tokens, pos, seg, None, False)
+            return head_fn(model._outputs(x, model.embed_tokens(tokens), ctx, None, with_mtp=True), extra)
 
         return pipeline.map_microbatches(after, (*inputs, x, extras), microbatches), stats
 

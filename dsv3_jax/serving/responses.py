@@ -85,11 +85,10 @@ def chat_logprobs(name: Callable[[int], str], ids: list[int], entries: list[Logp
                         for i, e in zip(ids, entries)]}
 
 
-def completion_choice(name: Callable[[int], str], c: Choice, top: int | None, *, echo_prompt: bool, offset: int = 0,
-                      text: str | None = None, ids: list[int] | None = None, entries: list | None = None) -> dict:
-    """A completions choice; `text`/`ids`/`entries` override the whole choice's (a stream chunk's share)."""
-    text = c.text if text is None else text
-    ids, entries = (c.token_ids, c.logprobs) if ids is None else (ids, entries)
+def completion_choice(name: Callable[[int], str], c: Choice, top: int | None, *, echo_prompt: bool,
+                      offset: int = 0) -> dict:
+    """A completions choice (of a stream chunk: `c` holds the chunk's share of text, ids and logprobs)."""
+    text, ids, entries = c.text, c.token_ids, c.logprobs
     if echo_prompt:
         text = c.echo_text + text
         if top is not None:
@@ -98,15 +97,13 @@ def completion_choice(name: Callable[[int], str], c: Choice, top: int | None, *,
     return {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
-def chat_choice(name: Callable[[int], str], c: Choice, top: int | None, *, chunk: bool, first: bool = False,
-                text: str | None = None, ids: list[int] | None = None, entries: list | None = None) -> dict:
-    text = c.text if text is None else text
-    ids, entries = (c.token_ids, c.logprobs) if ids is None else (ids, entries)
-    logprobs = None if top is None else chat_logprobs(name, ids, entries, top)
+def chat_choice(name: Callable[[int], str], c: Choice, top: int | None, *, chunk: bool, first: bool = False) -> dict:
+    """A chat choice (of a stream chunk: `c` holds the chunk's share of text, ids and logprobs)."""
+    logprobs = None if top is None else chat_logprobs(name, c.token_ids, c.logprobs, top)
     if chunk:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
         return {"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": logprobs}
-    return {"index": c.index, "message": {"role": "assistant", "content": text}, "finish_reason": c.finish_reason,
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
             "logprobs": logprobs}
 
 

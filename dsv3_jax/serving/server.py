@@ -49,6 +49,9 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 MAX_REQUEST_BYTES = 4 * 2**20  # a body over this is refused (413): far above any context's worth of text
 
 
+_ERROR_KINDS = {404: "not_found_error", 429: "rate_limit_error", 500: "internal_error"}  # else invalid_request_error
+
+
 class BadRequest(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -96,8 +99,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
                   "max_model_len": max_seq_len}
     adds_bos = tok.hf.encode("a").ids[:1] == [tok.bos_id]  # the file's post-processor puts BOS in front
 
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def error(status: int, message: str, param: str | None = None):
         engine.metrics.response(status)
+        kind = _ERROR_KINDS.get(status, "invalid_request_error")
         return JSONResponse(schemas.error_body(message, param=param, kind=kind), status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -111,17 +115,15 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
-        return error(exc.status, exc.message, exc.param, "not_found_error" if exc.status == 404 else
-                     "invalid_request_error")
+        return error(exc.status, exc.message, exc.param)
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -215,26 +217,25 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         try:
             requests = submit(choices, per_choice, queue)
         except QueueFull as e:
-            return error(429, str(e), kind="rate_limit_error")
+            return error(429, str(e))
         except EngineFailed as e:
             return error(503, str(e))
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in {id(c.prompt): c.prompt for c in choices}.values())
+        name = responses.namer(tok, req.return_tokens_as_token_ids)
         if req.stream:
             engine.metrics.response(200)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            name = responses.namer(tok, req.return_tokens_as_token_ids)
             stream = _sse(engine, name, requests, queue, choices, rid, model_name, chat_api, top, echo,
                           prompt_tokens if include_usage else None)
             return StreamingResponse(stream, media_type="text/event-stream")
         if not await gather(http, queue, requests, len(choices)):
             return None
         if any(c.finish_reason == "error" for c in choices):
-            return error(500, "the engine failed on this request (see the server log)", kind="internal_error")
+            return error(500, "the engine failed on this request (see the server log)")
         use = responses.usage(prompt_tokens, sum(c.completion_tokens for c in choices))
         if keep is not None:
             choices = _best(choices, keep)
-        name = responses.namer(tok, req.return_tokens_as_token_ids)
         if chat_api:
             out = [responses.chat_choice(name, c, top, chunk=False) for c in choices]
         else:
@@ -350,16 +351,14 @@ async def _sse(engine: Engine, name, requests: list[Request], queue: asyncio.Que
             c.add(ev)
             finished += ev.finish_reason is not None
             first = c.index not in started
-            entries = ev.logprobs or []
             if not (ev.text or ev.token_ids or ev.finish_reason is not None or first):
                 continue
+            share = dataclasses.replace(c, text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs or [])
             if chat_api:
-                out = responses.chat_choice(name, c, top, chunk=True, first=first, text=ev.text, ids=ev.token_ids,
-                                            entries=entries)
+                out = responses.chat_choice(name, share, top, chunk=True, first=first)
             else:
-                out = responses.completion_choice(name, c, top, echo_prompt=echo and first,
-                                                  offset=offsets.get(c.index, 0), text=ev.text, ids=ev.token_ids,
-                                                  entries=entries)
+                out = responses.completion_choice(name, share, top, echo_prompt=echo and first,
+                                                  offset=offsets.get(c.index, 0))
                 if out["logprobs"] is not None:
                     offsets[c.index] = sum(map(len, out["logprobs"]["tokens"])) + offsets.get(c.index, 0)
             started.add(c.index)

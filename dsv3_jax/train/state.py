@@ -119,6 +119,5 @@ def on_one_device(abstract: TrainState) -> TrainState:
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int, trainable: dict | None = None
                      ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, step 0) of an already built model, on this process's first device (tests, benches)."""
-    graphdef, params, biases = _pure(model)
-    abstract = jax.eval_shape(lambda p, b: _state_of(p, b, tx, seed, trainable), params, biases)
+    graphdef, abstract = abstract_train_state(model, tx, seed, trainable)
     return graphdef, train_state_from(model, tx, seed, on_one_device(abstract), trainable=trainable)
