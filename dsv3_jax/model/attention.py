@@ -59,14 +59,9 @@ class LatentCache(NamedTuple):
             return jnp.dtype(self.latent.dtype).name
         return "float8"
 
-    def write_layers(self, entries: LatentCache, positions_BxW: jax.Array) -> LatentCache:
-        """This stack [L, B, S, ...] with every layer's `entries` [L, B, W, ...] stored at slots
-        `positions` (one scatter for the whole stack)."""
-        rows = jnp.arange(positions_BxW.shape[0])[:, None]
-        return LatentCache(*(None if a is None else a.at[:, rows, positions_BxW].set(e) for a, e in zip(self, entries)))
-
     def write(self, entries: LatentCache, positions_BxW: jax.Array, layer=None) -> LatentCache:
-        """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked)."""
+        """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked;
+        `layer=slice(None)`: a whole stack's entries [L, B, W, ...] in one scatter)."""
         rows = jnp.arange(positions_BxW.shape[0])[:, None]
         index = (rows, positions_BxW) if layer is None else (layer, rows, positions_BxW)
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
@@ -112,12 +107,14 @@ class MLA(nnx.Module):
         return project(x, getattr(self, name)[...], contract=contract, compute_dtype=self.cfg.compute_dtype,
                        fp8=self.cfg.fp8_matmul, lora=lora.pair(self, name))
 
-    def query(self, x_BxTxD: jax.Array) -> jax.Array:
-        """[B, T, H, N + R] (rope part not yet rotated)."""
+    def query(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q_nope [B, T, H, N] and the roped q_pe [B, T, H, R]."""
         if self.cfg.q_lora_rank is None:
-            return self._mm("BTD,DHK->BTHK", x_BxTxD, "wq")
-        c_q = self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, "wq_a"))
-        return self._mm("BTQ,QHK->BTHK", c_q, "wq_b")
+            q = self._mm("BTD,DHK->BTHK", x_BxTxD, "wq")
+        else:
+            q = self._mm("BTQ,QHK->BTHK", self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, "wq_a")), "wq_b")
+        q_nope, q_pe = jnp.split(q, [self.cfg.qk_nope_head_dim], axis=-1)
+        return q_nope, apply_rope(q_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
     def latent(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What the decode cache stores: normalised latent [B, T, C] and roped key [B, T, R]."""
@@ -144,8 +141,7 @@ class MLA(nnx.Module):
         """Per-head q, k [B, T, H, N + R] and v [B, T, H, V] expanded from the call's latent, and the
         latent itself (c_kv [B, T, C], roped k_pe [B, T, R])."""
         cfg = self.cfg
-        q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
-        q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+        q_nope, q_pe = self.query(x_BxTxD, cos, sin)
         c_kv, k_pe = self.latent(x_BxTxD, cos, sin)
         k_nope, v = jnp.split(self._mm("BSC,CHK->BSHK", c_kv, "wkv_b"), [cfg.qk_nope_head_dim], axis=-1)
         k_pe_BxSxHxR = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], cfg.qk_rope_head_dim))
@@ -182,8 +178,7 @@ class MLA(nnx.Module):
                  positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
         """Queries in the latent space over the cache slots before `positions` and the call's own entries."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
-        q_nope, q_pe = jnp.split(self.query(x_BxTxD), [cfg.qk_nope_head_dim], axis=-1)
-        q_pe = apply_rope(q_pe, cos, sin, interleave=cfg.rope_interleave)
+        q_nope, q_pe = self.query(x_BxTxD, cos, sin)
         own = self.latent(x_BxTxD, cos, sin)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]

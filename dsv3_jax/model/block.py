@@ -87,7 +87,7 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
         blocks_axes = nnx.StateAxes({_routed_expert_weights: None, ...: 0}) if isinstance(blocks.ffn, MoE) else 0
         scan = nnx.scan(cached, in_axes=(nnx.Carry, blocks_axes, 0), out_axes=(nnx.Carry, 0))
         x, (stats, entries_L) = scan(x_BxTxD, blocks, jnp.arange(num_layers))
-        return x, stats, cache.write_layers(entries_L, ctx.positions)
+        return x, stats, cache.write(entries_L, ctx.positions, slice(None))
 
     constrain = params.layer_constraint(blocks)
     num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]

@@ -94,10 +94,12 @@ def make_schedule(opt, total_steps: int):
 
 def decay_mask(param_state: nnx.State) -> dict:
     """Pure dict of bools, True where weight decay applies (matrices; see the module docstring)."""
-    def is_matrix(variable):
-        return len([a for a in logical_axes(variable) if a != LAYERS]) >= 2
+    return _variable_mask(lambda v: len([a for a in logical_axes(v) if a != LAYERS]) >= 2, param_state)
 
-    mask = jax.tree.map(is_matrix, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+def _variable_mask(predicate, param_state: nnx.State) -> dict:
+    """Pure dict of `predicate(variable)` over the variables of `param_state`."""
+    mask = jax.tree.map(predicate, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
 
 
@@ -140,8 +142,7 @@ def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransform
 def trainable_mask(param_state: nnx.State, wrt=nnx.Param) -> dict:
     """Pure dict of bools over the parameters, True for the variables of type `wrt` (all of them for
     nnx.Param; for LoRA, `nnx.LoRAParam`: the adapters train and the base stays frozen)."""
-    mask = jax.tree.map(lambda v: isinstance(v, wrt), param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    mask = nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
+    mask = _variable_mask(lambda v: isinstance(v, wrt), param_state)
     if not any(jax.tree.leaves(mask)):
         raise ValueError(f"no parameter of type {wrt.__name__} to train")
     return mask
