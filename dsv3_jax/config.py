@@ -211,22 +211,15 @@ class ModelConfig:
             raise ConfigError(f"rope_theta must be > 1, got {self.rope_theta}")
         if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
             raise ConfigError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
-        for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ConfigError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
-        if self.moe_impl not in MOE_IMPLS:
-            raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-        if self.expert_exchange not in EXPERT_EXCHANGES:
-            raise ConfigError(f"expert_exchange must be one of {EXPERT_EXCHANGES}, got {self.expert_exchange!r}")
+        choices = {"param_dtype": _DTYPES, "compute_dtype": _DTYPES, "moe_impl": MOE_IMPLS,
+                   "expert_exchange": EXPERT_EXCHANGES, "attention_impl": ATTENTION_IMPLS,
+                   "head_loss_impl": HEAD_LOSS_IMPLS, "pipeline_schedule": PIPELINE_SCHEDULES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         cf = self.expert_capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ConfigError(f"expert_capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if self.head_loss_impl not in HEAD_LOSS_IMPLS:
-            raise ConfigError(f"head_loss_impl must be one of {HEAD_LOSS_IMPLS}, got {self.head_loss_impl!r}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ConfigError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}")
         if (self.pipeline_schedule == "circular") != (self.pipeline_repeats > 1):
             raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r} takes "
                               + ("pipeline_repeats >= 2" if self.pipeline_schedule == "circular" else "pipeline_repeats=1")

@@ -35,7 +35,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from dsv3_jax.data.tokenizer import BUNDLED_PATH, load_tokenizer
+from dsv3_jax.data.tokenizer import BUNDLED_PATH, load_tokenizer, read_tokenizer_config
 
 BUNDLED_TEMPLATE = (
     "{{ bos_token }}"
@@ -101,9 +101,7 @@ def compile_template(source: str) -> jinja2.Template:
 
 def read_config_template(config_path: pathlib.Path) -> str | None:
     """`chat_template` of an HF `tokenizer_config.json`, or None."""
-    if not config_path.is_file():
-        return None
-    template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    template = read_tokenizer_config(config_path).get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     return template if isinstance(template, str) else None

@@ -77,11 +77,15 @@ def load_tokenizer(path=None, *, bos=None, eos=None, pad=None) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files.
         raise ValueError(f"{file} is not a valid HF tokenizers file: {e}") from e
-    config = _read_tokenizer_config(file.parent / "tokenizer_config.json")
+    config = read_tokenizer_config(file.parent / "tokenizer_config.json")
     specials = [t.content for t in hf.get_added_tokens_decoder().values() if t.special]
 
     def resolve(kind, override, names, default=None):
-        token = override if override is not None else config.get(kind)
+        token = override
+        if token is None:  # tokenizer_config.json's: a string, or an AddedToken {"content": ...}
+            token = config.get(kind)
+            token = token.get("content") if isinstance(token, dict) else token
+            token = token if isinstance(token, str) else None
         if token is None:
             token = next((n for n in names if n in specials), None)
         if token is None:
@@ -105,16 +109,6 @@ def load_tokenizer(path=None, *, bos=None, eos=None, pad=None) -> Tokenizer:
     return Tokenizer(hf=hf, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, path=str(file))
 
 
-def _read_tokenizer_config(path: pathlib.Path) -> dict:
-    """Reads bos/eos/pad token strings from an HF `tokenizer_config.json`, if there is one."""
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text(encoding="utf-8"))
-    out = {}
-    for key in ("bos_token", "eos_token", "pad_token"):
-        value = config.get(key)
-        if isinstance(value, dict):  # AddedToken serialisation: {"content": ..., ...}.
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
+def read_tokenizer_config(path: pathlib.Path) -> dict:
+    """The HF `tokenizer_config.json` at `path` (special tokens, chat template), or {} without one."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

@@ -20,18 +20,11 @@ WINDOW_SECONDS = 10.0  # generated tokens/s is measured over this trailing windo
 class Metrics:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self.requests_received = 0
-        self.generated_tokens = 0
-        self.prompt_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.requests_received = self.generated_tokens = self.prompt_tokens = self.prefix_hit_tokens = 0
+        self.ttft_count = self.decode_steps = self.proposed_drafts = self.accepted_drafts = 0
+        self.ttft_sum = self.decode_seconds = 0.0
         self.finished_by_reason: collections.Counter = collections.Counter()
         self.responses_by_code: collections.Counter = collections.Counter()
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
-        self.decode_steps = 0
-        self.decode_seconds = 0.0
-        self.proposed_drafts = 0
-        self.accepted_drafts = 0
         self.expert_counts: np.ndarray | None = None  # float64 [L_moe, E]
         self._window: collections.deque = collections.deque()  # (time, tokens) of recent steps
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ A token is named by its text, or `token_id:N` when the request sets vLLM's `retu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -59,21 +60,17 @@ def completion_logprobs(name: Callable[[int], str], ids: list[int], entries: lis
                         offset: int = 0) -> dict:
     """OpenAI completions shape for tokens `ids` (entries aligned with them); offsets start at `offset`."""
     tokens = [name(i) for i in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    tops = []
-    for i, e in zip(ids, entries):
-        if e is None:
-            tops.append(None)
-            continue
-        top_dict = {}
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]  # each token's start
+
+    def top_logprobs(i: int, e: Logprob) -> dict:
+        out = {}
         for t, lp in e[1][:top] + [(i, e[0])]:  # most likely first: of tokens with equal text the likelier stays
-            top_dict.setdefault(name(t), lp)
-        tops.append(top_dict)
+            out.setdefault(name(t), lp)
+        return out
+
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": [None if e is None else top_logprobs(i, e) for i, e in zip(ids, entries)],
+            "text_offset": offsets}
 
 
 def chat_logprobs(name: Callable[[int], str], ids: list[int], entries: list[Logprob], top: int) -> dict:

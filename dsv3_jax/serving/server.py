@@ -266,9 +266,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
             for j in range(best_of):
                 choices.append(Choice(i * best_of + j, ids, echo_text))
                 per_choice.append(dataclasses.replace(sp, seed=choice_seed(sp.seed, j)))
-        keep = body.n if best_of > body.n else None
         return await run(http, choices, per_choice, body, chat_api=False, top=body.logprobs, echo=body.echo,
-                         keep=keep)
+                         keep=body.n if best_of > body.n else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):

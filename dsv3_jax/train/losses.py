@@ -99,11 +99,8 @@ def mean_cross_entropy(logits_BxTxV, targets_BxT, mask_BxT, head: Head | None = 
 def mtp_loss(mtp_logits_MxBxTxV: jax.Array, batch: dict, head: Head | None = None) -> jax.Array:
     """L_MTP = (1/M) sum_k CE_k (paper eq. 25 before lambda); depth k predicts t_{i+k+1}.
     With `head`, the first argument is the depths' hidden states [M, B, T, D]."""
-    depths = mtp_logits_MxBxTxV.shape[0]
-    per_depth = []
-    for k in range(1, depths + 1):
-        _, targets, mask = inputs_and_targets(batch, depth=k)
-        per_depth.append(mean_cross_entropy(mtp_logits_MxBxTxV[k - 1], targets, mask, head))
+    per_depth = [mean_cross_entropy(mtp_logits_MxBxTxV[k - 1], *inputs_and_targets(batch, depth=k)[1:], head)
+                 for k in range(1, mtp_logits_MxBxTxV.shape[0] + 1)]
     return jnp.mean(jnp.stack(per_depth))
 
 

@@ -100,14 +100,10 @@ class MetricsWriter:
         paths.makedirs(workdir)
         self.path = paths.join(workdir, "metrics.jsonl")
         kept = self._kept_lines(resume_step)
-        self._lines, self._file = None, None  # the object's lines (a URL), or the open file (a path)
-        if paths.is_url(self.path):
-            self._lines = kept
-            paths.at(self.path).write_text("".join(kept))
-        else:
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-            self._file = open(self.path, "a")
+        paths.write_text(self.path, "".join(kept))
+        url = paths.is_url(self.path)
+        self._lines = kept if url else None  # the object's lines (a URL), or the open file (a path)
+        self._file = None if url else open(self.path, "a")
         from tensorboardX import SummaryWriter  # imported here: only the writer needs it
         self._tb = SummaryWriter(paths.join(workdir, "tensorboard"))
 

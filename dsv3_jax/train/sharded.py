@@ -50,7 +50,7 @@ def _as_tree(pure: dict, flat: dict) -> dict:
 def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, rules=None, *,
                           strict: bool = False) -> state_lib.TrainState:
     """A TrainState of NamedShardings (same structure as `state`) for `model`'s logical axes."""
-    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
+    rules = sharding.get_rules(rules)
     _, params, biases = state_lib.split_model(model)
     flat_params = variable_shardings(params, mesh, rules, strict=strict)
     flat_biases = variable_shardings(biases, mesh, rules, strict=strict)
@@ -63,13 +63,11 @@ def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, 
 
 def batch_sharding(mesh, rules=None) -> jax.sharding.NamedSharding:
     """Sharding of a [B, T + 1] batch array: rows over the `batch` rule."""
-    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules["batch"], None))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.get_rules(rules)["batch"], None))
 
 
 def check_batch(batch_size: int, mesh, rules=None) -> None:
-    rules = sharding.get_rules(rules) if not isinstance(rules, dict) else rules
-    axes = rules["batch"]
+    axes = sharding.get_rules(rules)["batch"]
     sharding.check_divides("data.batch_size", batch_size, mesh, (axes,) if isinstance(axes, str) else axes)
 
 
