@@ -6,14 +6,8 @@ bos 1, eos 2; vocab 2048. Bundled chat set: `assets/chat.jsonl` (`make_chat`).
 """
 
 from dsv3_jax.data.corpus import fortune_documents
-from dsv3_jax.data.pipeline import (
-    DataConfig,
-    checkpoint_restore_args,
-    checkpoint_save_args,
-    make_dataset,
-    make_train_and_eval,
-    split_indices,
-)
+from dsv3_jax.data.pipeline import (DataConfig, checkpoint_restore_args, checkpoint_save_args, make_dataset,
+                                    make_train_and_eval, split_indices)
 from dsv3_jax.data.sources import DataError, TextSource, TokenSource, open_source
 from dsv3_jax.data.tokenizer import Tokenizer, load_tokenizer
 

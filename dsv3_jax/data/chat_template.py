@@ -143,9 +143,7 @@ class ChatTokenizer:
     def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False, **extra
                           ) -> tuple[str, list[tuple[int, int]]]:
         """(text, [start, end) character spans of its `{% generation %}` blocks, in order)."""
-        if self.template is None:
-            raise ChatTemplateError(f"the tokenizer {self.path} has no chat template (no chat_template in "
-                                    "tokenizer_config.json beside it): use /v1/completions")
+        self._need_template(": use /v1/completions")
         _TRACK.blocks, _TRACK.spans = [], []
         try:
             for block in compile_template(self.template).generate(
@@ -159,14 +157,17 @@ class ChatTokenizer:
         finally:
             _TRACK.blocks, _TRACK.spans = None, None
 
+    def _need_template(self, what_to_do: str) -> None:
+        if self.template is None:
+            raise ChatTemplateError(f"the tokenizer {self.path} has no chat template (no chat_template in "
+                                    f"tokenizer_config.json beside it){what_to_do}")
+
     def encode_chat(self, messages: list[dict], **extra) -> list[int]:
         return self.tokenizer.encode(self.render(messages, **extra))
 
     def check_marks_assistant(self) -> None:
         """Raises ChatTemplateError naming the template when it marks no assistant text."""
-        if self.template is None:
-            raise ChatTemplateError(f"the tokenizer {self.path} has no chat template (no chat_template in "
-                                    "tokenizer_config.json beside it); give one with config.data.chat_template")
+        self._need_template("; give one with config.data.chat_template")
         if not self.render_with_spans(list(PROBE))[1]:
             raise ChatTemplateError(
                 f"the chat template of {self.template_origin} marks no assistant text, so the loss mask of the "

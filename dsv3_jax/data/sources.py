@@ -57,8 +57,7 @@ class TextSource:
 
     def __init__(self, documents: Sequence[str], origins: Sequence[str]):
         assert len(documents) == len(origins)
-        self._documents = list(documents)
-        self._origins = list(origins)
+        self._documents, self._origins = list(documents), list(origins)
 
     def __len__(self) -> int:
         return len(self._documents)

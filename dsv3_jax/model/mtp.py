@@ -43,9 +43,7 @@ class MTPLayer(nnx.Module):
 
 def shift_left(x_BxTx_: jax.Array, k: int) -> jax.Array:
     """x[:, i + k] at position i, zero-filled past the end."""
-    pad = [(0, 0)] * x_BxTx_.ndim
-    pad[1] = (0, k)
-    return jnp.pad(x_BxTx_[:, k:], pad)
+    return jnp.pad(x_BxTx_[:, k:], [(0, 0), (0, k)] + [(0, 0)] * (x_BxTx_.ndim - 2))
 
 
 def run_mtp(layers: MTPLayer, h_BxTxD: jax.Array, emb_BxTxD: jax.Array, ctx: Context, *, remat: bool):

@@ -29,12 +29,16 @@ def _model(graphdef, params, biases, dropout_key=None):
     return model
 
 
-def _forward(model, batch, *, with_mtp: bool):
+def _inputs(batch: dict) -> tuple[jax.Array, dict]:
+    """Packed rows [B, T + 1] -> the model's tokens [B, T] and their `positions` and `segment_ids`."""
     inputs, _, _ = losses.inputs_and_targets(batch)
     t = inputs.shape[1]
-    out = model.forward(inputs, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
-                        with_mtp=with_mtp)
-    return out, losses.Head.of(model)
+    return inputs, {"positions": batch["positions"][:, :t], "segment_ids": batch["segment_ids"][:, :t]}
+
+
+def _forward(model, batch, *, with_mtp: bool):
+    inputs, where = _inputs(batch)
+    return model.forward(inputs, **where, with_mtp=with_mtp), losses.Head.of(model)
 
 
 def _counts(stats):
@@ -122,11 +126,8 @@ def _losses_in_microbatches(model, batch: dict, micro: int, *, mtp_weight: float
                   for k in range(1, depths + 1)]
         return parts, out.mtp_router_stats
 
-    inputs, _, _ = losses.inputs_and_targets(batch)
-    t = inputs.shape[1]
-    (parts, mtp_stats), stats = model.forward_in_microbatches(
-        inputs, sums, batch, positions=batch["positions"][:, :t], segment_ids=batch["segment_ids"][:, :t],
-        microbatches=micro)
+    inputs, where = _inputs(batch)
+    (parts, mtp_stats), stats = model.forward_in_microbatches(inputs, sums, batch, **where, microbatches=micro)
     means = [jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0) for total, count in parts]
     if mtp_stats is not None:  # [micro, depths, ...]: counts add up, means over equal slices average
         mtp_stats = type(mtp_stats)(jnp.sum(mtp_stats.expert_counts, 0), jnp.mean(mtp_stats.balance_loss, 0),
