@@ -37,11 +37,9 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(d, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd)
         self.attn = MLA(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(d, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd)
-        if moe:
-            self.ffn = MoE(cfg, rngs=rngs)
-        else:
-            self.ffn = MLP(d, cfg.intermediate_size, std=cfg.initializer_range, param_dtype=pd,
-                           compute_dtype=cfg.compute_dtype, rngs=rngs, fp8=cfg.fp8_matmul)
+        self.ffn = MoE(cfg, rngs=rngs) if moe else MLP(d, cfg.intermediate_size, std=cfg.initializer_range,
+                                                       param_dtype=pd, compute_dtype=cfg.compute_dtype, rngs=rngs,
+                                                       fp8=cfg.fp8_matmul)
 
     def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None, layer=None):
         """x [B, T, D] -> (x, router stats | None); with this layer's `cache` [B, S, ...] (or a stack

@@ -105,11 +105,8 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransforma
 
 def per_device_bytes(tree, shardings) -> int:
     """Bytes one device holds of `tree` placed with `shardings` (the largest shard per leaf)."""
-    total = 0
-    for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        shard_shape = sh.shard_shape(tuple(leaf.shape))
-        total += int(np.prod(shard_shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(int(np.prod(sh.shard_shape(tuple(leaf.shape)), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+               for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
 class MeshTraining(NamedTuple):
