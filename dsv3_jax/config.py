@@ -203,12 +203,9 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_token ({self.num_experts_per_token}) is larger than the kept groups "
                               f"hold: num_groups_per_token ({self.num_groups_per_token}) x experts_per_group "
                               f"({self.experts_per_group})")
-        if self.routed_scaling_factor <= 0:
-            raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.rope_theta <= 1:
-            raise ConfigError(f"rope_theta must be > 1, got {self.rope_theta}")
+        for name, low in (("routed_scaling_factor", 0), ("rms_norm_eps", 0), ("rope_theta", 1)):
+            if getattr(self, name) <= low:
+                raise ConfigError(f"{name} must be > {low}, got {getattr(self, name)}")
         if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
             raise ConfigError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
         choices = {"param_dtype": _DTYPES, "compute_dtype": _DTYPES, "moe_impl": MOE_IMPLS,
