@@ -12,7 +12,6 @@ saves a final checkpoint and exits cleanly instead of dying mid-step (or hanging
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 
@@ -28,16 +27,14 @@ from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool | None = None):
-        """`async_save` None: asynchronous except on CPU. There device memory is host memory: an
-        async save holds the saved step's buffers (zero-copy host views) while the next step runs,
-        so that step cannot reuse them (donation) and the process holds two copies of its state;
-        a synchronous save writes them and lets them go before the next step."""
+    def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
+        """`async_save`: the caller's choice (the trainer saves synchronously on CPU, where device
+        memory is host memory: an async save holds the saved step's buffers, zero-copy host views,
+        while the next step runs, so that step cannot reuse them and the process holds two copies
+        of its state)."""
         if every < 1 or keep < 1:
             raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
         self.every, self.keep = every, keep
-        if async_save is None:
-            async_save = jax.default_backend() != "cpu"
         self._async = async_save
         self._verified: int | None = None  # the newest step read back intact
         # The interval and the rotation are applied here, not by Orbax: Orbax also saves whenever no
@@ -68,7 +65,6 @@ class Checkpointer:
                 self._set_aside(s)
                 continue
             self._verified = max(s, self._verified or s)
-            release_freed_host_memory()
             return state
         raise CheckpointError(f"{self.directory} holds no checkpoint to restore")
 
@@ -107,7 +103,6 @@ class Checkpointer:
         except Exception as e:  # what Orbax raises from its writers, e.g. OSError ENOSPC
             raise self._failed(step, e) from None
         if not self._async:
-            release_freed_host_memory()
             self._finish_and_rotate()
         return started
 
@@ -173,22 +168,6 @@ def _all_agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def release_freed_host_memory() -> None:
-    """On CPU, hands the heap memory a save, a restore or a compile freed back to the OS (glibc's
-    malloc_trim). A save's host copies (~0.85x the bytes written, measured) stay in the process once
-    freed (the I/O threads' malloc arenas), and the next step's temporaries came on top of them: a
-    2.1 GB state on 8 fake devices peaked 1.7 GB higher in the step after a save than in the first
-    step. Compiling the step grew a resumed process by ~0.8 GB that the first step's buffers then
-    came on top of (the trainer trims after compiling). Nothing elsewhere (device memory is not the
-    heap) or without glibc."""
-    if jax.default_backend() != "cpu":
-        return
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def abstract_like(tree, shardings=None):

@@ -189,7 +189,7 @@ def train(config) -> list[dict]:
     paths.makedirs(workdir)
     lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
     ckpt = checkpointing.Checkpointer(paths.join(workdir, "checkpoints"), every=tc.checkpoint_every,
-                                      keep=tc.keep_checkpoints)
+                                      keep=tc.keep_checkpoints, async_save=not host.on_cpu())
     resume = ckpt.latest_step() is not None
     cfg, model = resolve_model(config, workdir, resume)
     if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)

@@ -132,12 +132,12 @@ def test_rotation_keeps_the_intact_step_behind_a_damaged_newest(tmp_path):
     assert steps_of(tmp_path / "ck") == ["3", "4"]
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _state(0.0))
-    restored = Checkpointer(str(tmp_path / "ck"), every=1, keep=1).restore(abstract, _iterator())
+    restored = Checkpointer(str(tmp_path / "ck"), every=1, keep=1, async_save=False).restore(abstract, _iterator())
     assert np.array_equal(restored["w"], _state(4.0)["w"])
 
 
 def test_an_explicit_damaged_step_is_refused_by_name(tmp_path):
-    ckpt = Checkpointer(str(tmp_path / "ck"), every=1, keep=2)
+    ckpt = Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False)
     ckpt.save(1, _state(1.0), _iterator())
     ckpt.close()
     file, offset, length = chunks(tmp_path / "ck" / "1" / "state")["w"]
@@ -146,7 +146,7 @@ def test_an_explicit_damaged_step_is_refused_by_name(tmp_path):
     open(file, "wb").write(bytes(data))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _state(0.0))
     with pytest.raises(CheckpointError, match=rf"step 1 is damaged: array w in {re.escape(file)}"):
-        Checkpointer(str(tmp_path / "ck"), every=1, keep=2).restore(abstract, _iterator(), step=1)
+        Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False).restore(abstract, _iterator(), step=1)
     assert steps_of(tmp_path / "ck") == ["1"]  # refused, not set aside: the caller named it
 
 
