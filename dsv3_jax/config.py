@@ -159,6 +159,8 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Inverse of `to_dict`; unknown keys are an error that lists the valid ones."""
         d = dict(d)
+        if d.get("moe_impl") == "capacity":  # the padded groups' name in runs saved before the rename
+            d["moe_impl"] = "padded"
         if isinstance(d.get("yarn"), Mapping):
             d["yarn"] = YarnConfig(**d["yarn"])
         return cls().replace(**d)

@@ -140,3 +140,11 @@ def test_softmax_scale_includes_yarn_mscale():
     m = 0.1 * 1.0 * np.log(40.0) + 1.0
     assert np.isclose(cfg.softmax_scale, 192**-0.5 * m * m)
     assert np.isclose(cfg.replace(yarn=None).softmax_scale, 192**-0.5)
+
+
+def test_a_run_saved_with_the_old_capacity_impl_name_still_loads():
+    """Runs saved before the CPU padded-groups path was renamed carry moe_impl="capacity"."""
+    saved = {**ModelConfig.tiny().to_dict(), "moe_impl": "capacity"}
+    assert ModelConfig.from_dict(saved) == ModelConfig.tiny().replace(moe_impl="padded")
+    with pytest.raises(ConfigError, match="moe_impl"):
+        ModelConfig.tiny().replace(moe_impl="capacity")
