@@ -10,14 +10,16 @@ import argparse
 import pathlib
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from dsv3_jax.data import corpus
 from dsv3_jax.data import tokenizer as tokenizer_lib
 
 
 def train_bpe(documents, vocab_size: int = 2048) -> tokenizers.Tokenizer:
-    """Returns a byte-level BPE with `vocab_size` ids in total, special tokens first."""
+    """Returns a byte-level BPE with `vocab_size` ids in total, special tokens first. Its default
+    encoding (HF's `add_special_tokens=True`) puts BOS in front, as our tokenization of a prompt or
+    document does, so that transformers and the server's `/tokenizer_info` agree with us."""
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -29,6 +31,9 @@ def train_bpe(documents, vocab_size: int = 2048) -> tokenizers.Tokenizer:
                            "few distinct merges for that size.")
     for want_id, token in enumerate(tokenizer_lib.SPECIAL_TOKENS):
         assert tok.token_to_id(token) == want_id, (token, tok.token_to_id(token))
+    bos = tokenizer_lib.BOS
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 
