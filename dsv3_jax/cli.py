@@ -15,4 +15,7 @@ def fail(e: Exception, path: str | None = None) -> int:
     returns the exit code 2."""
     text = f"{path}: {e.strerror or e}" if isinstance(e, OSError) and e.filename is None and path else str(e)
     print(f"error: {_TS_SPEC.sub('', text)}".replace("\n", " "), file=sys.stderr, flush=True)
+    # The reads abandoned with the failed one (Orbax's other coroutines over a damaged file) would
+    # print their own tracebacks as "Exception ignored" at exit: the error above already says it.
+    sys.unraisablehook = lambda unraisable: None
     return 2

@@ -148,7 +148,7 @@ def test_transformers_generate_with_default_tokenization_gives_our_tokens(run_di
     from experiments import generate
 
     out = tmp_path / "hf"
-    run_folder.export_hf(run_folder.find(run_dir), str(out), progress=False)
+    export_run(run_folder.find(run_dir), str(out), progress=False)
     prompt, new = "The man said", 12
     tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = tok(prompt, return_tensors="pt")["input_ids"]
