@@ -11,7 +11,8 @@
    included, in any output dtype.
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
-   `verify`, sampled blocks re-read and compared). Any error or interrupt removes the folder.
+   `verify`, sampled blocks re-read and compared), with the arrays' checksums (`integrity`), summed
+   block by block as they are written, for `load_pretrained` to check. Any error or interrupt removes the folder.
    `--overwrite` keeps the old output as `OUT.replaced` until the new one is in place; a run
    killed in between leaves it there, and the next run puts it back (`begin_output`).
 
@@ -330,7 +331,8 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         if quantize is not None:
             meta["quant"] = {"format": quantize, "group": quant_group if quantize != "fp8" else fp8.BLOCK,
                              "leaves": [p.key for p in plans if p.quant is not None or (quantize == "fp8" and p.fp8)]}
-        orbax_layout.write_config(tmp, meta, items)
+        orbax_layout.write_config(tmp, meta, items, {orbax_layout.PARAMS: params.checksums,
+                                                     orbax_layout.FP8: fp8_item.checksums if fp8_item else {}})
         commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,7 @@ A damaged step is a `CheckpointError` naming the step, the array and the file th
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 
@@ -51,23 +52,27 @@ def _bits(x) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _sum(x, start) -> jax.Array:
+def _sum(x) -> jax.Array:
     bits = _bits(x)
     strides = [math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)]
-    index = start + sum((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(s)
+    index = sum((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(s)
                          for d, s in enumerate(strides)), jnp.uint32(0))
     return jnp.sum(_mix(bits ^ _mix(index)), dtype=jnp.uint32)
 
 
-_sums = jax.jit(lambda leaves: [_sum(x, jnp.uint32(0)) for x in leaves])
+_sums = jax.jit(lambda leaves: [_sum(x) for x in leaves])
 
 
-def checksum_block(block: np.ndarray, start: int) -> int:
-    """`_sum` of a C-contiguous block read from a file whose first element has flat index `start`,
-    on the host (numpy's uint32 arithmetic wraps like XLA's)."""
-    bits = block.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize])
-    index = ((start + np.arange(bits.size, dtype=np.uint64)) % 2**32).astype(np.uint32)
-    return int(np.sum(_mix(bits.astype(np.uint32) ^ _mix(index)), dtype=np.uint32))
+def checksum_block(block: np.ndarray, shape: tuple[int, ...], offset=()) -> int:
+    """`_sum` of the block `ours[offset:offset + block.shape]` of an array of `shape` (`offset`: its
+    first index, missing trailing dims 0), on the host (numpy's uint32 arithmetic wraps like XLA's)."""
+    block = np.asarray(block)
+    bits = block.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize]).astype(np.uint32)
+    index = np.zeros(bits.shape, np.uint32)
+    for d, (start, n) in enumerate(itertools.zip_longest(offset, bits.shape, fillvalue=0)):
+        rows = np.arange(start, start + n, dtype=np.uint32).reshape((n,) + (1,) * (bits.ndim - d - 1))
+        index += rows * np.uint32(math.prod(shape[d + 1:]) % 2**32)
+    return int(np.sum(_mix(bits ^ _mix(index)), dtype=np.uint32))
 
 
 def flat(tree) -> dict[str, object]:
@@ -106,8 +111,9 @@ def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None)
         try:
             arr = ts.open(_spec(item_dir, name), open=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})
                           ).result()
-            total = sum(checksum_block(np.asarray(arr[index].read().result()), start)
-                        for index, start in _blocks(tuple(arr.shape), arr.dtype.numpy_dtype.itemsize)) % 2**32
+            shape = tuple(arr.shape)
+            total = sum(checksum_block(arr[index].read().result(), shape, index)
+                        for index in _blocks(shape, arr.dtype.numpy_dtype.itemsize)) % 2**32
         except Exception as e:  # TensorStore's read errors on a damaged or truncated file
             raise damaged(step, item_dir, name, first_line(e)) from None
         if total != manifest[name]:
@@ -115,13 +121,11 @@ def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None)
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int):
-    """(index, flat start mod 2**32) of C-contiguous blocks of at most BLOCK_BYTES (a prefix of indices)."""
+    """Leading indices of C-contiguous blocks of at most BLOCK_BYTES."""
     lead = 0
     while lead < len(shape) and math.prod(shape[lead:]) * itemsize > BLOCK_BYTES:
         lead += 1
-    inner = math.prod(shape[lead:])
-    for prefix in np.ndindex(*shape[:lead]):
-        yield prefix, (int(np.ravel_multi_index(prefix, shape[:lead])) * inner if lead else 0) % 2**32
+    yield from np.ndindex(*shape[:lead])
 
 
 def _spec(item_dir: str, name: str) -> dict:
