@@ -67,7 +67,7 @@ def checksum_block(block: np.ndarray, shape: tuple[int, ...], offset=()) -> int:
     """`_sum` of the block `ours[offset:offset + block.shape]` of an array of `shape` (`offset`: its
     first index, missing trailing dims 0), on the host (numpy's uint32 arithmetic wraps like XLA's)."""
     block = np.asarray(block)
-    bits = block.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize]).astype(np.uint32)
+    bits = np.atleast_1d(block.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize])).astype(np.uint32)
     index = np.zeros(bits.shape, np.uint32)
     for d, (start, n) in enumerate(itertools.zip_longest(offset, bits.shape, fillvalue=0)):
         rows = np.arange(start, start + n, dtype=np.uint32).reshape((n,) + (1,) * (bits.ndim - d - 1))

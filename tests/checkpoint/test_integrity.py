@@ -25,6 +25,7 @@ from flax import nnx
 
 from dsv3_jax.checkpoint import CheckpointError, integrity, load_pretrained, orbax_layout
 from dsv3_jax.convert import main as convert_main
+from dsv3_jax.train import checkpointing
 from dsv3_jax.train.checkpointing import Checkpointer
 from tests.checkpoint.conftest import convert
 from tests.helpers import repo_env, run
@@ -185,6 +186,36 @@ def test_an_explicit_damaged_step_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=rf"step 1 is damaged: array w in {re.escape(file)}"):
         Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False).restore(abstract, _iterator(), step=1)
     assert steps_of(tmp_path / "ck") == ["1"]  # refused, not set aside: the caller named it
+
+
+def test_a_step_one_process_cannot_read_is_refused_by_every_process(tmp_path, monkeypatch):
+    """Several processes, simulated: the restore's outcome is agreed (`_all_agree`) before the
+    collective check; the process whose read failed first joins the barrier Orbax's restore ends with."""
+    ckpt = Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False)
+    ckpt.save(1, _state(1.0), _iterator())
+    ckpt.save(2, _state(2.0), _iterator())
+    ckpt.close()
+    shutil.copytree(tmp_path / "ck", tmp_path / "other")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _state(0.0))
+    calls = []
+    check = integrity.check
+    monkeypatch.setattr(integrity, "check", lambda step, *a: calls.append(("check", step)) or check(step, *a))
+    monkeypatch.setattr(checkpointing, "_join_orbax_restore_barrier", lambda: calls.append("barrier"))
+
+    file, offset, length = chunks(tmp_path / "ck" / "2" / "state")["w"]
+    with open(file, "r+b") as f:
+        f.truncate(offset + length // 2)  # this process's chunk of step 2 cannot be read
+    monkeypatch.setattr(checkpointing, "_all_agree", lambda ok: calls.append(ok) or ok)
+    with pytest.raises(CheckpointError, match=rf"step 2 is damaged: array w in {re.escape(file)}"):
+        Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False).restore(abstract, _iterator(), step=2)
+    assert calls == ["barrier", False]
+
+    calls.clear()  # another process, which read step 2 intact: told step 2 failed elsewhere, it falls back too
+    agreed = iter([False, True])
+    monkeypatch.setattr(checkpointing, "_all_agree", lambda ok: calls.append(ok) or next(agreed))
+    restored = Checkpointer(str(tmp_path / "other"), every=1, keep=2, async_save=False).restore(abstract, _iterator())
+    assert calls == [True, True, ("check", 1)]  # no collective check of step 2
+    assert np.array_equal(restored["w"], _state(1.0)["w"]) and steps_of(tmp_path / "other") == ["1", "2.damaged"]
 
 
 # --- a damaged run through the public entry points ---------------------------------------------
