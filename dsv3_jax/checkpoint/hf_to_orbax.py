@@ -177,16 +177,17 @@ def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWrit
     n, k = p.hf_shape
     step, blocks = int_regions(p)
     pack = 2 if p.quant == "int4" else 1
-    stack_shape, lead = p.shape[:p.stacked], [1] * p.stacked
+    stack_shape, ones = p.shape[:p.stacked], [1] * p.stacked
     q_arr = params.create(p.leaf.path + ("q",), stack_shape + (k // pack, n), np.uint8 if pack == 2 else np.int8,
-                          chunks=lead + [step // pack, n])
+                          chunks=ones + [step // pack, n])
     s_arr = params.create(p.leaf.path + ("scale",), stack_shape + (k // p.group, n), np.float32,
-                          chunks=lead + [step // p.group, n])
+                          chunks=ones + [step // p.group, n])
     for stack, rows in blocks:
         before = reader.bytes_read
         q, sc = _int_block(reader, p, stack, rows)
-        params.write(q_arr[stack + (slice(rows.start // pack, rows.stop // pack),)], q)
-        params.write(s_arr[stack + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
+        lead = tuple(slice(i, i + 1) for i in stack)  # kept: a write's checksum needs its global index
+        params.write(q_arr[lead + (slice(rows.start // pack, rows.stop // pack),)], q)
+        params.write(s_arr[lead + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
         bar.update(reader.bytes_read - before)
 
 

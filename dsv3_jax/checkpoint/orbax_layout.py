@@ -104,7 +104,8 @@ class ItemWriter:
 
     def write(self, target, value: np.ndarray) -> None:
         """`target[...] = value` asynchronously, waiting first if too many bytes are in flight."""
-        value = np.ascontiguousarray(value)
+        # As stored (what tensorstore would convert and broadcast it to): what its checksum is of.
+        value = np.ascontiguousarray(np.broadcast_to(value, target.domain.shape), target.dtype.numpy_dtype)
         name = target.kvstore.path.rstrip("/").rsplit("/", 1)[-1]  # `create`'s zarr folder of the array
         piece = integrity.checksum_block(value, self._shapes[name], target.domain.inclusive_min)
         self.checksums[name] = (self.checksums[name] + piece) % 2**32
