@@ -11,8 +11,8 @@
    included, in any output dtype.
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
-   `verify`, sampled blocks re-read and compared), with the arrays' checksums (`integrity`), summed
-   block by block as they are written, for `load_pretrained` to check. Any error or interrupt removes the folder.
+   `verify`, sampled blocks re-read and compared), with the arrays' checksums (`integrity`, summed
+   block by block as written) for `load_pretrained` to check. Any error or interrupt removes the folder.
    `--overwrite` keeps the old output as `OUT.replaced` until the new one is in place; a run
    killed in between leaves it there, and the next run puts it back (`begin_output`).
 

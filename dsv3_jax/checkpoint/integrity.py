@@ -2,7 +2,9 @@
 
 Orbax and TensorStore record none (zarr v2 has no checksum codec, OCDBT stores raw chunk bytes),
 so each step carries an `integrity` item (Orbax's JSON item): {array name: checksum}, the name
-Orbax gives the array in the `state` item (`ocp.tree.to_flat_dict(state, sep=".")`).
+Orbax gives the array in the `state` item (`ocp.tree.to_flat_dict(state, sep=".")`). A converted
+checkpoint (`orbax_layout`) carries {item: {array name: checksum}}, summed over the blocks it was
+written in (`checksum_block`).
 
 The checksum of an array is sum_i mix(bits_i ^ mix(i)) mod 2**32 over its elements (i: flat C-order
 index, bits: the element's bits, mix: murmur3's 32-bit finalizer, a bijection): any changed element
