@@ -18,7 +18,6 @@ A damaged step is a `CheckpointError` naming the step, the array and the file th
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 
@@ -54,27 +53,30 @@ def _bits(x) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _sum(x) -> jax.Array:
+def _sum(x, start_N=None, strides_N=None) -> jax.Array:
+    """The checksum of `x`, or of `x` as the block of a larger array starting at index `start_N`
+    whose C-order strides are `strides_N` (both traced: one program per block shape)."""
     bits = _bits(x)
-    strides = [math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)]
-    index = sum((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(s)
-                         for d, s in enumerate(strides)), jnp.uint32(0))
+    if start_N is None:
+        start_N = jnp.zeros(bits.ndim, jnp.uint32)
+        strides_N = jnp.array([math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)], jnp.uint32)
+    index = sum(((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) + start_N[d]) * strides_N[d]
+                 for d in range(bits.ndim)), jnp.uint32(0))
     return jnp.sum(_mix(bits ^ _mix(index)), dtype=jnp.uint32)
 
 
 _sums = jax.jit(lambda leaves: [_sum(x) for x in leaves])
+_block_sum = jax.jit(_sum)
 
 
 def checksum_block(block: np.ndarray, shape: tuple[int, ...], offset=()) -> int:
     """`_sum` of the block `ours[offset:offset + block.shape]` of an array of `shape` (`offset`: its
-    first index, missing trailing dims 0), on the host (numpy's uint32 arithmetic wraps like XLA's)."""
-    block = np.asarray(block)
-    bits = np.atleast_1d(block.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize])).astype(np.uint32)
-    index = np.zeros(bits.shape, np.uint32)
-    for d, (start, n) in enumerate(itertools.zip_longest(offset, bits.shape, fillvalue=0)):
-        rows = np.arange(start, start + n, dtype=np.uint32).reshape((n,) + (1,) * (bits.ndim - d - 1))
-        index += rows * np.uint32(math.prod(shape[d + 1:]) % 2**32)
-    return int(np.sum(_mix(bits ^ _mix(index)), dtype=np.uint32))
+    first index, missing trailing dims 0), in one compiled reduction (uint32 arithmetic wraps)."""
+    block = np.atleast_1d(np.asarray(block))
+    ndim = block.ndim
+    start = np.array(list(offset) + [0] * (ndim - len(offset)), np.uint32)
+    strides = np.array([math.prod(shape[d + 1:]) % 2**32 for d in range(ndim)], np.uint32)
+    return int(_block_sum(block, start, strides))
 
 
 def flat(tree) -> dict[str, object]:
