@@ -11,7 +11,8 @@
    included, in any output dtype.
 3. Commit: everything goes to `OUT.orbax-checkpoint-tmp-PID`; the config that makes it a
    checkpoint is written last and the folder renamed into place only when complete (and, with
-   `verify`, sampled blocks re-read and compared). Any error or interrupt removes the folder.
+   `verify`, sampled blocks re-read and compared), with the arrays' checksums (`integrity`, summed
+   block by block as written) for `load_pretrained` to check. Any error or interrupt removes the folder.
    `--overwrite` keeps the old output as `OUT.replaced` until the new one is in place; a run
    killed in between leaves it there, and the next run puts it back (`begin_output`).
 
@@ -176,16 +177,17 @@ def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWrit
     n, k = p.hf_shape
     step, blocks = int_regions(p)
     pack = 2 if p.quant == "int4" else 1
-    stack_shape, lead = p.shape[:p.stacked], [1] * p.stacked
+    stack_shape, ones = p.shape[:p.stacked], [1] * p.stacked
     q_arr = params.create(p.leaf.path + ("q",), stack_shape + (k // pack, n), np.uint8 if pack == 2 else np.int8,
-                          chunks=lead + [step // pack, n])
+                          chunks=ones + [step // pack, n])
     s_arr = params.create(p.leaf.path + ("scale",), stack_shape + (k // p.group, n), np.float32,
-                          chunks=lead + [step // p.group, n])
+                          chunks=ones + [step // p.group, n])
     for stack, rows in blocks:
         before = reader.bytes_read
         q, sc = _int_block(reader, p, stack, rows)
-        params.write(q_arr[stack + (slice(rows.start // pack, rows.stop // pack),)], q)
-        params.write(s_arr[stack + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
+        lead = tuple(slice(i, i + 1) for i in stack)  # kept: a write's checksum needs its global index
+        params.write(q_arr[lead + (slice(rows.start // pack, rows.stop // pack),)], q)
+        params.write(s_arr[lead + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
         bar.update(reader.bytes_read - before)
 
 
@@ -330,7 +332,8 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         if quantize is not None:
             meta["quant"] = {"format": quantize, "group": quant_group if quantize != "fp8" else fp8.BLOCK,
                              "leaves": [p.key for p in plans if p.quant is not None or (quantize == "fp8" and p.fp8)]}
-        orbax_layout.write_config(tmp, meta, items)
+        orbax_layout.write_config(tmp, meta, items, {orbax_layout.PARAMS: params.checksums,
+                                                     orbax_layout.FP8: fp8_item.checksums if fp8_item else {}})
         commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

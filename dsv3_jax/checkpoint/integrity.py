@@ -2,7 +2,9 @@
 
 Orbax and TensorStore record none (zarr v2 has no checksum codec, OCDBT stores raw chunk bytes),
 so each step carries an `integrity` item (Orbax's JSON item): {array name: checksum}, the name
-Orbax gives the array in the `state` item (`ocp.tree.to_flat_dict(state, sep=".")`).
+Orbax gives the array in the `state` item (`ocp.tree.to_flat_dict(state, sep=".")`). A converted
+checkpoint (`orbax_layout`) carries {item: {array name: checksum}}, summed over the blocks it was
+written in (`checksum_block`).
 
 The checksum of an array is sum_i mix(bits_i ^ mix(i)) mod 2**32 over its elements (i: flat C-order
 index, bits: the element's bits, mix: murmur3's 32-bit finalizer, a bijection): any changed element
@@ -51,23 +53,30 @@ def _bits(x) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _sum(x, start) -> jax.Array:
+def _sum(x, start_N=None, strides_N=None) -> jax.Array:
+    """The checksum of `x`, or of `x` as the block of a larger array starting at index `start_N`
+    whose C-order strides are `strides_N` (both traced: one program per block shape)."""
     bits = _bits(x)
-    strides = [math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)]
-    index = start + sum((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(s)
-                         for d, s in enumerate(strides)), jnp.uint32(0))
+    if start_N is None:
+        start_N = jnp.zeros(bits.ndim, jnp.uint32)
+        strides_N = jnp.array([math.prod(bits.shape[d + 1:]) % 2**32 for d in range(bits.ndim)], jnp.uint32)
+    index = sum(((jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) + start_N[d]) * strides_N[d]
+                 for d in range(bits.ndim)), jnp.uint32(0))
     return jnp.sum(_mix(bits ^ _mix(index)), dtype=jnp.uint32)
 
 
-_sums = jax.jit(lambda leaves: [_sum(x, jnp.uint32(0)) for x in leaves])
+_sums = jax.jit(lambda leaves: [_sum(x) for x in leaves])
+_block_sum = jax.jit(_sum)
 
 
-def checksum_block(block: np.ndarray, start: int) -> int:
-    """`_sum` of a C-contiguous block read from a file whose first element has flat index `start`,
-    on the host (numpy's uint32 arithmetic wraps like XLA's)."""
-    bits = block.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[block.dtype.itemsize])
-    index = ((start + np.arange(bits.size, dtype=np.uint64)) % 2**32).astype(np.uint32)
-    return int(np.sum(_mix(bits.astype(np.uint32) ^ _mix(index)), dtype=np.uint32))
+def checksum_block(block: np.ndarray, shape: tuple[int, ...], offset=()) -> int:
+    """`_sum` of the block `ours[offset:offset + block.shape]` of an array of `shape` (`offset`: its
+    first index, missing trailing dims 0), in one compiled reduction (uint32 arithmetic wraps)."""
+    block = np.atleast_1d(np.asarray(block))
+    ndim = block.ndim
+    start = np.array(list(offset) + [0] * (ndim - len(offset)), np.uint32)
+    strides = np.array([math.prod(shape[d + 1:]) % 2**32 for d in range(ndim)], np.uint32)
+    return int(_block_sum(block, start, strides))
 
 
 def flat(tree) -> dict[str, object]:
@@ -106,8 +115,9 @@ def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None)
         try:
             arr = ts.open(_spec(item_dir, name), open=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})
                           ).result()
-            total = sum(checksum_block(np.asarray(arr[index].read().result()), start)
-                        for index, start in _blocks(tuple(arr.shape), arr.dtype.numpy_dtype.itemsize)) % 2**32
+            shape = tuple(arr.shape)
+            total = sum(checksum_block(arr[index].read().result(), shape, index)
+                        for index in _blocks(shape, arr.dtype.numpy_dtype.itemsize)) % 2**32
         except Exception as e:  # TensorStore's read errors on a damaged or truncated file
             raise damaged(step, item_dir, name, first_line(e)) from None
         if total != manifest[name]:
@@ -115,13 +125,11 @@ def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None)
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int):
-    """(index, flat start mod 2**32) of C-contiguous blocks of at most BLOCK_BYTES (a prefix of indices)."""
+    """Leading indices of C-contiguous blocks of at most BLOCK_BYTES."""
     lead = 0
     while lead < len(shape) and math.prod(shape[lead:]) * itemsize > BLOCK_BYTES:
         lead += 1
-    inner = math.prod(shape[lead:])
-    for prefix in np.ndindex(*shape[:lead]):
-        yield prefix, (int(np.ravel_multi_index(prefix, shape[:lead])) * inner if lead else 0) % 2**32
+    yield from np.ndindex(*shape[:lead])
 
 
 def _spec(item_dir: str, name: str) -> dict:

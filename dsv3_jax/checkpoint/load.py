@@ -16,6 +16,7 @@ raised from the headers before anything is read.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -157,20 +158,24 @@ def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[Mo
     return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
 
 
-def restore_variables(item_dir: str, variables: dict, keys: dict, place, step: int | None = None) -> None:
+def restore_variables(item_dir: str, variables: dict, keys: dict, place, step: int | None = None,
+                      manifest: dict[str, int] | None = None) -> None:
     """Orbax restore of the arrays `keys` names ({variable path: key path in the item at `item_dir`}),
     each straight into `place(path, var)`'s sharding (a process reads only its devices' shards),
-    set into `variables` (the abstract model's). One path for converted checkpoints and runs; a
-    training step's arrays (`step`) are checked against its checksums (`integrity`)."""
+    set into `variables` (the abstract model's). One path for converted checkpoints and runs (a
+    training `step`); with `manifest`, the arrays are restored in their stored dtype, checked against
+    its checksums (`integrity`), then cast."""
     import orbax.checkpoint as ocp
 
+    stored = orbax_layout.ItemReader(paths.parent(item_dir), paths.name(item_dir)) if manifest is not None else None
     target: dict = {}
     for p, key in keys.items():
         var = variables[p]
         node = target
         for k in key[:-1]:
             node = node.setdefault(k, {})
-        node[key[-1]] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=place(p, var))
+        dtype = stored.array(key).dtype.numpy_dtype if stored is not None else var.dtype
+        node[key[-1]] = jax.ShapeDtypeStruct(var.shape, dtype, sharding=place(p, var))
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
             restored = ckptr.restore(item_dir, ocp.args.PyTreeRestore(
@@ -182,11 +187,10 @@ def restore_variables(item_dir: str, variables: dict, keys: dict, place, step: i
             raise damaged or CheckpointError(f"{item_dir} does not hold this model's parameters ({e})") from None
     by_key = {tuple(k.key for k in keypath): value
               for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
-    manifest = integrity.read_manifest(paths.parent(item_dir)) if step is not None else None
     if manifest is not None:
         integrity.check(step, item_dir, manifest, {".".join(key): by_key[key] for key in keys.values()})
     for p, key in keys.items():
-        variables[p].set_value(by_key[key])
+        variables[p].set_value(by_key[key].astype(variables[p].dtype))
 
 
 def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
@@ -217,7 +221,12 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
                                   f"{tuple(var.shape)}")
         if p not in plan:
             keys[p] = p
-    restore_variables(params_dir, variables, keys, place)
+    manifest = integrity.read_manifest(path)
+    if manifest is None:
+        logging.warning("%s has no checksums (converted before they were recorded): not verified", path)
+    restore_variables(params_dir, variables, keys, place, manifest=(manifest or {}).get(orbax_layout.PARAMS))
+    if manifest is not None:
+        _check_windowed(path, manifest, plan, int_leaves, fp8_leaves)
     quantized_keys = {".".join(p) for p in plan}
     if fp8_leaves - quantized_keys:
         _restore_fp8(path, cfg, variables, fp8_leaves - quantized_keys, place)
@@ -242,6 +251,16 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
                                          contract), None
         quantization.build(entry, var, p, mesh, rules, src, raw)
     return model
+
+
+def _check_windowed(path: str, manifest: dict, plan: dict, int_leaves: set[str], fp8_leaves: set[str]) -> None:
+    """Checks the arrays that are read window by window (quantized as they load, not restored by
+    Orbax) against the checksums, block by block as stored (`integrity.check_stored`)."""
+    names = [".".join(p + part) for p in plan if ".".join(p) not in fp8_leaves
+             for part in ((("q",), ("scale",)) if ".".join(p) in int_leaves else ((),))]
+    integrity.check_stored(None, paths.join(path, orbax_layout.PARAMS), manifest[orbax_layout.PARAMS], names)
+    if fp8_leaves:
+        integrity.check_stored(None, paths.join(path, orbax_layout.FP8), manifest.get(orbax_layout.FP8, {}))
 
 
 def _stored_quantization(path: str, meta: dict, model, quantization: Quantization | None):
@@ -291,7 +310,8 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, **co
     _, model = _abstract_model(run.model_config(), dtype, config_overrides)
     variables = _variables(model)
     keys = {p: ("router_bias" if isinstance(var, RouterBias) else "params",) + p for p, var in variables.items()}
-    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules), run.step)
+    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules), run.step,
+                      integrity.read_manifest(run.step_dir))
     return model
 
 

@@ -8,6 +8,8 @@
       fp8/                   only with --keep-fp8: {param path: {"qvalue": e4m3 [.., out, in],
                              "scale_inv": f32 [.., ceil(out/128), ceil(in/128)]}}, HF orientation
                              (the [N, K] / [NB, KB] layout of `pallas_kernels.fp8_matmul`)
+      integrity/metadata     JSON: {"checksums": {item: {array name: checksum}}} (`integrity`),
+                             summed over the pieces as they are written
 
 `params` and `fp8` are what Orbax's StandardCheckpointHandler writes with `use_ocdbt=False` (a zarr
 folder per array), so
@@ -29,6 +31,7 @@ import numpy as np
 import tensorstore as ts
 
 from dsv3_jax import paths
+from dsv3_jax.checkpoint import integrity
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 
 PARAMS, FP8, CONFIG = "params", "fp8", "config"
@@ -39,6 +42,7 @@ _HANDLERS = {
     FP8: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
     CONFIG: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
 }
+_HANDLERS[integrity.ITEM] = _HANDLERS[CONFIG]
 _TS_DTYPES = {np.dtype(ml_dtypes.bfloat16): ts.bfloat16, np.dtype(ml_dtypes.float8_e4m3fn): ts.float8_e4m3fn}
 
 
@@ -72,7 +76,8 @@ class ItemWriter:
     """Writes one Orbax StandardCheckpointHandler item (a nested dict of arrays) with tensorstore.
 
     `create` returns a tensorstore array to write slices into; `write` keeps a bounded number of
-    bytes in flight so reading, converting and writing overlap without memory growing.
+    bytes in flight so reading, converting and writing overlap without memory growing, and adds
+    each slice's checksum to its array's in `checksums` (a sum: slices in any order add up).
     """
 
     def __init__(self, item_dir: str, max_in_flight: int = 256 << 20):
@@ -80,6 +85,8 @@ class ItemWriter:
         paths.makedirs(item_dir)
         self._ctx = _context()
         self._keys: list[tuple[str, ...]] = []
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.checksums: dict[str, int] = {}
         self._pending: list[tuple[Any, int]] = []
         self._max_in_flight = max_in_flight
 
@@ -88,6 +95,7 @@ class ItemWriter:
         """A new zarr array; `stacked` leading dims are written one index at a time (see `chunk_shape`)."""
         dtype = np.dtype(dtype)
         self._keys.append(tuple(path))
+        self._shapes[".".join(path)], self.checksums[".".join(path)] = tuple(shape), 0
         chunks = chunks or chunk_shape(shape, dtype.itemsize, stacked)
         spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path)),
                 "metadata": {"compressor": None, "chunks": [max(1, c) for c in chunks]}}
@@ -96,7 +104,12 @@ class ItemWriter:
 
     def write(self, target, value: np.ndarray) -> None:
         """`target[...] = value` asynchronously, waiting first if too many bytes are in flight."""
-        fut = target.write(np.ascontiguousarray(value))
+        # As stored (what tensorstore would convert and broadcast it to): what its checksum is of.
+        value = np.ascontiguousarray(np.broadcast_to(value, target.domain.shape), target.dtype.numpy_dtype)
+        name = target.kvstore.path.rstrip("/").rsplit("/", 1)[-1]  # `create`'s zarr folder of the array
+        piece = integrity.checksum_block(value, self._shapes[name], target.domain.inclusive_min)
+        self.checksums[name] = (self.checksums[name] + piece) % 2**32
+        fut = target.write(value)
         self._pending.append((fut, value.nbytes))
         while sum(n for _, n in self._pending) > self._max_in_flight:
             self._pending.pop(0)[0].result()
@@ -123,10 +136,16 @@ def _read_json(path: str):
     return json.loads(paths.at(path).read_text())
 
 
-def write_config(root: str, meta: dict[str, Any], items: list[str]) -> None:
-    """Written last: a folder without these files is not a checkpoint (see `is_orbax_checkpoint`)."""
+def write_config(root: str, meta: dict[str, Any], items: list[str],
+                 checksums: dict[str, dict[str, int]] | None = None) -> None:
+    """Written last: a folder without these files is not a checkpoint (see `is_orbax_checkpoint`).
+    `checksums`: {item: `ItemWriter.checksums`}, the `integrity` item."""
     paths.makedirs(paths.join(root, CONFIG))
     _write_json(paths.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
+    if checksums is not None:
+        items = [*items, integrity.ITEM]
+        paths.makedirs(paths.join(root, integrity.ITEM))
+        _write_json(paths.join(root, integrity.ITEM, "metadata"), {"checksums": checksums})
     now = time.time_ns()
     _write_json(paths.join(root, "_CHECKPOINT_METADATA"),
                 {"item_handlers": {k: _HANDLERS[k] for k in [*items, CONFIG]}, "metrics": {},

@@ -72,11 +72,18 @@ class Checkpointer:
         step_dir = paths.join(self.directory, str(step))
         manifest = integrity.read_manifest(step_dir)
         state_dir = paths.join(step_dir, "state")
+        error = None
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
         except Exception as e:  # Orbax passes TensorStore's read errors on as a bare Exception
-            raise integrity.from_read_error(step, state_dir, e) or e
+            error = integrity.from_read_error(step, state_dir, e) or e
+            _join_orbax_restore_barrier()
+        # A process that read a damaged chunk of its own shards must not leave the others waiting in
+        # the check's collective: all agree first, and all refuse the step (so all fall back) or none.
+        if not _all_agree(error is None):
+            raise error or CheckpointError(f"checkpoint step {step} is damaged: another process could not read "
+                                           f"its part of {state_dir}")
         if manifest is None:
             logging.warning("checkpoint step %d has no checksums (saved before they were recorded): not verified",
                             step)
@@ -168,6 +175,14 @@ def _all_agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _join_orbax_restore_barrier() -> None:
+    """Joins the barrier Orbax's `Checkpointer.restore` ends with (`sync_global_processes(
+    "Checkpointer:restore")`: the manager here sets no key prefix or active processes), which a
+    process whose read raised skipped, so the others come out of it and reach `_all_agree`."""
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes("Checkpointer:restore")
 
 
 def abstract_like(tree, shardings=None):

@@ -21,9 +21,13 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from dsv3_jax.checkpoint import CheckpointError, integrity, load_pretrained
+from flax import nnx
+
+from dsv3_jax.checkpoint import CheckpointError, integrity, load_pretrained, orbax_layout
 from dsv3_jax.convert import main as convert_main
+from dsv3_jax.train import checkpointing
 from dsv3_jax.train.checkpointing import Checkpointer
+from tests.checkpoint.conftest import convert
 from tests.helpers import repo_env, run
 from tests.train.conftest import RESUME_FLAGS, STEPS, read_records, run_train, shared_compile_cache
 
@@ -82,17 +86,19 @@ def test_checksum_adds_up_over_any_cut_and_sees_every_bit(dtype):
     x = np.random.default_rng(0).standard_normal((6, 5, 4)) > 0 if dtype is np.bool_ else (
         np.random.default_rng(0).standard_normal((6, 5, 4)) * 50).astype(dtype)
     whole = integrity.checksums({"x": jnp.asarray(x)})["x"]
-    assert integrity.checksum_block(x, 0) == whole  # the host formula is the device one
-    parts = [integrity.checksum_block(x[i:i + 2], i * 20) for i in range(0, 6, 2)]  # blocks of 2 rows
+    assert integrity.checksum_block(x, x.shape) == whole  # the host formula is the device one
+    parts = [integrity.checksum_block(x[i:i + 2], x.shape, (i,)) for i in range(0, 6, 2)]  # blocks of 2 rows
     assert sum(parts) % 2**32 == whole
+    tiles = [integrity.checksum_block(x[i:i + 3, :, j:j + 2], x.shape, (i, 0, j)) for i in (0, 3) for j in (0, 2)]
+    assert sum(tiles) % 2**32 == whole  # blocks that are not runs of the flat order
     flat = x.reshape(-1).view(np.uint8).copy()
     for byte in (0, flat.size // 2, flat.size - 1):  # one bit anywhere changes it
         flipped = flat.copy()
         flipped[byte] ^= 1
-        assert integrity.checksum_block(flipped.view(x.dtype).reshape(x.shape), 0) != whole
+        assert integrity.checksum_block(flipped.view(x.dtype).reshape(x.shape), x.shape) != whole
     swapped = x.copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # same values elsewhere: the position counts
-    assert (swapped == x).all() or integrity.checksum_block(swapped, 0) != whole
+    assert (swapped == x).all() or integrity.checksum_block(swapped, x.shape) != whole
 
 
 def test_checksum_of_a_sharded_array_equals_the_unsharded_one():
@@ -101,7 +107,39 @@ def test_checksum_of_a_sharded_array_equals_the_unsharded_one():
     sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     assert integrity.checksums({"a": sharded}) == integrity.checksums({"a": np.asarray(x)})
     key = jax.random.key(3)
-    assert integrity.checksums({"k": key})["k"] == integrity.checksum_block(np.asarray(jax.random.key_data(key)), 0)
+    assert integrity.checksums({"k": key})["k"] == integrity.checksum_block(np.asarray(jax.random.key_data(key)), (2,))
+
+
+# --- a converted checkpoint (python -m dsv3_jax.convert) ---------------------------------------
+
+def _flip(file) -> None:
+    data = bytearray(open(file, "rb").read())
+    data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    open(file, "wb").write(bytes(data))
+
+
+def test_a_converted_checkpoint_is_checked_by_load_pretrained(hf_folders, tmp_path, caplog):
+    ckpt = tmp_path / "ckpt"
+    assert convert("--hf-dir", hf_folders["fp8"], "--out", ckpt, "--keep-fp8") == 0  # both items: params, fp8
+    sums = integrity.read_manifest(ckpt)
+    for item in (orbax_layout.PARAMS, orbax_layout.FP8):  # summed piece by piece = the whole array's checksum
+        reader = orbax_layout.ItemReader(str(ckpt), item)
+        whole = {name: reader.read(tuple(name.split("."))) for name in sums[item]}
+        assert sums[item] == integrity.checksums(whole) and len(whole) > 3
+    loaded = nnx.state(load_pretrained(ckpt, dtype="float32"))
+
+    for item, name in [(orbax_layout.PARAMS, "embed"), (orbax_layout.FP8, next(iter(sums["fp8"])))]:
+        damaged = tmp_path / item
+        shutil.copytree(ckpt, damaged)
+        _flip(max((damaged / item / name).glob("[0-9]*"), key=os.path.getsize))  # a chunk file of the array
+        with pytest.raises(CheckpointError, match=re.escape(f"damaged: array {name} in {damaged / item / name} ")):
+            load_pretrained(damaged, dtype="float32")
+
+    shutil.rmtree(ckpt / integrity.ITEM)  # converted before checksums were recorded: loads as before, with a warning
+    with caplog.at_level("WARNING"):
+        unchecked = nnx.state(load_pretrained(ckpt, dtype="float32"))
+    assert "has no checksums" in caplog.text
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes(), loaded, unchecked))
 
 
 # --- the checkpointer: verified restore and rotation -------------------------------------------
@@ -148,6 +186,36 @@ def test_an_explicit_damaged_step_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=rf"step 1 is damaged: array w in {re.escape(file)}"):
         Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False).restore(abstract, _iterator(), step=1)
     assert steps_of(tmp_path / "ck") == ["1"]  # refused, not set aside: the caller named it
+
+
+def test_a_step_one_process_cannot_read_is_refused_by_every_process(tmp_path, monkeypatch):
+    """Several processes, simulated: the restore's outcome is agreed (`_all_agree`) before the
+    collective check; the process whose read failed first joins the barrier Orbax's restore ends with."""
+    ckpt = Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False)
+    ckpt.save(1, _state(1.0), _iterator())
+    ckpt.save(2, _state(2.0), _iterator())
+    ckpt.close()
+    shutil.copytree(tmp_path / "ck", tmp_path / "other")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _state(0.0))
+    calls = []
+    check = integrity.check
+    monkeypatch.setattr(integrity, "check", lambda step, *a: calls.append(("check", step)) or check(step, *a))
+    monkeypatch.setattr(checkpointing, "_join_orbax_restore_barrier", lambda: calls.append("barrier"))
+
+    file, offset, length = chunks(tmp_path / "ck" / "2" / "state")["w"]
+    with open(file, "r+b") as f:
+        f.truncate(offset + length // 2)  # this process's chunk of step 2 cannot be read
+    monkeypatch.setattr(checkpointing, "_all_agree", lambda ok: calls.append(ok) or ok)
+    with pytest.raises(CheckpointError, match=rf"step 2 is damaged: array w in {re.escape(file)}"):
+        Checkpointer(str(tmp_path / "ck"), every=1, keep=2, async_save=False).restore(abstract, _iterator(), step=2)
+    assert calls == ["barrier", False]
+
+    calls.clear()  # another process, which read step 2 intact: told step 2 failed elsewhere, it falls back too
+    agreed = iter([False, True])
+    monkeypatch.setattr(checkpointing, "_all_agree", lambda ok: calls.append(ok) or next(agreed))
+    restored = Checkpointer(str(tmp_path / "other"), every=1, keep=2, async_save=False).restore(abstract, _iterator())
+    assert calls == [True, True, ("check", 1)]  # no collective check of step 2
+    assert np.array_equal(restored["w"], _state(1.0)["w"]) and steps_of(tmp_path / "other") == ["1", "2.damaged"]
 
 
 # --- a damaged run through the public entry points ---------------------------------------------
