@@ -4,6 +4,7 @@ Such errors are OSErrors and ValueErrors (CheckpointError, ConfigError, DataErro
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -16,6 +17,8 @@ def fail(e: Exception, path: str | None = None) -> int:
     text = f"{path}: {e.strerror or e}" if isinstance(e, OSError) and e.filename is None and path else str(e)
     print(f"error: {_TS_SPEC.sub('', text)}".replace("\n", " "), file=sys.stderr, flush=True)
     # The reads abandoned with the failed one (Orbax's other coroutines over a damaged file) would
-    # print their own tracebacks as "Exception ignored" at exit: the error above already says it.
+    # print their own tracebacks at exit, as "Exception ignored" (unraisable) or as asyncio's "Task
+    # exception was never retrieved" (its logger): the error above already says it.
     sys.unraisablehook = lambda unraisable: None
+    logging.getLogger("asyncio").disabled = True
     return 2
