@@ -1,14 +1,60 @@
-"""The command lines' rule for an error the user can act on (a damaged or missing checkpoint, a
-config or data file that does not fit, a full disk): one line on stderr naming the thing, exit 2.
-Such errors are OSErrors and ValueErrors (CheckpointError, ConfigError, DataError, MeshError ...)."""
+"""The command lines' convention (CONTRIBUTING.md): absl flags, parsed per call, one-line errors.
+
+A command defines its flags in a function `define_flags(fv)` on the `absl.flags.FlagValues` it is
+given (`flag_values=fv`; ml_collections' `config_flags.DEFINE_config_file` takes it too) and its
+`main(argv=None) -> int` calls `parse(define_flags, argv, __doc__)`. Each call gets fresh flags,
+so tests can run several commands, and one command several times, in one process.
+
+An error the user can act on (a bad flag, a damaged or missing checkpoint, a config or data file
+that does not fit, a full disk) prints one line on stderr naming the thing and exits 2. Such
+errors are OSErrors and ValueErrors (CheckpointError, ConfigError, DataError, MeshError ...).
+"""
 
 from __future__ import annotations
 
 import logging
 import re
 import sys
+import types
+from typing import Callable, NoReturn, Sequence
+
+from absl import flags
 
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)  # TensorStore appends its whole spec as JSON
+
+
+def parse(define_flags: Callable[[flags.FlagValues], None], argv: Sequence[str] | None, doc: str,
+          rest: bool = False) -> types.SimpleNamespace:
+    """Parses `argv` (default: sys.argv[1:]) into flags `define_flags` defines on a fresh FlagValues.
+
+    Returns their values by name, dashes read as underscores (`--hf-dir` -> `.hf_dir`), with `.rest`
+    the arguments that are not flags (those after `--`) when `rest`. `--help` prints `doc` and the
+    flags and exits 0; an unknown flag, a bad or missing value or an unexpected argument exits 2.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fv = flags.FlagValues()
+    saved = sys.argv
+    sys.argv = [saved[0], *argv]  # config_flags reads its `--config.a.b=v` overrides from sys.argv
+    try:
+        define_flags(fv)
+        if {"--help", "-h"} & set(argv[:argv.index("--") if "--" in argv else len(argv)]):
+            print(f"{doc.strip()}\n\nflags:\n{fv.get_help(include_special_flags=False)}")
+            raise SystemExit(0)
+        unparsed = fv(sys.argv)[1:]
+    except flags.Error as e:
+        usage(str(e))
+    finally:
+        sys.argv = saved
+    if unparsed and not rest:
+        usage(f"unexpected arguments {unparsed}; every value is a --flag")
+    values = {name.replace("-", "_"): value for name, value in fv.flag_values_dict().items() if "." not in name}
+    return types.SimpleNamespace(**values, **({"rest": unparsed} if rest else {}))
+
+
+def usage(message: str) -> NoReturn:
+    """Flags that cannot run together (or a bad value): one line on stderr, exit 2."""
+    print(f"error: {message}".replace("\n", " "), file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def fail(e: Exception, path: str | None = None) -> int:

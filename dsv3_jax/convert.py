@@ -1,6 +1,6 @@
 """HF DeepSeek-V3 safetensors <-> our Orbax checkpoint.
 
-    python -m dsv3_jax.convert --hf-dir HF --out CKPT [--dtype bfloat16|float32] [--keep-fp8] [--verify [N]]
+    python -m dsv3_jax.convert --hf-dir HF --out CKPT [--dtype bfloat16|float32] [--keep-fp8] [--verify[=N]]
     python -m dsv3_jax.convert --hf-dir HF --out CKPT --quantize fp8|int8|int4 [--quant-targets experts|all] \
         [--quant-group 128]
     python -m dsv3_jax.convert --to-hf --ckpt CKPT --out HF [--fp8] [--dtype ...] [--shard-size 5GB]
@@ -17,9 +17,12 @@ anything else.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+
+from absl import flags
+
+from dsv3_jax import cli
 
 
 def _size(text: str) -> int:
@@ -29,54 +32,74 @@ def _size(text: str) -> int:
     return int(float(num) * units[t[len(num):]])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dsv3_jax.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-dir", help="HF folder to read (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                   help="parameter dtype (default: as stored; bfloat16 for FP8 sources)")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="store FP8 projections as e4m3 + block scales (the `fp8` item) instead of dequantising")
-    p.add_argument("--quantize", choices=["fp8", "int8", "int4"], default=None,
-                   help="store projections quantized (fp8: e4m3 + 128x128 scales; int8/int4: a scale per "
-                        "--quant-group rows); load_pretrained then loads them quantized")
-    p.add_argument("--quant-targets", choices=["experts", "all"], default=None,
-                   help="with --quantize: the routed experts or every projection (default: all for fp8, else experts)")
-    p.add_argument("--quant-group", type=int, default=128, help="with --quantize=int8|int4: contraction rows per scale")
-    p.add_argument("--verify", nargs="?", type=int, const=16, default=0, metavar="N",
-                   help="re-read N sampled slices (default 16) and compare them with the source before committing")
-    p.add_argument("--to-hf", action="store_true", help="export an Orbax checkpoint to an HF folder")
-    p.add_argument("--ckpt", help="Orbax checkpoint, training run folder or run step folder to export (with --to-hf)")
-    p.add_argument("--fp8", action="store_true", help="with --to-hf: write e4m3 projections + weight_scale_inv")
-    p.add_argument("--shard-size", type=_size, default="5GB", help="with --to-hf: max bytes per shard")
-    p.add_argument("--adapter_only", action="store_true",
-                   help="with --to-hf on a LoRA run: write the adapters as a PEFT folder, not merged weights")
-    p.add_argument("--base", help="with --adapter_only: base_model_name_or_path recorded in adapter_config.json")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (only once complete)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+class _VerifyParser(flags.ArgumentParser):
+    """`--verify` alone: 16 slices; `--verify=N`: N; `--noverify`: none."""
+
+    def parse(self, argument: str) -> int:
+        named = {"true": 16, "false": 0}
+        if argument.lower() in named:
+            return named[argument.lower()]
+        if not argument.isdigit():
+            raise ValueError(f"{argument!r} is not a number of slices")
+        return int(argument)
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("hf-dir", None, "HF folder to read (config.json + safetensors)", flag_values=fv)
+    flags.DEFINE_string("out", None, "output folder (must not exist unless --overwrite)", required=True,
+                        flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["bfloat16", "float32", "float16"],
+                      "parameter dtype (default: as stored; bfloat16 for FP8 sources)", flag_values=fv)
+    flags.DEFINE_boolean("keep-fp8", False, "store FP8 projections as e4m3 + block scales (the `fp8` item) "
+                         "instead of dequantising", flag_values=fv)
+    flags.DEFINE_enum("quantize", None, ["fp8", "int8", "int4"],
+                      "store projections quantized (fp8: e4m3 + 128x128 scales; int8/int4: a scale per "
+                      "--quant-group rows); load_pretrained then loads them quantized", flag_values=fv)
+    flags.DEFINE_enum("quant-targets", None, ["experts", "all"], "with --quantize: the routed experts or every "
+                      "projection (default: all for fp8, else experts)", flag_values=fv)
+    flags.DEFINE_integer("quant-group", 128, "with --quantize=int8|int4: contraction rows per scale", flag_values=fv)
+    flags.DEFINE_flag(flags.Flag(_VerifyParser(), flags.ArgumentSerializer(), "verify", "0",
+                                 "re-read N sampled slices (--verify alone: 16) and compare them with the source "
+                                 "before committing", boolean=True), fv)
+    flags.DEFINE_boolean("to-hf", False, "export an Orbax checkpoint to an HF folder", flag_values=fv)
+    flags.DEFINE_string("ckpt", None, "Orbax checkpoint, training run folder or run step folder to export "
+                        "(with --to-hf)", flag_values=fv)
+    flags.DEFINE_boolean("fp8", False, "with --to-hf: write e4m3 projections + weight_scale_inv", flag_values=fv)
+    flags.DEFINE_string("shard-size", "5GB", "with --to-hf: max bytes per shard (e.g. 5GB, 500MB)", flag_values=fv)
+    flags.DEFINE_boolean("adapter_only", False, "with --to-hf on a LoRA run: write the adapters as a PEFT folder, "
+                         "not merged weights", flag_values=fv)
+    flags.DEFINE_string("base", None, "with --adapter_only: base_model_name_or_path recorded in "
+                        "adapter_config.json", flag_values=fv)
+    flags.DEFINE_boolean("overwrite", False, "replace --out if it exists (only once complete)", flag_values=fv)
+    flags.DEFINE_boolean("no-progress", False, "no progress bar", flag_values=fv)
+
+
+def parse_args(argv=None):
+    args = cli.parse(define_flags, argv, __doc__)
     if args.to_hf and not args.ckpt:
-        p.error("--to-hf needs --ckpt")
+        cli.usage("--to-hf needs --ckpt")
     if not args.to_hf and not args.hf_dir:
-        p.error("--hf-dir is required (or --to-hf --ckpt CKPT)")
+        cli.usage("--hf-dir is required (or --to-hf --ckpt CKPT)")
     if args.to_hf and (args.keep_fp8 or args.verify):
-        p.error("--keep-fp8 and --verify apply to HF -> Orbax only")
+        cli.usage("--keep-fp8 and --verify apply to HF -> Orbax only")
     if args.adapter_only and not args.to_hf:
-        p.error("--adapter_only applies to --to-hf --ckpt LORA_RUN")
+        cli.usage("--adapter_only applies to --to-hf --ckpt LORA_RUN")
     if args.to_hf and args.quantize:
-        p.error("--quantize applies to HF -> Orbax only")
+        cli.usage("--quantize applies to HF -> Orbax only")
     if args.quant_group <= 0:
-        p.error(f"--quant-group={args.quant_group} must be positive")
+        cli.usage(f"--quant-group={args.quant_group} must be positive")
     if not args.to_hf and args.fp8:
-        p.error("--fp8 applies to --to-hf; for HF -> Orbax use --keep-fp8")
+        cli.usage("--fp8 applies to --to-hf; for HF -> Orbax use --keep-fp8")
+    try:
+        args.shard_size = _size(args.shard_size)
+    except (ValueError, KeyError):
+        cli.usage(f"--shard-size={args.shard_size} is not a size such as 5GB or 500MB")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from dsv3_jax import cli
     from dsv3_jax.checkpoint import CheckpointError
 
     try:

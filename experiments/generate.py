@@ -28,12 +28,12 @@ activation frequencies over the prompt tokens (from the prefill's router statist
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import jax
 import numpy as np
+from absl import flags
 
 import sharding
 from sharding import multihost
@@ -46,39 +46,56 @@ from dsv3_jax.inference.prefill import DEFAULT_CHUNK
 from dsv3_jax.inference.cache import cache_sharding, token_shards
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="training run folder or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json or a folder holding one (default: the run's, else the bundled BPE)")
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--max_new_tokens", type=int, default=None, help="default: generation_config.json's, else 64")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0: greedy (default: generation_config.json's, else 0)")
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding")
-    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
-    p.add_argument("--prefill_chunk", type=int, default=DEFAULT_CHUNK, help="prompt tokens per prefill step")
-    p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
-    p.add_argument("--no_bos", action="store_true", help="do not prepend the tokenizer's BOS")
-    p.add_argument("--stats", action="store_true", help="print expert activation frequencies of the prompts")
-    p.add_argument("--mesh", default=None, type=mesh_sizes,
-                   help="device mesh to load onto, e.g. fsdp=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
-    p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
-    add_weight_flags(p)
-    return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("checkpoint", None, "training run folder or step folder, Orbax checkpoint, or HF folder "
+                        "(config.json + safetensors)", required=True, flag_values=fv)
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json or a folder holding one (default: the run's, else the "
+                        "bundled BPE)", flag_values=fv)
+    flags.DEFINE_multi_string("prompt", None, "repeat for a batch", required=True, flag_values=fv)
+    flags.DEFINE_integer("max_new_tokens", None, "default: generation_config.json's, else 64", flag_values=fv)
+    flags.DEFINE_float("temperature", None, "0: greedy (default: generation_config.json's, else 0)", flag_values=fv)
+    flags.DEFINE_integer("top_k", None, "sample among the k most likely tokens (default: generation_config.json's)",
+                         flag_values=fv)
+    flags.DEFINE_float("top_p", None, "nucleus sampling mass (default: generation_config.json's)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+    flags.DEFINE_boolean("use_mtp", False, "MTP speculative decoding", flag_values=fv)
+    flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
+                      flag_values=fv)
+    flags.DEFINE_integer("prefill_chunk", DEFAULT_CHUNK, "prompt tokens per prefill step", flag_values=fv)
+    flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
+    flags.DEFINE_boolean("no_bos", False, "do not prepend the tokenizer's BOS", flag_values=fv)
+    flags.DEFINE_boolean("stats", False, "print expert activation frequencies of the prompts", flag_values=fv)
+    define_mesh_flags(fv, "device mesh to load onto")
+    define_weight_flags(fv)
 
 
-def add_weight_flags(p: argparse.ArgumentParser) -> None:
+def parse_args(argv=None):
+    return with_mesh(cli.parse(define_flags, argv, __doc__))
+
+
+def define_mesh_flags(fv: flags.FlagValues, what: str) -> None:
+    """--mesh / --rules (experiments.serve's too); `with_mesh` reads --mesh."""
+    flags.DEFINE_string("mesh", None, f"{what}, e.g. fsdp=2,expert=4 (axes: {', '.join(sharding.AXES)})",
+                        flag_values=fv)
+    flags.DEFINE_string("rules", "default", "sharding/rules.py preset for --mesh", flag_values=fv)
+
+
+def define_weight_flags(fv: flags.FlagValues) -> None:
     """--weights / --quantize / --quant_group (experiments.serve's too): load_pretrained's arguments."""
-    p.add_argument("--weights", default=None, choices=["fp8", "int8", "int4"],
-                   help="hold the projections quantized (default: dense, in --dtype)")
-    p.add_argument("--quantize", default=None, choices=["experts", "all"],
-                   help="with --weights: the routed experts or every projection (default: all for fp8, else experts)")
-    p.add_argument("--quant_group", type=int, default=128, help="with --weights=int8|int4: rows per scale")
+    flags.DEFINE_enum("weights", None, ["fp8", "int8", "int4"],
+                      "hold the projections quantized (default: dense, in --dtype)", flag_values=fv)
+    flags.DEFINE_enum("quantize", None, ["experts", "all"], "with --weights: the routed experts or every projection "
+                      "(default: all for fp8, else experts)", flag_values=fv)
+    flags.DEFINE_integer("quant_group", 128, "with --weights=int8|int4: rows per scale", flag_values=fv)
+
+
+def with_mesh(args):
+    """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
+    try:
+        args.mesh = mesh_sizes(args.mesh) if args.mesh else None
+    except ValueError as e:
+        cli.usage(str(e))
+    return args
 
 
 def mesh_sizes(text: str) -> dict[str, int]:
@@ -86,10 +103,10 @@ def mesh_sizes(text: str) -> dict[str, int]:
     try:
         sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
+        raise ValueError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
     unknown = sorted(set(sizes) - set(sharding.AXES))
     if unknown:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
+        raise ValueError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
     return sizes
 
 
@@ -143,7 +160,7 @@ def _pick(flag, from_file, default):
     return flag if flag is not None else from_file if from_file is not None else default
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     multihost.initialize()
     try:
@@ -164,7 +181,7 @@ def main(argv=None) -> None:
                          prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
                          rows=len(args.prompt))
     except (ValueError, OSError) as e:
-        sys.exit(cli.fail(e))
+        return cli.fail(e)
     if run:
         print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
     stream = len(args.prompt) == 1
@@ -192,7 +209,8 @@ def main(argv=None) -> None:
     if args.stats and st.prompt_expert_counts is not None:
         print_expert_frequencies(st.prompt_expert_counts, model.config.num_dense_layers,
                                  model.config.num_experts_per_token)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,9 +9,9 @@ object per line). Each document becomes one record of little-endian int32 ids (n
 pipeline adds them), in input order, `shard_size` documents per shard:
 `DIR/data-00000-of-00003.arrayrecord`, each with a `.json` sidecar (counts, largest id, the
 tokenizer file). Then train with `DataConfig(data="DIR/*.arrayrecord", tokenizer=<same file>)`.
+An input that cannot be prepared (an empty file, shards already there): one line, exit code 2.
 """
 
-import argparse
 import json
 import math
 import os
@@ -20,7 +20,9 @@ import sys
 import time
 
 import numpy as np
+from absl import flags
 
+from dsv3_jax import cli
 from dsv3_jax.data import sources
 from dsv3_jax.data import tokenizer as tokenizer_lib
 
@@ -82,19 +84,25 @@ def _report(stream, done, total, start, end="\r"):
     stream.flush()
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", default=None,
-                        help="glob(s), comma-separated, of .txt/.jsonl files; default: bundled corpus")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or HF folder")
-    parser.add_argument("--output", required=True, help="folder for the shards")
-    parser.add_argument("--shard_size", type=int, default=100_000, help="documents per shard")
-    parser.add_argument("--text_field", default="text", help="document field in .jsonl files")
-    args = parser.parse_args(argv)
-    paths = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
-                    shard_size=args.shard_size, text_field=args.text_field)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("input", None, "glob(s), comma-separated, of .txt/.jsonl files; default: bundled corpus",
+                        flag_values=fv)
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json or HF folder", flag_values=fv)
+    flags.DEFINE_string("output", None, "folder for the shards", required=True, flag_values=fv)
+    flags.DEFINE_integer("shard_size", 100_000, "documents per shard", flag_values=fv)
+    flags.DEFINE_string("text_field", "text", "document field in .jsonl files", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    try:
+        paths = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
+                        shard_size=args.shard_size, text_field=args.text_field)
+    except (ValueError, OSError) as e:  # DataError is a ValueError
+        return cli.fail(e)
     print(f"wrote {len(paths)} shards to {os.path.abspath(args.output)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

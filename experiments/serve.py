@@ -23,47 +23,50 @@ they load (load_pretrained(weights=...)), FP8 in 128x128 blocks or int8/int4 wit
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 import time
 
+from absl import flags
+
 import sharding
-from experiments.generate import add_weight_flags, mesh_sizes
+from dsv3_jax import cli
+from experiments.generate import define_mesh_flags, define_weight_flags, with_mesh
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def define_flags(fv: flags.FlagValues) -> None:
     from dsv3_jax.serving.server import MAX_REQUEST_BYTES  # here: main first says if the serve extra is missing
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="training run or step folder, Orbax checkpoint, or HF folder (config.json + safetensors)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json (or its folder) when the checkpoint folder has none (default: the run's, "
-                        "else the bundled BPE)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_batch", type=int, default=16, help="decode slots (concurrent requests)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="context per slot: prompt + max_tokens")
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (a power of two)")
-    p.add_argument("--max_queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
-    p.add_argument("--max_request_bytes", type=int, default=MAX_REQUEST_BYTES,
-                   help="largest request body accepted; a bigger one is refused (413) before it is read")
-    p.add_argument("--prefix_cache_blocks", type=int, default=64,
-                   help="prompt-prefix blocks (--chunk positions of cache rows each) kept for reuse, LRU; 0 = off")
-    p.add_argument("--use_mtp", action="store_true", help="MTP speculative decoding (drafts verified in one step)")
-    p.add_argument("--cache_dtype", default=None, choices=["float32", "bfloat16", "float8", "int8"])
-    p.add_argument("--dtype", default=None, help="parameter dtype to load in (default: the checkpoint's)")
-    p.add_argument("--served_model_name", default=None, help="model id clients send (default: checkpoint folder name)")
-    p.add_argument("--mesh", default=None, type=mesh_sizes,
-                   help="device mesh to serve on, e.g. tensor=2,expert=4 (axes: " + ", ".join(sharding.AXES) + ")")
-    p.add_argument("--rules", default="default", help="sharding/rules.py preset for --mesh")
-    add_weight_flags(p)
-    return p.parse_args(argv)
+    flags.DEFINE_string("checkpoint", None, "training run or step folder, Orbax checkpoint, or HF folder "
+                        "(config.json + safetensors)", required=True, flag_values=fv)
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its folder) when the checkpoint folder has none "
+                        "(default: the run's, else the bundled BPE)", flag_values=fv)
+    flags.DEFINE_string("host", "127.0.0.1", "address to listen on", flag_values=fv)
+    flags.DEFINE_integer("port", 8000, "port to listen on", flag_values=fv)
+    flags.DEFINE_integer("max_batch", 16, "decode slots (concurrent requests)", flag_values=fv)
+    flags.DEFINE_integer("max_seq_len", 2048, "context per slot: prompt + max_tokens", flag_values=fv)
+    flags.DEFINE_integer("chunk", 64, "prefill chunk length (a power of two)", flag_values=fv)
+    flags.DEFINE_integer("max_queue", 256, "waiting requests beyond which the server answers 429", flag_values=fv)
+    flags.DEFINE_integer("max_request_bytes", MAX_REQUEST_BYTES, "largest request body accepted; a bigger one is "
+                         "refused (413) before it is read", flag_values=fv)
+    flags.DEFINE_integer("prefix_cache_blocks", 64, "prompt-prefix blocks (--chunk positions of cache rows each) "
+                         "kept for reuse, LRU; 0 = off", flag_values=fv)
+    flags.DEFINE_boolean("use_mtp", False, "MTP speculative decoding (drafts verified in one step)", flag_values=fv)
+    flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
+                      flag_values=fv)
+    flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
+    flags.DEFINE_string("served_model_name", None, "model id clients send (default: checkpoint folder name)",
+                        flag_values=fv)
+    define_mesh_flags(fv, "device mesh to serve on")
+    define_weight_flags(fv)
 
 
-def build(args: argparse.Namespace):
+def parse_args(argv=None):
+    return with_mesh(cli.parse(define_flags, argv, __doc__))
+
+
+def build(args):
     """-> (FastAPI app, engine), the engine started and every step compiled."""
     from dsv3_jax import load_pretrained
     from dsv3_jax.checkpoint import run_folder
@@ -113,8 +116,6 @@ def _warn_on_compiles() -> None:
 
 
 def main(argv=None) -> int:
-    from dsv3_jax import cli
-
     try:
         import dsv3_jax.serving  # noqa: F401
     except ModuleNotFoundError as e:  # no serve extra: the message names it

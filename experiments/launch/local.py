@@ -9,11 +9,13 @@ current folder. Exit code: the first non-zero one of the processes.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 
+from absl import flags
+
+from dsv3_jax import cli
 from experiments.launch import hosts as hosts_lib
 
 
@@ -27,16 +29,17 @@ def start(cmds: list[hosts_lib.HostCommand], env: dict | None = None, **popen) -
     return [subprocess.Popen(c.argv, env={**base, **c.env}, **popen) for c in cmds]
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("processes", None, "training processes to start", required=True, flag_values=fv)
+    flags.DEFINE_integer("port", hosts_lib.COORDINATOR_PORT, "the coordinator's port", flag_values=fv)
+    flags.DEFINE_boolean("dry_run", False, "print each process's command and exit", flag_values=fv)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--port", type=int, default=hosts_lib.COORDINATOR_PORT)
-    p.add_argument("--dry_run", action="store_true", help="print each process's command and exit")
-    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags of experiments.train")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__, rest=True)  # rest: the flags of experiments.train after --
     if args.processes < 1:
-        p.error(f"--processes={args.processes} must be at least 1")
-    cmds = commands(args.processes, args.flags, args.port)
+        cli.usage(f"--processes={args.processes} must be at least 1")
+    cmds = commands(args.processes, args.rest, args.port)
     if args.dry_run:
         for i, c in enumerate(cmds):
             print(f"[process {i}] {c.shell()}")

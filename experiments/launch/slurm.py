@@ -13,11 +13,13 @@ the command; nothing is written or submitted.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import sys
 
+from absl import flags
+
+from dsv3_jax import cli
 from experiments.launch import hosts as hosts_lib
 
 
@@ -52,23 +54,24 @@ def coordinator(nodelist: str, job_id: int) -> str:
     return f"{expand_nodelist(nodelist)[0]}:{job_id % 2**12 + (65535 - 2**12 + 1)}"
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("nodes", None, "nodes of the job, one process each", required=True, flag_values=fv)
+    flags.DEFINE_integer("gpus_per_node", 8, "GPUs each process drives", flag_values=fv)
+    flags.DEFINE_string("partition", None, "#SBATCH --partition", flag_values=fv)
+    flags.DEFINE_string("time", None, "#SBATCH --time (e.g. 48:00:00)", flag_values=fv)
+    flags.DEFINE_string("repo_dir", ".", "this repository on the nodes", flag_values=fv)
+    flags.DEFINE_string("out", "job.sbatch", "the batch script to write", flag_values=fv)
+    flags.DEFINE_boolean("dry_run", False, "print the script and each node's command; write nothing", flag_values=fv)
+    flags.DEFINE_string("nodelist", None, "with --dry_run: the nodes SLURM would give (default node[1-N])",
+                        flag_values=fv)
+    flags.DEFINE_integer("job_id", 1, "with --dry_run: the job id (sets the port)", flag_values=fv)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus_per_node", type=int, default=8)
-    p.add_argument("--partition", default=None)
-    p.add_argument("--time", default=None)
-    p.add_argument("--repo_dir", default=".")
-    p.add_argument("--out", default="job.sbatch")
-    p.add_argument("--dry_run", action="store_true")
-    p.add_argument("--nodelist", default=None, help="with --dry_run: the nodes SLURM would give (default node[1-N])")
-    p.add_argument("--job_id", type=int, default=1, help="with --dry_run: the job id (sets the port)")
-    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags of experiments.train")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__, rest=True)  # rest: the flags of experiments.train after --
     if args.nodes < 1:
-        p.error(f"--nodes={args.nodes} must be at least 1")
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    script = batch_script(args.nodes, args.gpus_per_node, flags, partition=args.partition, time=args.time,
+        cli.usage(f"--nodes={args.nodes} must be at least 1")
+    script = batch_script(args.nodes, args.gpus_per_node, args.rest, partition=args.partition, time=args.time,
                           repo_dir=args.repo_dir)
     if not args.dry_run:
         with open(args.out, "w") as f:
@@ -78,9 +81,9 @@ def main(argv=None) -> int:
     nodelist = args.nodelist or f"node[1-{args.nodes}]"
     nodes = expand_nodelist(nodelist)
     if len(nodes) != args.nodes:
-        p.error(f"--nodelist {nodelist!r} has {len(nodes)} nodes, --nodes={args.nodes}")
+        cli.usage(f"--nodelist {nodelist!r} has {len(nodes)} nodes, --nodes={args.nodes}")
     print(script, end="")
-    cmds = hosts_lib.commands(nodes, flags)
+    cmds = hosts_lib.commands(nodes, args.rest)
     for i, c in enumerate(cmds):
         env = hosts_lib.join_env(coordinator(nodelist, args.job_id), len(nodes), i)
         print(f"[process {i} on {c.host}] " + hosts_lib.HostCommand(c.host, env, c.argv).shell())

@@ -15,11 +15,13 @@ slices. Worker addresses come from `gcloud compute tpus tpu-vm describe`; --dry_
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 
+from absl import flags
+
+from dsv3_jax import cli
 from experiments.launch import hosts as hosts_lib
 
 MEGASCALE_PORT = 8080
@@ -62,29 +64,30 @@ def ssh_command(name: str, worker: int, zone: str, project: str | None, line: st
     return cmd + ([f"--project={project}"] if project else []) + [f"--command={line}"]
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("tpu", None, "TPU VM name (multi-slice: the prefix of NAME-0, NAME-1, ...)",
+                        required=True, flag_values=fv)
+    flags.DEFINE_string("zone", None, "the TPU VM's zone", required=True, flag_values=fv)
+    flags.DEFINE_string("project", None, "Google Cloud project (default: gcloud's)", flag_values=fv)
+    flags.DEFINE_integer("slices", 1, "TPU slices (multi-slice: NAME-0, NAME-1, ...)", flag_values=fv)
+    flags.DEFINE_string("repo_dir", "~/dsv3-jax", "this repository on every worker", flag_values=fv)
+    flags.DEFINE_boolean("dry_run", False, "print each worker's command; run nothing", flag_values=fv)
+    flags.DEFINE_integer("workers_per_slice", None, "with --dry_run: skip gcloud describe and use placeholder hosts",
+                         flag_values=fv)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tpu", required=True, help="TPU VM name (multi-slice: the prefix of NAME-0, NAME-1, ...)")
-    p.add_argument("--zone", required=True)
-    p.add_argument("--project", default=None)
-    p.add_argument("--slices", type=int, default=1)
-    p.add_argument("--repo_dir", default="~/dsv3-jax", help="this repository on every worker")
-    p.add_argument("--dry_run", action="store_true", help="print each worker's command; run nothing")
-    p.add_argument("--workers_per_slice", type=int, default=None,
-                   help="with --dry_run: skip gcloud describe and use placeholder hosts")
-    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags of experiments.train")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__, rest=True)  # rest: the flags of experiments.train after --
     if args.slices < 1:
-        p.error(f"--slices={args.slices} must be at least 1")
+        cli.usage(f"--slices={args.slices} must be at least 1")
     if args.workers_per_slice is not None and not args.dry_run:
-        p.error("--workers_per_slice is for --dry_run; a real launch asks gcloud for the workers")
+        cli.usage("--workers_per_slice is for --dry_run; a real launch asks gcloud for the workers")
     names = slice_names(args.tpu, args.slices)
     if args.workers_per_slice is not None:
         slices = [[f"{name}-w-{w}" for w in range(args.workers_per_slice)] for name in names]
     else:
         slices = [worker_ips(name, args.zone, args.project) for name in names]
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    cmds = pod_commands(slices, flags)
+    cmds = pod_commands(slices, args.rest)
     per_slice = len(slices[0])
     ssh = [ssh_command(names[i // per_slice], i % per_slice, args.zone, args.project, c.shell(args.repo_dir))
            for i, c in enumerate(cmds)]
