@@ -38,34 +38,38 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
 import sharding
 from sharding import multihost, pipeline
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3, ModelConfig, cli
 from dsv3_jax.train import optimizer as optimizer_lib, sharded, state as state_lib, step as step_lib
 from experiments import ledger, plan_memory
 from experiments.plan_memory import LayerGroup
 
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.")
-_DEVICES = flags.DEFINE_integer("devices", None, "Devices of the planned mesh; default: the product of the "
-                                "mesh sizes (all must be set), or this machine's device count.")
-_MODEL = flags.DEFINE_enum("model", "config", ["config", "deepseek_v3", "tiny"],
-                           "Architecture: config.model, or a ModelConfig preset (671B / tiny).")
-_LOWER = flags.DEFINE_boolean("lower", True, "Trace and lower the train step (with --check_compiled: compile it).")
-_PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.")
-_CHECK = flags.DEFINE_boolean("check_compiled", False, "Compile the step on this host's devices (the mesh must "
-                              "use them all) and compare memory_analysis() with the plan.")
-_LEDGER = flags.DEFINE_boolean("ledger", False, "Print the compute ledger (experiments/ledger.py) instead of "
-                               "the memory plan: FLOPs per token, step time and chip-hours.")
-_LEDGER_TOKENS = flags.DEFINE_float("ledger_tokens", 14.8e12, "Token budget of the ledger (DeepSeek-V3: 14.8T).")
-_LEDGER_MFU = flags.DEFINE_float("ledger_mfu", 0.4, "MFU (of the bf16 peak) the ledger's times assume.")
-_LEDGER_CHIPS = flags.DEFINE_string("ledger_chips", "h800:2048,v5p:1024,v7x:512", "Fleets as NAME:COUNT,...")
-_LEDGER_HOURS = flags.DEFINE_float("ledger_hours", 0.0, "Reported chip-hours for the budget (DeepSeek-V3: "
-                                   "2.664e6 H800 hours): prints the MFU they imply.")
-_LEDGER_HOURS_CHIP = flags.DEFINE_string("ledger_hours_chip", "h800", "The chip the reported hours are on.")
+
+def define_flags(fv: flags.FlagValues) -> None:
+    config_flags.DEFINE_config_file("config", "experiments/configs/tiny.py", "Training config file.", flag_values=fv)
+    flags.DEFINE_integer("devices", None, "Devices of the planned mesh; default: the product of the mesh sizes (all "
+                         "must be set), or this machine's device count.", flag_values=fv)
+    flags.DEFINE_enum("model", "config", ["config", "deepseek_v3", "tiny"],
+                      "Architecture: config.model, or a ModelConfig preset (671B / tiny).", flag_values=fv)
+    flags.DEFINE_boolean("lower", True, "Trace and lower the train step (with --check_compiled: compile it).",
+                         flag_values=fv)
+    flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "Platform to lower for.", flag_values=fv)
+    flags.DEFINE_boolean("check_compiled", False, "Compile the step on this host's devices (the mesh must use them "
+                         "all) and compare memory_analysis() with the plan.", flag_values=fv)
+    flags.DEFINE_boolean("ledger", False, "Print the compute ledger (experiments/ledger.py) instead of the memory "
+                         "plan: FLOPs per token, step time and chip-hours.", flag_values=fv)
+    flags.DEFINE_float("ledger_tokens", 14.8e12, "Token budget of the ledger (DeepSeek-V3: 14.8T).", flag_values=fv)
+    flags.DEFINE_float("ledger_mfu", 0.4, "MFU (of the bf16 peak) the ledger's times assume.", flag_values=fv)
+    flags.DEFINE_string("ledger_chips", "h800:2048,v5p:1024,v7x:512", "Fleets as NAME:COUNT,...", flag_values=fv)
+    flags.DEFINE_float("ledger_hours", 0.0, "Reported chip-hours for the budget (DeepSeek-V3: 2.664e6 H800 hours): "
+                       "prints the MFU they imply.", flag_values=fv)
+    flags.DEFINE_string("ledger_hours_chip", "h800", "The chip the reported hours are on.", flag_values=fv)
+
 
 GiB = 1024 ** 3
 
@@ -306,23 +310,22 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
         return jitted.trace(abstract, batch_sds, **kwargs).lower(lowering_platforms=(opts.platform,))
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
-    if _LEDGER.value:
-        config = _CONFIG.value
-        ledger.print_ledger(model_config(config, Options(model=_MODEL.value)), config.data.seq_len,
-                            tokens_per_step=config.data.batch_size * config.data.seq_len, budget=_LEDGER_TOKENS.value,
-                            mfu=_LEDGER_MFU.value, fleet=ledger.parse_fleet(_LEDGER_CHIPS.value),
-                            hours=_LEDGER_HOURS.value, hours_chip=ledger.chip(_LEDGER_HOURS_CHIP.value))
-        return
-    multihost.initialize()
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    config = args.config
     try:
-        plan(_CONFIG.value, Options(_MODEL.value, _DEVICES.value, _PLATFORM.value, _LOWER.value, _CHECK.value))
-    except (sharding.MeshError, sharding.ShardingRuleError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if args.ledger:
+            ledger.print_ledger(model_config(config, Options(model=args.model)), config.data.seq_len,
+                                tokens_per_step=config.data.batch_size * config.data.seq_len, budget=args.ledger_tokens,
+                                mfu=args.ledger_mfu, fleet=ledger.parse_fleet(args.ledger_chips),
+                                hours=args.ledger_hours, hours_chip=ledger.chip(args.ledger_hours_chip))
+            return 0
+        multihost.initialize()
+        plan(config, Options(args.model, args.devices, args.platform, args.lower, args.check_compiled))
+    except ValueError as e:  # MeshError, ShardingRuleError, ConfigError; the ledger's unknown chip or --ledger_chips
+        return cli.fail(e)
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

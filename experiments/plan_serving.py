@@ -41,7 +41,6 @@ bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -51,10 +50,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
 import sharding
-from dsv3_jax import DeepSeekV3, ModelConfig
+from dsv3_jax import DeepSeekV3, ModelConfig, cli
 from dsv3_jax.inference.cache import CACHE_DTYPES, cache_bytes_per_token, init_cache
 from dsv3_jax.inference.sampling import RowSampling
 from dsv3_jax.model import quant as quant_model
@@ -370,27 +370,29 @@ def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tup
     return {"plan": p, "largest": largest, "lowered": lowered}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from experiments.generate import mesh_sizes
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "tiny"], "ModelConfig preset", flag_values=fv)
+    flags.DEFINE_enum("weights", "fp8", WEIGHTS, "how the projections are held", flag_values=fv)
+    flags.DEFINE_enum("cache_dtype", "bfloat16", CACHE_DTYPES, "latent cache dtype", flag_values=fv)
+    flags.DEFINE_string("chip", "h200", "one of " + ", ".join(c.name for c in CHIPS.values()), flag_values=fv)
+    flags.DEFINE_string("mesh", "expert=8", "e.g. expert=8 or tensor=2,expert=4", flag_values=fv)
+    flags.DEFINE_string("rules", "default", "sharding/rules.py preset", flag_values=fv)
+    flags.DEFINE_integer("max_batch", 64, "decode slots", flag_values=fv)
+    flags.DEFINE_integer("context", 32768, "tokens per slot (max_seq_len)", flag_values=fv)
+    flags.DEFINE_boolean("use_mtp", False, "MTP speculation: its cache and K = 2 tokens per slot", flag_values=fv)
+    flags.DEFINE_integer("group", 128, "int8/int4 scale group along the contraction axis", flag_values=fv)
+    flags.DEFINE_float("headroom", 0.9, "share of HBM the plan may use", flag_values=fv)
+    flags.DEFINE_string("platforms", None, "lower for these (default: the chip's), e.g. tpu,cuda", flag_values=fv)
+    flags.DEFINE_boolean("check_compiled", False, "compile the step on this host's devices and compare "
+                         "memory_analysis() with the plan", flag_values=fv)
+    flags.DEFINE_boolean("table", False, "the README's 671B deployments, each on its best candidate mesh (--chip, "
+                         "--mesh, --weights ignored)", flag_values=fv)
 
-    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    a.add_argument("--model", default="deepseek_v3", choices=["deepseek_v3", "tiny"], help="ModelConfig preset")
-    a.add_argument("--weights", default="fp8", choices=WEIGHTS)
-    a.add_argument("--cache_dtype", default="bfloat16", choices=CACHE_DTYPES)
-    a.add_argument("--chip", default="h200", help="one of " + ", ".join(c.name for c in CHIPS.values()))
-    a.add_argument("--mesh", default={"expert": 8}, type=mesh_sizes, help="e.g. expert=8 or tensor=2,expert=4")
-    a.add_argument("--rules", default="default", help="sharding/rules.py preset")
-    a.add_argument("--max_batch", type=int, default=64, help="decode slots")
-    a.add_argument("--context", type=int, default=32768, help="tokens per slot (max_seq_len)")
-    a.add_argument("--use_mtp", action="store_true", help="MTP speculation: its cache and K = 2 tokens per slot")
-    a.add_argument("--group", type=int, default=128, help="int8/int4 scale group along the contraction axis")
-    a.add_argument("--headroom", type=float, default=0.9, help="share of HBM the plan may use")
-    a.add_argument("--platforms", default=None, help="lower for these (default: the chip's), e.g. tpu,cuda")
-    a.add_argument("--check_compiled", action="store_true", help="compile the step on this host's devices and "
-                   "compare memory_analysis() with the plan")
-    a.add_argument("--table", action="store_true", help="the README's 671B deployments, each on its best "
-                   "candidate mesh (--chip, --mesh, --weights ignored)")
-    return a.parse_args(argv)
+
+def parse_args(argv=None):
+    from experiments.generate import with_mesh
+
+    return with_mesh(cli.parse(define_flags, argv, __doc__))
 
 
 def main(argv=None) -> int:
@@ -418,8 +420,7 @@ def main(argv=None) -> int:
                       f"aliased {m.alias_size_in_bytes / GB:.4f} + temporaries {m.temp_size_in_bytes / GB:.4f}; "
                       f"plan / compiled = {p.total / compiled_total(m):.3f}")
     except ValueError as e:  # MeshError, ShardingRuleError and a bad flag value are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail(e)
     return 0
 
 

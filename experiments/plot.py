@@ -17,9 +17,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from dsv3_jax import paths  # noqa: E402
+from dsv3_jax import cli, paths  # noqa: E402
 
 
 def load_records(workdir: str) -> list[dict]:
@@ -98,25 +98,26 @@ def plot_expert_load(records: list[dict], path: str, layers: list[int] | None = 
     _save(expert_load_figure(records, layers), path)
 
 
-def main(argv):
-    del argv
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True, flag_values=fv)
+    flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
     try:
-        records = load_records(_WORKDIR.value)
+        records = load_records(args.workdir)
     except (FileNotFoundError, ValueError) as e:
-        print(f"experiments.plot: {e}", file=sys.stderr)
-        sys.exit(2)
-    out = paths.resolve(_OUT.value or _WORKDIR.value)
+        return cli.fail(e)
+    out = paths.resolve(args.out or args.workdir)
     paths.makedirs(out)
     plot_losses(records, paths.join(out, "loss.png"))
     rows = len(next((r["expert_load"] for r in records if "expert_load" in r), []))
-    layers = moe_layer_numbers(_WORKDIR.value, rows)
+    layers = moe_layer_numbers(args.workdir, rows)
     plot_expert_load(records, paths.join(out, "expert_load.png"), layers)
     print(f"wrote {paths.join(out, 'loss.png')} and {paths.join(out, 'expert_load.png')}")
+    return 0
 
 
 if __name__ == "__main__":
-    # Flags exist only when this file runs as a program: importing its functions (notebooks, tests)
-    # defines none, so it never collides with another module's --workdir.
-    _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder holding metrics.jsonl.", required=True)
-    _OUT = flags.DEFINE_string("out", None, "Where the PNGs go; default: the workdir.")
-    app.run(main)
+    sys.exit(main())

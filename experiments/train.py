@@ -43,7 +43,7 @@ if __name__ == "__main__":  # before jax allocates anything: huge pages for the 
 import os  # noqa: E402 (after the restart above)
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from sharding import multihost
@@ -53,38 +53,39 @@ from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import run_config
 from dsv3_jax.train.loop import TrainingError, quiet_checkpoint_logs, train
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
-    "Training config file (experiments/configs/<name>.py); override fields with --config.a.b=v.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default: config.train.workdir.")
-_STEPS = flags.DEFINE_integer("steps", None, "Total train steps; default: config.train.steps.")
-_INIT_FROM = flags.DEFINE_string("init_from", None, "Converted Orbax checkpoint or HF folder to start "
-                                 "from (ignored when WORKDIR already holds a checkpoint).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 "
-                                   "(default: JAX_COORDINATOR_ADDRESS or the cluster's environment).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+def define_flags(fv: flags.FlagValues) -> None:
+    config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(__file__), "configs", "tiny.py"),
+        "Training config file (experiments/configs/<name>.py); override fields with --config.a.b=v.", flag_values=fv)
+    flags.DEFINE_string("workdir", None, "Run folder; default: config.train.workdir.", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "Total train steps; default: config.train.steps.", flag_values=fv)
+    flags.DEFINE_string("init_from", None, "Converted Orbax checkpoint or HF folder to start from (ignored when "
+                        "WORKDIR already holds a checkpoint).", flag_values=fv)
+    flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0 (default: "
+                        "JAX_COORDINATOR_ADDRESS or the cluster's environment).", flag_values=fv)
+    flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.", flag_values=fv)
+    flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.", flag_values=fv)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.* flags")
-    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    config = _CONFIG.value
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    config = args.config
     with config.unlocked():
-        if _WORKDIR.value is not None:
-            config.train.workdir = _WORKDIR.value
-        if _STEPS.value is not None:
-            config.train.steps = _STEPS.value
-        if _INIT_FROM.value is not None:
-            config.train.init_from = _INIT_FROM.value
+        if args.workdir is not None:
+            config.train.workdir = args.workdir
+        if args.steps is not None:
+            config.train.steps = args.steps
+        if args.init_from is not None:
+            config.train.init_from = args.init_from
     quiet_checkpoint_logs()
     try:
         train(config)
     except (CheckpointError, ConfigError, DataError, ChatTemplateError, run_config.ModelChanged, TrainingError,
             OSError) as e:
-        sys.exit(cli.fail(e))
+        return cli.fail(e)
     print(next_steps(paths.display(paths.resolve(config.train.workdir))), flush=True)
+    return 0
 
 
 def next_steps(workdir: str) -> str:
@@ -100,4 +101,4 @@ def next_steps(workdir: str) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -13,19 +13,22 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from dsv3_jax import cli
 from dsv3_jax.train import loop
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "configs", "tiny.py"),
-    "Training config file; override fields with --config.a.b=v.")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/balance", "Folder of the two runs and results.json.")
-_STEPS = flags.DEFINE_integer("steps", None, "Train steps of each run; default: config.train.steps.")
-_GAMMA = flags.DEFINE_float("gamma", 1e-3, "Bias update speed of the balanced run.")
+def define_flags(fv: flags.FlagValues) -> None:
+    config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "configs", "tiny.py"),
+        "Training config file; override fields with --config.a.b=v.", flag_values=fv)
+    flags.DEFINE_string("workdir", "runs/balance", "Folder of the two runs and results.json.", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "Train steps of each run; default: config.train.steps.", flag_values=fv)
+    flags.DEFINE_float("gamma", 1e-3, "Bias update speed of the balanced run.", flag_values=fv)
 
 
 def tail_maxvio(records: list[dict], key: str = "maxvio", fraction: float = 0.2) -> float:
@@ -51,21 +54,22 @@ def run(config, workdir: str, gamma: float) -> dict[float, dict]:
     return results
 
 
-def main(argv):
-    del argv
-    config, workdir = _CONFIG.value, _WORKDIR.value
-    if _STEPS.value is not None:
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    config, workdir = args.config, args.workdir
+    if args.steps is not None:
         with config.unlocked():
-            config.train.steps = _STEPS.value
+            config.train.steps = args.steps
     loop.quiet_checkpoint_logs()
-    results = run(config, workdir, _GAMMA.value)
+    results = run(config, workdir, args.gamma)
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({f"{g:g}": r for g, r in results.items()}, f, indent=2)
     print(f"mean MaxVio over the last 20% of {config.train.steps} steps (main MoE layers; MTP layer):")
     for g, r in results.items():
         print(f"  gamma={g:g}: {r['maxvio']:.4f}; MTP {r.get('mtp_maxvio', float('nan')):.4f}; "
               f"final lm_loss {r['lm_loss']:.4f}")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())
