@@ -26,7 +26,6 @@ line naming the flag, exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,9 +37,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
 from flax import nnx
 
-from dsv3_jax import CheckpointError, load_pretrained
+from dsv3_jax import CheckpointError, cli, load_pretrained
 from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.inference import Generation, bucket_slots, init_cache, model_step
 from dsv3_jax.model.quant import parameter_bytes
@@ -61,37 +61,42 @@ CACHE_ARMS = {"cache_float32": "float32", "cache_bfloat16": "bfloat16", "cache_f
 ARMS = (*WEIGHT_ARMS, *CACHE_ARMS)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a training run's folder (its config.json gives the held-out split)")
-    src.add_argument("--workdir", help="with --train_steps: the run folder experiments.train writes (or resumes)")
-    p.add_argument("--train_steps", type=int, default=None, help="train the --workdir run to this many steps first")
-    p.add_argument("--train_config", default=None, help="experiments.train --config (default: its tiny preset)")
-    p.add_argument("--train_flag", action="append", default=[], help="another experiments.train flag (repeatable)")
-    p.add_argument("--eval_every", type=int, default=20, help="steps between the training run's eval losses")
-    p.add_argument("--eval_batches", type=int, default=5,
-                   help="held-out batches (the training evals and the table; the bundled corpus holds out 5)")
-    p.add_argument("--flat_k", type=int, default=3, help="flatness: the last K evals ...")
-    p.add_argument("--flat_tol", type=float, default=0.01, help="... improve the best loss by less than this share")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
-    p.add_argument("--quant_group", type=int, default=128, help="int8/int4: rows of the contraction axis per scale")
-    p.add_argument("--cache_prefill", type=int, default=64, help="cache arms: row tokens entering in one prefill step")
-    p.add_argument("--prompts", type=int, default=32, help="greedy-generation prompts")
-    p.add_argument("--prompt_len", type=int, default=32, help="tokens per prompt")
-    p.add_argument("--new_tokens", type=int, default=64, help="greedy tokens generated per prompt")
-    p.add_argument("--json", default=None, help="write the figures here")
-    args = p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("checkpoint", None, "a training run's folder (its config.json gives the held-out split)",
+                        flag_values=fv)
+    flags.DEFINE_string("workdir", None, "with --train_steps: the run folder experiments.train writes (or resumes)",
+                        flag_values=fv)
+    flags.DEFINE_integer("train_steps", None, "train the --workdir run to this many steps first", flag_values=fv)
+    flags.DEFINE_string("train_config", None, "experiments.train --config (default: its tiny preset)", flag_values=fv)
+    flags.DEFINE_multi_string("train_flag", [], "another experiments.train flag (repeatable)", flag_values=fv)
+    flags.DEFINE_integer("eval_every", 20, "steps between the training run's eval losses", flag_values=fv)
+    flags.DEFINE_integer("eval_batches", 5, "held-out batches (the training evals and the table; the bundled corpus "
+                         "holds out 5)", flag_values=fv)
+    flags.DEFINE_integer("flat_k", 3, "flatness: the last K evals ...", flag_values=fv)
+    flags.DEFINE_float("flat_tol", 0.01, "... improve the best loss by less than this share", flag_values=fv)
+    flags.DEFINE_string("arms", ",".join(ARMS), f"comma-separated subset of {','.join(ARMS)}", flag_values=fv)
+    flags.DEFINE_integer("quant_group", 128, "int8/int4: rows of the contraction axis per scale", flag_values=fv)
+    flags.DEFINE_integer("cache_prefill", 64, "cache arms: row tokens entering in one prefill step", flag_values=fv)
+    flags.DEFINE_integer("prompts", 32, "greedy-generation prompts", flag_values=fv)
+    flags.DEFINE_integer("prompt_len", 32, "tokens per prompt", flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 64, "greedy tokens generated per prompt", flag_values=fv)
+    flags.DEFINE_string("json", None, "write the figures here", flag_values=fv)
+
+
+def parse_args(argv=None):
+    args = cli.parse(define_flags, argv, __doc__)
+    if (args.checkpoint is None) == (args.workdir is None):
+        cli.usage("pass one of --checkpoint=RUN or --workdir=RUN --train_steps=N")
     if (args.workdir is None) != (args.train_steps is None):
-        p.error("--workdir and --train_steps go together (or pass --checkpoint=RUN)")
+        cli.usage("--workdir and --train_steps go together (or pass --checkpoint=RUN)")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - set(ARMS):
-        p.error(f"--arms {args.arms!r}: expected a comma-separated subset of {','.join(ARMS)}")
+        cli.usage(f"--arms {args.arms!r}: expected a comma-separated subset of {','.join(ARMS)}")
     args.arms = arms
     for flag in ("eval_every", "eval_batches", "flat_k", "quant_group", "cache_prefill", "prompts", "prompt_len",
                  "new_tokens", *(("train_steps",) if args.train_steps is not None else ())):
         if getattr(args, flag) < 1:
-            p.error(f"--{flag}={getattr(args, flag)} must be positive")
+            cli.usage(f"--{flag}={getattr(args, flag)} must be positive")
     return args
 
 
@@ -295,14 +300,14 @@ def table(results: dict[str, dict], prompts: int, new_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.train_steps is not None:
         cmd = train_command(args)
         print("training:", " ".join(cmd[1:]), flush=True)
         if subprocess.run(cmd).returncode:
             print(f"error: training the run in --workdir={args.workdir} failed (its output is above)", file=sys.stderr)
-            sys.exit(1)
+            return 1
     path = args.checkpoint or args.workdir
     try:
         run = run_folder.find(path)
@@ -318,8 +323,7 @@ def main(argv=None) -> None:
               f"(criterion < {100 * args.flat_tol:g}%): {'yes' if rel < args.flat_tol else 'NO'}", flush=True)
         results = measure(args, run, batches)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return cli.fail(e)
     print(f"\n{results['unquantized']['tokens']} held-out target tokens, "
           f"quant_group={args.quant_group}, fp32 compute, cache rows prefilled {args.cache_prefill} then decoded\n")
     print(table(results, args.prompts, args.new_tokens))
@@ -327,7 +331,8 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump(dict(run=run.run_dir, step=run.step, curve=curve, flat_relative_improvement=rel,
                            flat=bool(rel < args.flat_tol), arms=results), f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
