@@ -26,7 +26,6 @@ repeats. Medians over repeats; ratios are taken between figures of the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from absl import flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -290,42 +291,41 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--only", default="train,experts,decode,trainer", type=lambda s: s.split(","))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5, help="timed train steps per process (after one warm-up)")
-    p.add_argument("--new_tokens", type=int, default=33, help="generated tokens per decode measure")
-    p.add_argument("--small", action="store_true", help="also train `small` at batch 1 x 1024 (slow)")
-    p.add_argument("--baseline", help="a source tree of dsv3-jax to measure as 'before'")
-    p.add_argument("--baseline_measures", default="train issue,trainer", type=lambda s: s.split(","),
-                   help="measures that also run the baseline tree")
-    p.add_argument("--decode", default="1024x1,1024x8,4096x1,4096x8", type=lambda s: s.split(","),
-                   help="decode points PROMPTxBATCH")
-    p.add_argument("--variants", default=None, type=lambda s: s.split(","),
-                   help="sweep: config variants (benchmarks/bench_workers.py VARIANTS), default its GRID")
-    p.add_argument("--sweep_train", default="8x256", help="sweep: train step BATCHxSEQ")
-    p.add_argument("--sweep_prefill", default="4096x1,1024x8", type=lambda s: s.split(","),
-                   help="sweep: prefill points PROMPTxBATCH")
-    p.add_argument("--sweep_decode", default="1024x8,4096x8", type=lambda s: s.split(","),
-                   help="sweep: decode points PROMPTxBATCH (issue 27 asks decode at 4K)")
-    p.add_argument("--sweep_measures", default="train,prefill,decode", type=lambda s: s.split(","),
-                   help="sweep: which of train, prefill, decode to run")
-    p.add_argument("--prefill_repeats", type=int, default=2, help="sweep: timed prefills per process")
-    p.add_argument("--quick", action="store_true", help="sweep: tiny shapes (train 2x32, prefill 64x2, "
-                   "decode 64x2, 2 steps, 5 new tokens), for a test of the command")
-    p.add_argument("--no_hf", action="store_true", help="skip transformers even when torch is installed")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
-    p.add_argument("--json", default="runs/bench.json")
-    p.add_argument("--out", default="docs/benchmarks.md")
-    args = p.parse_args(argv)
-    if args.worker:
-        fn, kwargs = json.loads(args.worker)
-        print("BENCH_RESULT " + json.dumps(workers().WORKERS[fn](**kwargs)), flush=True)
-        return
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_list("only", "train,experts,decode,trainer", "measures to run", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "runs of every measure, alternating before/after", flag_values=fv)
+    flags.DEFINE_integer("steps", 5, "timed train steps per process (after one warm-up)", flag_values=fv)
+    flags.DEFINE_integer("new_tokens", 33, "generated tokens per decode measure", flag_values=fv)
+    flags.DEFINE_boolean("small", False, "also train `small` at batch 1 x 1024 (slow)", flag_values=fv)
+    flags.DEFINE_string("baseline", None, "a source tree of dsv3-jax to measure as 'before'", flag_values=fv)
+    flags.DEFINE_list("baseline_measures", "train issue,trainer", "measures that also run the baseline tree",
+                      flag_values=fv)
+    flags.DEFINE_list("decode", "1024x1,1024x8,4096x1,4096x8", "decode points PROMPTxBATCH", flag_values=fv)
+    flags.DEFINE_list("variants", None, "sweep: config variants (benchmarks/bench_workers.py VARIANTS), default "
+                      "its GRID", flag_values=fv)
+    flags.DEFINE_string("sweep_train", "8x256", "sweep: train step BATCHxSEQ", flag_values=fv)
+    flags.DEFINE_list("sweep_prefill", "4096x1,1024x8", "sweep: prefill points PROMPTxBATCH", flag_values=fv)
+    flags.DEFINE_list("sweep_decode", "1024x8,4096x8", "sweep: decode points PROMPTxBATCH", flag_values=fv)
+    flags.DEFINE_list("sweep_measures", "train,prefill,decode", "sweep: which of train, prefill, decode to run",
+                      flag_values=fv)
+    flags.DEFINE_integer("prefill_repeats", 2, "sweep: timed prefills per process", flag_values=fv)
+    flags.DEFINE_boolean("quick", False, "sweep: tiny shapes (train 2x32, prefill 64x2, decode 64x2, 2 steps, 5 new "
+                         "tokens), for a test of the command", flag_values=fv)
+    flags.DEFINE_boolean("no_hf", False, "skip transformers even when torch is installed", flag_values=fv)
+    flags.DEFINE_integer("timeout", 1800, "seconds per worker process", flag_values=fv)
+    flags.DEFINE_string("json", "runs/bench.json", "the figures as JSON", flag_values=fv)
+    flags.DEFINE_string("out", "docs/benchmarks.md", "the report to update", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    from dsv3_jax import cli  # here, not at the top: a worker process runs a --baseline tree's dsv3_jax
+
+    args = cli.parse(define_flags, argv, __doc__)
     args.no_hf = args.no_hf or not _has_torch()
-    check_sweep_args(p, args)
+    try:
+        check_sweep_args(args)
+    except ValueError as e:
+        cli.usage(str(e))
     meta, results, jobs = machine(), {}, plan(args)
     for repeat in range(args.repeats):
         for i, (measure, fw, worker, kwargs) in enumerate(_alternate(jobs, repeat)):
@@ -342,10 +342,18 @@ def main(argv=None) -> None:
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "summary": summary, "raw": {" | ".join(k): v for k, v in results.items()}}, f, indent=1)
     write_report(args.out, text)
+    return 0
 
 
-def check_sweep_args(parser, args) -> None:
-    """Variants known and points well formed, else exit 2 naming the flag."""
+def worker_main(spec: str) -> None:
+    """A worker process (run_worker): runs spec = JSON [worker, kwargs] and prints its result. It parses
+    no flags: it may run in a --baseline tree, with that tree's dsv3_jax."""
+    fn, kwargs = json.loads(spec)
+    print("BENCH_RESULT " + json.dumps(workers().WORKERS[fn](**kwargs)), flush=True)
+
+
+def check_sweep_args(args) -> None:
+    """Variants known and points well formed, else a ValueError naming the flag."""
     names = workers().VARIANTS
     args.variants = args.variants or list(workers().GRID)
     if args.quick:
@@ -353,7 +361,7 @@ def check_sweep_args(parser, args) -> None:
         args.steps, args.new_tokens = min(args.steps, 2), min(args.new_tokens, 5)
     unknown = [v for v in args.variants if v not in names]
     if unknown:
-        parser.error(f"--variants: unknown {unknown}; known: {sorted(names)}")
+        raise ValueError(f"--variants: unknown {unknown}; known: {sorted(names)}")
     for flag, spec in (("--sweep_train", [args.sweep_train]), ("--sweep_prefill", args.sweep_prefill),
                        ("--sweep_decode", args.sweep_decode)):
         try:
@@ -361,7 +369,7 @@ def check_sweep_args(parser, args) -> None:
         except ValueError:
             points = None
         if not points or any(len(p) != 2 or min(p) < 1 for p in points) or (flag == "--sweep_train" and len(points) != 1):
-            parser.error(f"{flag}: expected LENGTHxBATCH points (BATCHxSEQ for --sweep_train), got {','.join(spec)!r}")
+            raise ValueError(f"{flag}: expected LENGTHxBATCH points (BATCHxSEQ for --sweep_train), got {','.join(spec)!r}")
 
 
 def _alternate(jobs, repeat: int):
@@ -412,4 +420,7 @@ def _has_torch() -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker_main(sys.argv[2])
+    else:
+        sys.exit(main())

@@ -1,20 +1,23 @@
 """Converter benchmark: peak RSS and MB/s of `python -m dsv3_jax.convert` on synthetic checkpoints
 of about 1 GB and 4 GB (same widths, more layers), each conversion in its own subprocess.
 
-    python -m benchmarks.bench_convert [--workdir /tmp/dsv3_bench] [--sizes 1 4] [--fp8] [--to-hf]
+    python -m benchmarks.bench_convert [--workdir /tmp/dsv3_bench] [--sizes 1,4] [--fp8] [--to-hf]
 
 Pass criteria (issue 3): peak RSS of the largest within 25% of the smallest, and under 2 GB.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+
+from absl import flags
+
+from dsv3_jax import cli
 
 
 def run_measured(cmd: list[str]) -> tuple[float, int]:
@@ -33,15 +36,18 @@ def _folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default="/tmp/dsv3_bench")
-    p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 4.0], help="GB of tensors")
-    p.add_argument("--fp8", action="store_true", help="synthetic checkpoints in the released FP8 format")
-    p.add_argument("--keep-fp8", action="store_true", help="convert with --keep-fp8")
-    p.add_argument("--to-hf", action="store_true", help="also time the export back to HF")
-    p.add_argument("--keep", action="store_true", help="keep the outputs")
-    args = p.parse_args()
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("workdir", "/tmp/dsv3_bench", None, flag_values=fv)
+    flags.DEFINE_list("sizes", "1,4", "GB of tensors of each synthetic checkpoint, comma-separated", flag_values=fv)
+    flags.DEFINE_boolean("fp8", False, "synthetic checkpoints in the released FP8 format", flag_values=fv)
+    flags.DEFINE_boolean("keep-fp8", False, "convert with --keep-fp8", flag_values=fv)
+    flags.DEFINE_boolean("to-hf", False, "also time the export back to HF", flag_values=fv)
+    flags.DEFINE_boolean("keep", False, "keep the outputs", flag_values=fv)
+
+
+def main(argv=None) -> None:
+    args = cli.parse(define_flags, argv, __doc__)
+    cli.numbers(args, "sizes", float)
     os.makedirs(args.workdir, exist_ok=True)
     rows = []
     for size in args.sizes:

@@ -14,15 +14,15 @@ and the cache bytes one step reads per generated token.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3, ModelConfig, host
+from dsv3_jax import DeepSeekV3, ModelConfig, cli, host
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
 from dsv3_jax.inference.decode import model_step
 
@@ -94,21 +94,23 @@ def compare(args) -> None:
                   f"{read['float8'] / read['bfloat16']:11.3f}", flush=True)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_list("lengths", "512,2048,8192,32768", "cache lengths to decode at, comma-separated", flag_values=fv)
+    flags.DEFINE_integer("batch", 8, None, flag_values=fv)
+    flags.DEFINE_enum("cache_dtype", "bfloat16", ["float32", "bfloat16", "float8", "int8"], None, flag_values=fv)
+    flags.DEFINE_string("compute_dtype", None, "default: bfloat16, float32 on CPU", flag_values=fv)
+    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"], None, flag_values=fv)
+    flags.DEFINE_integer("hidden_size", 256, None, flag_values=fv)
+    flags.DEFINE_integer("num_heads", 16, None, flag_values=fv)
+    flags.DEFINE_integer("kv_lora_rank", 512, None, flag_values=fv)
+    flags.DEFINE_integer("num_layers", 2, None, flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, None, flag_values=fv)
+    flags.DEFINE_boolean("compare", False, "bf16 vs fp8 cache on the XLA and Pallas paths", flag_values=fv)
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192, 32768])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--cache_dtype", default="bfloat16", choices=["float32", "bfloat16", "float8", "int8"])
-    # XLA:CPU rejects some bf16 x bf16 -> f32 dots at these sizes (DotThunk UNIMPLEMENTED): fp32 there
-    p.add_argument("--compute_dtype", default=None, help="default: bfloat16, float32 on CPU")
-    p.add_argument("--attention_impl", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--num_heads", type=int, default=16)
-    p.add_argument("--kv_lora_rank", type=int, default=512)
-    p.add_argument("--num_layers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--compare", action="store_true", help="bf16 vs fp8 cache on the XLA and Pallas paths")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
+    cli.numbers(args, "lengths")
     args.compute_dtype = args.compute_dtype or ("float32" if host.on_cpu() else "bfloat16")
     if args.compare:
         return compare(args)

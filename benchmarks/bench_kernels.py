@@ -10,12 +10,13 @@ kernels run through the Pallas interpreter and the figures only show that the sc
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
+from dsv3_jax import cli
 import pallas_kernels as pk
 
 # device_kind substring -> (bf16 dense TFLOP/s, fp8 dense TFLOP/s or None, HBM TB/s)
@@ -119,20 +120,22 @@ def bench_prefill(a, peak):
     compare("mla_prefill fwd+bwd", loss(f), loss(ref), (q, k, v), a, 3 * bytes_, 3.5 * flops, False, peak)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("iters", 2, None, flag_values=fv)
+    flags.DEFINE_integer("m", 256, "fp8 matmul rows", flag_values=fv)
+    flags.DEFINE_integer("n", 256, None, flag_values=fv)
+    flags.DEFINE_integer("k", 512, None, flag_values=fv)
+    flags.DEFINE_integer("groups", 4, None, flag_values=fv)
+    flags.DEFINE_integer("batch", 1, "decode batch", flag_values=fv)
+    flags.DEFINE_integer("prefill_batch", 1, None, flag_values=fv)
+    flags.DEFINE_integer("heads", 16, None, flag_values=fv)
+    flags.DEFINE_integer("decode_len", 1024, None, flag_values=fv)
+    flags.DEFINE_integer("prefill_len", 256, None, flag_values=fv)
+    flags.DEFINE_string("only", "fp8,grouped,decode,prefill", None, flag_values=fv)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2)
-    parser.add_argument("--m", type=int, default=256, help="fp8 matmul rows")
-    parser.add_argument("--n", type=int, default=256)
-    parser.add_argument("--k", type=int, default=512)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=1, help="decode batch")
-    parser.add_argument("--prefill_batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--decode_len", type=int, default=1024)
-    parser.add_argument("--prefill_len", type=int, default=256)
-    parser.add_argument("--only", default="fp8,grouped,decode,prefill")
-    a = parser.parse_args(argv)
+    a = cli.parse(define_flags, argv, __doc__)
     kind, peak = device_peak()
     be = pk.resolve_backend()
     print(f"device: {kind} ({jax.default_backend()}); kernel style {be.style}, "

@@ -30,12 +30,15 @@ runs one load (MODE: unsharded, one8, one8_fsdp or two) and writes OUT.<process>
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
+
+from absl import flags
+
+from dsv3_jax import cli
 
 MESH = {"fsdp": 2, "expert": 4}
 FSDP8 = {"fsdp": 8}  # "one8_fsdp": one process, 8 devices, nothing replicated (every leaf split over fsdp)
@@ -137,28 +140,29 @@ def run_load(hf_dir: str, out: str, mode: str, env: dict | None = None, timeout:
     return reports
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        p = argparse.ArgumentParser()
-        p.add_argument("hf_dir")
-        p.add_argument("out")
-        p.add_argument("mode", choices=["unsharded", "one8", "one8_fsdp", "two"])
-        p.add_argument("port", type=int, nargs="?", default=0)
-        p.add_argument("process_id", type=int, nargs="?", default=0)
-        p.add_argument("--dtype")
-        a = p.parse_args(sys.argv[2:])
-        worker(a.hf_dir, a.out, a.mode, a.port, a.process_id, a.dtype)
-        return
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("workdir", "/tmp/dsv3_load", "where the synthetic folder and the reports go", flag_values=fv)
+    flags.DEFINE_float("size-gb", 1.0, "GB of tensors in the synthetic folder", flag_values=fv)
+    flags.DEFINE_boolean("fp8", False, "the released FP8 format (e4m3 + block scales)", flag_values=fv)
+    flags.DEFINE_boolean("keep", False, "keep the synthetic folder", flag_values=fv)
+
+
+def define_worker_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # run_load's processes: worker HF_DIR OUT MODE [PORT PROCESS_ID] [--dtype D]
+        a = cli.parse(define_worker_flags, argv[1:], __doc__, rest=True)
+        hf_dir, out, mode, *ids = a.rest
+        worker(hf_dir, out, mode, *map(int, ids), dtype=a.dtype)
+        return 0
     import numpy as np
 
     from benchmarks.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default="/tmp/dsv3_load")
-    p.add_argument("--size-gb", type=float, default=1.0, help="GB of tensors in the synthetic folder")
-    p.add_argument("--fp8", action="store_true", help="the released FP8 format (e4m3 + block scales)")
-    p.add_argument("--keep", action="store_true", help="keep the synthetic folder")
-    args = p.parse_args()
+    args = cli.parse(define_flags, argv, __doc__)
     tag = f"{args.size_gb:g}gb{'_fp8' if args.fp8 else ''}"
     hf = os.path.join(args.workdir, tag)
     if not os.path.exists(os.path.join(hf, "config.json")):
@@ -199,7 +203,8 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(hf, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,12 +11,15 @@ one length to the next: 2 when memory grows linearly with the prompt, 4 when qua
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
 import sys
 import time
+
+from absl import flags
+
+from dsv3_jax import cli
 
 
 def _rss_mb() -> float:
@@ -45,13 +48,17 @@ def worker(length: int, chunk: int, layers: int) -> dict:
             "seconds": seconds, "chunks": gen.stats.prefill_chunks}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_list("lengths", "4096,8192,16384,32768", "prompt lengths, comma-separated", flag_values=fv)
+    flags.DEFINE_integer("chunk", 2048, None, flag_values=fv)
+    flags.DEFINE_integer("layers", 3, None, flag_values=fv)
+    flags.DEFINE_integer("worker", None, "internal: the prompt length one worker process measures",
+                         flag_values=fv)
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
-    p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
+    cli.numbers(args, "lengths")
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.chunk, args.layers)))
         return

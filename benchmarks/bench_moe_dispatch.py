@@ -6,11 +6,11 @@ side by side in one run (the machine is shared and noisy), median of several rep
     python -m benchmarks.bench_moe_dispatch [--tokens 4096 --top_k 2 --dim 256 --hidden 128]
 
 With --grad the forward and backward (of sum(y^2)) are timed, as a train step runs them; with
---headroom H1 H2 ... the `padded` groups are timed at each C / mean rows per expert
+--headroom=H1,H2,... the `padded` groups are timed at each C / mean rows per expert
 (dsv3_jax/ops/padded_groups.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
 
-    python -m benchmarks.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32 64 \
-        --impls padded tiled --grad --headroom 1.0 1.25
+    python -m benchmarks.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32,64 \
+        --impls padded,tiled --grad --headroom 1.0,1.25
 
 Each impl is `dispatch.routed_experts(..., impl=...)`: the one expert-compute interface forced to
 one path (`auto` is the platform's choice).
@@ -18,13 +18,14 @@ one path (`auto` is the platform's choice).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from dsv3_jax import cli
 from dsv3_jax.ops import dispatch, padded_groups
 
 
@@ -38,19 +39,25 @@ def _time(fn, *args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--top_k", type=int, default=2)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--experts", type=int, nargs=2, default=(8, 64))
-    p.add_argument("--impls", nargs="+", default=["padded", "tiled", "ragged", "dense"])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--grad", action="store_true", help="time forward + backward")
-    p.add_argument("--headroom", type=float, nargs="+", default=[padded_groups.HEADROOM],
-                   help="padded: C over the mean rows per expert, one timing each")
-    args = p.parse_args()
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("tokens", 4096, "tokens routed", flag_values=fv)
+    flags.DEFINE_integer("top_k", 2, "experts per token", flag_values=fv)
+    flags.DEFINE_integer("dim", 256, "model dimension D", flag_values=fv)
+    flags.DEFINE_integer("hidden", 128, "expert hidden size F", flag_values=fv)
+    flags.DEFINE_list("experts", "8,64", "the two expert counts compared, LOW,HIGH", flag_values=fv)
+    flags.DEFINE_list("impls", "padded,tiled,ragged,dense", "dispatch impls timed, comma-separated", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "timed runs (median)", flag_values=fv)
+    flags.DEFINE_boolean("grad", False, "time forward + backward", flag_values=fv)
+    flags.DEFINE_list("headroom", str(padded_groups.HEADROOM), "padded: C over the mean rows per expert, one timing "
+                      "each, comma-separated", flag_values=fv)
+
+
+def main(argv=None) -> None:
+    args = cli.parse(define_flags, argv, __doc__)
+    cli.numbers(args, "experts")
+    cli.numbers(args, "headroom", float)
+    if len(args.experts) != 2:
+        cli.usage(f"--experts={','.join(map(str, args.experts))}: expected two counts, LOW,HIGH")
     print(f"backend={jax.default_backend()} tokens={args.tokens} top_k={args.top_k} D={args.dim} F={args.hidden}")
     rows = {}
     for e in args.experts:

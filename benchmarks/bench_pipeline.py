@@ -11,7 +11,7 @@ cotangents; "x one microbatch's stack input" below).
 Time: step times t(M) are fitted as t(M) = a * M + b: a is the cost of one more microbatch, b the
 cost that does not shrink with M. Both schedules idle S - 1 of every M + S - 1 stage-ticks (GPipe:
 the fill and drain of its forward and of its backward; 1F1B: 2 (S - 1) of 2 (M + S - 1) units), so
-theory says b / a = S - 1 (the circular schedule, `--schedules circular --rounds R`: (S - 1) / R,
+theory says b / a = S - 1 (the circular schedule, `--schedules=circular --rounds R`: (S - 1) / R,
 bubble (S - 1) / (R M + S - 1)) and the bubble is
 
     measured = 1 - a * M / t(M)        theory = (S - 1) / (M + S - 1)
@@ -25,7 +25,7 @@ is compiled first, then timed in rounds that alternate them, median over the rou
 fake CPU devices here, which share the host's cores; that scales a and b alike, so the ratios hold
 even though absolute times are not those of real chips.
 
-    python -m benchmarks.bench_pipeline [--stages 4 --layers 8 --microbatches 1 2 4 8 16]
+    python -m benchmarks.bench_pipeline [--stages 4 --layers 8 --microbatches 1,2,4,8,16]
 
 Each fake device should run on one core of its own, or an idle stage's core is used by another
 stage's intra-op threads and the bubble does not show as time; on a 2-core host:
@@ -36,29 +36,36 @@ stage's intra-op threads and the bubble does not show as time; on a 2-core host:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
+from absl import flags
 
-def _parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8, help="layers of the stack (need not divide by --stages)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "dualpipev"],
-                   choices=["gpipe", "circular", "1f1b", "dualpipev"])
-    p.add_argument("--rounds", type=int, default=2, help="rounds R of the circular schedule (needs M >= S)")
-    p.add_argument("--rows", type=int, default=64, help="rows per microbatch")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per M (median)")
-    return p.parse_args()
+from dsv3_jax import cli
 
 
-def main() -> None:
-    args = _parse()
+SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("stages", 4, "pipeline stages S (fake CPU devices)", flag_values=fv)
+    flags.DEFINE_integer("layers", 8, "layers of the stack (need not divide by --stages)", flag_values=fv)
+    flags.DEFINE_list("microbatches", "4,8,16,32", "microbatch counts M, comma-separated", flag_values=fv)
+    flags.DEFINE_list("schedules", "gpipe,1f1b,dualpipev", f"schedules to time, comma-separated, of {','.join(SCHEDULES)}",
+                      flag_values=fv)
+    flags.DEFINE_integer("rounds", 2, "rounds R of the circular schedule (needs M >= S)", flag_values=fv)
+    flags.DEFINE_integer("rows", 64, "rows per microbatch", flag_values=fv)
+    flags.DEFINE_integer("dim", 128, "model dimension", flag_values=fv)
+    flags.DEFINE_integer("hidden", 1024, "hidden size of each layer's MLP", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "timed runs per M (median)", flag_values=fv)
+
+
+def main(argv=None) -> None:
+    args = cli.parse(define_flags, argv, __doc__)
+    cli.numbers(args, "microbatches")
+    if set(args.schedules) - set(SCHEDULES):
+        cli.usage(f"--schedules={','.join(args.schedules)}: expected some of {','.join(SCHEDULES)}")
     if "jax" not in sys.modules:  # fake one CPU device per stage unless the host has enough devices
         os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.stages}")
     import jax

@@ -13,7 +13,6 @@ length). The workers run without a persistent compilation cache (JAX_COMPILATION
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -21,6 +20,9 @@ import sys
 import time
 
 import numpy as np
+from absl import flags
+
+from dsv3_jax import cli
 
 
 def lengths_for(kind: str, prompts: int, longest: int) -> list[int]:
@@ -50,13 +52,16 @@ def worker(kind: str, prompts: int, max_tokens: int, longest: int) -> dict:
     return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu, "traces": traces}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("prompts", 24, None, flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 16, None, flag_values=fv)
+    flags.DEFINE_integer("longest", 900, "longest varied prompt (the model holds 1024)", flag_values=fv)
+    flags.DEFINE_enum("worker", None, ["varied", "same"], "internal: the prompts one worker process serves",
+                      flag_values=fv)
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--max_tokens", type=int, default=16)
-    p.add_argument("--longest", type=int, default=900, help="longest varied prompt (the model holds 1024)")
-    p.add_argument("--worker", default=None, choices=["varied", "same"], help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
     if args.worker:
         print(json.dumps(worker(args.worker, args.prompts, args.max_tokens, args.longest)))
         return

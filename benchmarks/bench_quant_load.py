@@ -14,14 +14,16 @@ a bf16 copy of a quantized weight would show it as peak above held bytes by a le
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+from absl import flags
+
 from benchmarks.bench_load import _rss  # VmHWM / VmRSS of this process, bytes
+from dsv3_jax import cli
 
 LOADS = [("bf16", "none", "none"), ("fp8", "fp8", "all"), ("int8 experts", "int8", "experts"),
          ("int4 experts", "int4", "experts"), ("int4 all", "int4", "all")]
@@ -44,15 +46,18 @@ def worker(hf_dir: str, out: str, weights: str, quantize: str) -> None:
         json.dump({"held_bytes": held, "peak_load_bytes": _rss("VmHWM") - before}, f)
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(*sys.argv[2:6])
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("workdir", "/tmp/dsv3_qload", "where the synthetic folder and the reports go", flag_values=fv)
+    flags.DEFINE_float("size-gb", 0.5, "GB of tensors in the synthetic folder (bf16)", flag_values=fv)
+    flags.DEFINE_boolean("keep", False, "keep the synthetic folder", flag_values=fv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the loads' own processes: worker HF_DIR OUT WEIGHTS QUANTIZE
+        worker(*argv[1:5])
         return
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", default="/tmp/dsv3_qload")
-    p.add_argument("--size-gb", type=float, default=0.5, help="GB of tensors in the synthetic folder (bf16)")
-    p.add_argument("--keep", action="store_true", help="keep the synthetic folder")
-    args = p.parse_args()
+    args = cli.parse(define_flags, argv, __doc__)
     from benchmarks.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
 
     folder = os.path.join(args.workdir, "fp8")

@@ -21,7 +21,6 @@ request field `prefix_cache: false`) and then on; prints TTFT p50 of each, their
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -32,6 +31,10 @@ import threading
 import time
 
 import numpy as np
+
+from absl import flags
+
+from dsv3_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,17 +186,19 @@ def bench_prefix(checkpoint: str, args) -> None:
           f"{same}")
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("checkpoint", None, None, flag_values=fv)
+    flags.DEFINE_integer("requests", 16, "requests at concurrency 1 and 4 (x2 at 16)", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 64, None, flag_values=fv)
+    flags.DEFINE_integer("max_batch", 16, None, flag_values=fv)
+    flags.DEFINE_integer("port", 18765, None, flag_values=fv)
+    flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
+    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix"], None, flag_values=fv)
+    flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--requests", type=int, default=16, help="requests at concurrency 1 and 4 (x2 at 16)")
-    p.add_argument("--max_tokens", type=int, default=64)
-    p.add_argument("--max_batch", type=int, default=16)
-    p.add_argument("--port", type=int, default=18765)
-    p.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated (1 must be one)")
-    p.add_argument("--mode", default="concurrency", choices=["concurrency", "prefix"])
-    p.add_argument("--prefix", type=int, default=1024, help="--mode=prefix: shared prefix tokens")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_model(tmp.name)
     if args.mode == "prefix":

@@ -12,13 +12,14 @@ Used to check that the converter's memory bound holds at the real shapes:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import ml_dtypes
 import numpy as np
+from absl import flags
 
+from dsv3_jax import cli
 from dsv3_jax.checkpoint import fp8, hf_names
 from dsv3_jax.checkpoint.hf_reader import scale_name
 from dsv3_jax.checkpoint.orbax_to_hf import hf_config
@@ -113,12 +114,14 @@ def make_released(folder: str, experts: int = 16, seed: int = 0) -> int:
     return total
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--experts", type=int, default=16, help="routed experts of the MoE layer")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("out", None, None, required=True, flag_values=fv)
+    flags.DEFINE_integer("experts", 16, "routed experts of the MoE layer", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, None, flag_values=fv)
+
+
+def main(argv=None) -> None:
+    args = cli.parse(define_flags, argv, __doc__)
     total = make_released(args.out, args.experts, args.seed)
     print(f"{args.out}: 1 dense + 1 MoE layer x {args.experts} experts at the released shapes, {total / 1e9:.2f} GB")
 

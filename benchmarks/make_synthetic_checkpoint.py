@@ -7,13 +7,14 @@ released FP8 format (e4m3 projections + 128x128 `weight_scale_inv`). Memory stay
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from dsv3_jax import cli
 from dsv3_jax.checkpoint import fp8, hf_names
 from dsv3_jax.checkpoint.hf_names import leaf_slices
 from dsv3_jax.checkpoint.hf_reader import scale_name
@@ -100,14 +101,16 @@ def _random(rng: np.random.Generator, name: str, shape) -> np.ndarray:
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--size-gb", type=float, default=1.0, help="approximate tensor bytes")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--fp8", action="store_true", help="released FP8 format for the projections")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("out", None, None, required=True, flag_values=fv)
+    flags.DEFINE_float("size-gb", 1.0, "approximate tensor bytes", flag_values=fv)
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], None, flag_values=fv)
+    flags.DEFINE_boolean("fp8", False, "released FP8 format for the projections", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, None, flag_values=fv)
+
+
+def main(argv=None) -> None:
+    args = cli.parse(define_flags, argv, __doc__)
     layers = layers_for_size(args.size_gb * 1e9, "float8_e4m3fn" if args.fp8 else args.dtype)
     cfg = bench_config(layers)
     total = make_checkpoint(cfg, args.out, dtype=args.dtype, use_fp8=args.fp8, seed=args.seed)

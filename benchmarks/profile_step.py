@@ -11,7 +11,6 @@ then each part's share of the step (`GROUPS`: routed experts, head, attention, o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -20,6 +19,10 @@ import os
 import re
 import sys
 import tempfile
+
+from absl import flags
+
+from dsv3_jax import cli
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -104,13 +107,15 @@ def workload(what: str, variant: str = "issue"):
     return bench.jax_decode_workload(4096, 1, 17 if what == "decode" else 1, variant)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_enum("what", "train", ["train", "decode", "prefill"], None, flag_values=fv)
+    flags.DEFINE_string("variant", "issue", "a config of benchmarks/bench_workers.py VARIANTS", flag_values=fv)
+    flags.DEFINE_integer("steps", 3, None, flag_values=fv)
+    flags.DEFINE_integer("top", 25, None, flag_values=fv)
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--what", default="train", choices=["train", "decode", "prefill"])
-    p.add_argument("--variant", default="issue", help="a config of benchmarks/bench_workers.py VARIANTS")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--top", type=int, default=25)
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
     dump_dir = tempfile.mkdtemp(prefix="profile_hlo_")
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
     import jax  # after XLA_FLAGS: the dump flags are read when the backend starts

@@ -13,7 +13,6 @@ Memory heavy (N processes at once): run it on an idle machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -23,6 +22,9 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+
+from dsv3_jax import cli
 from experiments.launch import local
 
 # The tiny config grown to a ~1.85 GB train state in the 671B's proportions: 13 MoE layers + the
@@ -136,15 +138,17 @@ def measure(code: str, mesh: str, processes: int, devices: int, root: str, port:
     return out
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_multi_string("mesh", None, "axis=size[,axis=size]; repeatable", flag_values=fv)
+    flags.DEFINE_integer("processes", 4, None, flag_values=fv)
+    flags.DEFINE_integer("devices", 2, "fake CPU devices per process", flag_values=fv)
+    flags.DEFINE_string("code", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), None, flag_values=fv)
+    flags.DEFINE_integer("port", 8476, None, flag_values=fv)
+    flags.DEFINE_boolean("fresh_only", False, "only the tiny run and the fresh start (a quick before)", flag_values=fv)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", action="append", default=None, help="axis=size[,axis=size]; repeatable")
-    p.add_argument("--processes", type=int, default=4)
-    p.add_argument("--devices", type=int, default=2, help="fake CPU devices per process")
-    p.add_argument("--code", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p.add_argument("--port", type=int, default=8476)
-    p.add_argument("--fresh_only", action="store_true", help="only the tiny run and the fresh start (a quick before)")
-    args = p.parse_args(argv)
+    args = cli.parse(define_flags, argv, __doc__)
     root = tempfile.mkdtemp(prefix="start_memory_")
     for mesh in args.mesh or ["fsdp=8"]:
         measure(os.path.abspath(args.code), mesh, args.processes, args.devices, root, args.port, args.fresh_only)

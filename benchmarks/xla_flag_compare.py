@@ -11,11 +11,14 @@ and the first step's loss (a changed loss would mean the options changed the num
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
+
+from absl import flags
+
+from dsv3_jax import cli
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -61,12 +64,14 @@ def compare(variant: str, rounds: int, set_names: list[str], batch: int = 8, seq
     return results
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="bench")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--sets", default="none,dot,idot,greedy")
-    args = parser.parse_args()
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("variant", "bench", None, flag_values=fv)
+    flags.DEFINE_integer("rounds", 8, None, flag_values=fv)
+    flags.DEFINE_string("sets", "none,dot,idot,greedy", None, flag_values=fv)
+
+
+def main(argv=None):
+    args = cli.parse(define_flags, argv, __doc__)
     results = compare(args.variant, args.rounds, args.sets.split(","))
     print("| variant | options | wall s/step median (min) | CPU s/step median (min) | loss |\n|---|---|---|---|---|")
     for name, (wall, cpu, loss) in results.items():

@@ -51,6 +51,14 @@ def parse(define_flags: Callable[[flags.FlagValues], None], argv: Sequence[str] 
     return types.SimpleNamespace(**values, **({"rest": unparsed} if rest else {}))
 
 
+def numbers(args: types.SimpleNamespace, name: str, kind: type = int) -> None:
+    """Reads the comma list flag `name` (`flags.DEFINE_list`) as numbers in place; a bad item exits 2."""
+    try:
+        setattr(args, name, [kind(item) for item in getattr(args, name)])
+    except ValueError:
+        usage(f"--{name}={','.join(getattr(args, name))}: expected comma-separated {kind.__name__} values")
+
+
 def usage(message: str) -> NoReturn:
     """Flags that cannot run together (or a bad value): one line on stderr, exit 2."""
     print(f"error: {message}".replace("\n", " "), file=sys.stderr, flush=True)
