@@ -369,7 +369,8 @@ def check_sweep_args(args) -> None:
         except ValueError:
             points = None
         if not points or any(len(p) != 2 or min(p) < 1 for p in points) or (flag == "--sweep_train" and len(points) != 1):
-            raise ValueError(f"{flag}: expected LENGTHxBATCH points (BATCHxSEQ for --sweep_train), got {','.join(spec)!r}")
+            raise ValueError(f"{flag}: expected LENGTHxBATCH points (BATCHxSEQ for --sweep_train), "
+                             f"got {','.join(spec)!r}")
 
 
 def _alternate(jobs, repeat: int):

@@ -52,8 +52,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("stages", 4, "pipeline stages S (fake CPU devices)", flag_values=fv)
     flags.DEFINE_integer("layers", 8, "layers of the stack (need not divide by --stages)", flag_values=fv)
     flags.DEFINE_list("microbatches", "4,8,16,32", "microbatch counts M, comma-separated", flag_values=fv)
-    flags.DEFINE_list("schedules", "gpipe,1f1b,dualpipev", f"schedules to time, comma-separated, of {','.join(SCHEDULES)}",
-                      flag_values=fv)
+    flags.DEFINE_list("schedules", "gpipe,1f1b,dualpipev",
+                      f"schedules to time, comma-separated, of {','.join(SCHEDULES)}", flag_values=fv)
     flags.DEFINE_integer("rounds", 2, "rounds R of the circular schedule (needs M >= S)", flag_values=fv)
     flags.DEFINE_integer("rows", 64, "rows per microbatch", flag_values=fv)
     flags.DEFINE_integer("dim", 128, "model dimension", flag_values=fv)
