@@ -37,7 +37,7 @@ def _folder_bytes(folder: str) -> int:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("workdir", "/tmp/dsv3_bench", None, flag_values=fv)
+    flags.DEFINE_string("workdir", "/tmp/dsv3_bench", "where the synthetic checkpoints and outputs go", flag_values=fv)
     flags.DEFINE_list("sizes", "1,4", "GB of tensors of each synthetic checkpoint, comma-separated", flag_values=fv)
     flags.DEFINE_boolean("fp8", False, "synthetic checkpoints in the released FP8 format", flag_values=fv)
     flags.DEFINE_boolean("keep-fp8", False, "convert with --keep-fp8", flag_values=fv)
@@ -45,7 +45,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_boolean("keep", False, "keep the outputs", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "sizes", float)
     os.makedirs(args.workdir, exist_ok=True)
@@ -82,7 +82,8 @@ def main(argv=None) -> None:
     print(f"peak RSS {small:.0f} MB -> {large:.0f} MB ({large / small - 1:+.0%}); "
           f"criteria (<= +25%, < 2000 MB): {'PASS' if ok else 'FAIL'}")
     sys.exit(0 if ok else 1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,7 @@ and the cache bytes one step reads per generated token.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -96,19 +97,20 @@ def compare(args) -> None:
 
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_list("lengths", "512,2048,8192,32768", "cache lengths to decode at, comma-separated", flag_values=fv)
-    flags.DEFINE_integer("batch", 8, None, flag_values=fv)
-    flags.DEFINE_enum("cache_dtype", "bfloat16", ["float32", "bfloat16", "float8", "int8"], None, flag_values=fv)
+    flags.DEFINE_integer("batch", 8, "rows decoded at once", flag_values=fv)
+    flags.DEFINE_enum("cache_dtype", "bfloat16", ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
+                      flag_values=fv)
     flags.DEFINE_string("compute_dtype", None, "default: bfloat16, float32 on CPU", flag_values=fv)
-    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"], None, flag_values=fv)
-    flags.DEFINE_integer("hidden_size", 256, None, flag_values=fv)
-    flags.DEFINE_integer("num_heads", 16, None, flag_values=fv)
-    flags.DEFINE_integer("kv_lora_rank", 512, None, flag_values=fv)
-    flags.DEFINE_integer("num_layers", 2, None, flag_values=fv)
-    flags.DEFINE_integer("repeats", 5, None, flag_values=fv)
+    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"], "attention path", flag_values=fv)
+    flags.DEFINE_integer("hidden_size", 256, "model dimension", flag_values=fv)
+    flags.DEFINE_integer("num_heads", 16, "attention heads", flag_values=fv)
+    flags.DEFINE_integer("kv_lora_rank", 512, "latent (cache) width", flag_values=fv)
+    flags.DEFINE_integer("num_layers", 2, "layers", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "timed steps per length (median)", flag_values=fv)
     flags.DEFINE_boolean("compare", False, "bf16 vs fp8 cache on the XLA and Pallas paths", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "lengths")
     args.compute_dtype = args.compute_dtype or ("float32" if host.on_cpu() else "bfloat16")
@@ -134,7 +136,8 @@ def main(argv=None) -> None:
     slope, intercept = np.polyfit(lengths, t, 1)
     r2 = 1 - np.sum((t - (slope * lengths + intercept)) ** 2) / np.sum((t - t.mean()) ** 2)
     print(f"linear fit: {intercept * 1e3:.3f} ms + {slope * 1e9:.2f} ns per slot (R^2 = {r2:.4f})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

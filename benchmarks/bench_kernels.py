@@ -10,6 +10,7 @@ kernels run through the Pallas interpreter and the figures only show that the sc
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -121,20 +122,20 @@ def bench_prefill(a, peak):
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("iters", 2, None, flag_values=fv)
+    flags.DEFINE_integer("iters", 2, "timed calls per kernel", flag_values=fv)
     flags.DEFINE_integer("m", 256, "fp8 matmul rows", flag_values=fv)
-    flags.DEFINE_integer("n", 256, None, flag_values=fv)
-    flags.DEFINE_integer("k", 512, None, flag_values=fv)
-    flags.DEFINE_integer("groups", 4, None, flag_values=fv)
+    flags.DEFINE_integer("n", 256, "fp8 matmul columns", flag_values=fv)
+    flags.DEFINE_integer("k", 512, "fp8 matmul contraction", flag_values=fv)
+    flags.DEFINE_integer("groups", 4, "grouped matmul groups", flag_values=fv)
     flags.DEFINE_integer("batch", 1, "decode batch", flag_values=fv)
-    flags.DEFINE_integer("prefill_batch", 1, None, flag_values=fv)
-    flags.DEFINE_integer("heads", 16, None, flag_values=fv)
-    flags.DEFINE_integer("decode_len", 1024, None, flag_values=fv)
-    flags.DEFINE_integer("prefill_len", 256, None, flag_values=fv)
-    flags.DEFINE_string("only", "fp8,grouped,decode,prefill", None, flag_values=fv)
+    flags.DEFINE_integer("prefill_batch", 1, "prefill batch", flag_values=fv)
+    flags.DEFINE_integer("heads", 16, "attention heads", flag_values=fv)
+    flags.DEFINE_integer("decode_len", 1024, "decode cache length", flag_values=fv)
+    flags.DEFINE_integer("prefill_len", 256, "prefill prompt length", flag_values=fv)
+    flags.DEFINE_string("only", "fp8,grouped,decode,prefill", "kernels to run, comma-separated", flag_values=fv)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     a = cli.parse(define_flags, argv, __doc__)
     kind, peak = device_peak()
     be = pk.resolve_backend()
@@ -143,7 +144,8 @@ def main(argv=None):
     benches = dict(fp8=bench_fp8, grouped=bench_grouped, decode=bench_decode, prefill=bench_prefill)
     for name in a.only.split(","):
         benches[name](a, peak)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

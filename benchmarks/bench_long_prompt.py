@@ -50,18 +50,18 @@ def worker(length: int, chunk: int, layers: int) -> dict:
 
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_list("lengths", "4096,8192,16384,32768", "prompt lengths, comma-separated", flag_values=fv)
-    flags.DEFINE_integer("chunk", 2048, None, flag_values=fv)
-    flags.DEFINE_integer("layers", 3, None, flag_values=fv)
+    flags.DEFINE_integer("chunk", 2048, "prefill chunk (tokens per step)", flag_values=fv)
+    flags.DEFINE_integer("layers", 3, "layers of the tiny model", flag_values=fv)
     flags.DEFINE_integer("worker", None, "internal: the prompt length one worker process measures",
                          flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "lengths")
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.chunk, args.layers)))
-        return
+        return 0
     print(f"tiny config, {args.layers} layers, chunk {args.chunk}, float32 cache; one process per length")
     print(f"{'prompt':>8} {'chunks':>6} {'peak RSS MB':>12} {'growth MB':>10} {'cache MB':>9} "
           f"{'growth ratio':>12} {'s/token':>9}")
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
               f"{r['seconds'] / length:9.2e}", flush=True)
         prev = growth
     print("growth ratio per doubling of the prompt: 2 = linear, 4 = quadratic")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

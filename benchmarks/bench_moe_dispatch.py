@@ -18,6 +18,7 @@ one path (`auto` is the platform's choice).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -52,7 +53,7 @@ def define_flags(fv: flags.FlagValues) -> None:
                       "each, comma-separated", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "experts")
     cli.numbers(args, "headroom", float)
@@ -76,6 +77,7 @@ def main(argv=None) -> None:
     for name, _, _ in _cases(args):
         a, b = rows[(name, lo)], rows[(name, hi)]
         print(f"{name:14s} {a * 1e3:10.1f}ms {b * 1e3:10.1f}ms {b / a:7.2f}")
+    return 0
 
 
 def _cases(args) -> list[tuple[str, str, float]]:
@@ -97,4 +99,4 @@ def _fn(impl: str, grad: bool, experts, weights):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -61,7 +61,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("repeats", 5, "timed runs per M (median)", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "microbatches")
     if set(args.schedules) - set(SCHEDULES):
@@ -151,6 +151,7 @@ def main(argv=None) -> None:
         print(f"{schedule:>9} fit on the fastest rounds: b / a = {b_min / a_min:.2f}; rounds spread "
               f"{spread:.0%} of the median (max - min), the intercept b is {b / t[0]:.0%} of t(M={args.microbatches[0]})",
               flush=True)
+    return 0
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -53,18 +53,18 @@ def worker(kind: str, prompts: int, max_tokens: int, longest: int) -> dict:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("prompts", 24, None, flag_values=fv)
-    flags.DEFINE_integer("max_tokens", 16, None, flag_values=fv)
+    flags.DEFINE_integer("prompts", 24, "prompts per set", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 16, "new tokens per prompt", flag_values=fv)
     flags.DEFINE_integer("longest", 900, "longest varied prompt (the model holds 1024)", flag_values=fv)
     flags.DEFINE_enum("worker", None, ["varied", "same"], "internal: the prompts one worker process serves",
                       flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     if args.worker:
         print(json.dumps(worker(args.worker, args.prompts, args.max_tokens, args.longest)))
-        return
+        return 0
     results = {}
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # every compile paid
     for kind in ("same", "varied"):
@@ -79,7 +79,8 @@ def main(argv=None) -> None:
     cpu_ratio = results["varied"]["cpu_seconds"] / results["same"]["cpu_seconds"]
     print(f"varied / one length: {ratio:.2f}x ({cpu_ratio:.2f}x CPU) (target <= 2x): "
           f"{'PASS' if ratio <= 2 else 'FAIL'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -52,11 +52,11 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_boolean("keep", False, "keep the synthetic folder", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # the loads' own processes: worker HF_DIR OUT WEIGHTS QUANTIZE
         worker(*argv[1:5])
-        return
+        return 0
     args = cli.parse(define_flags, argv, __doc__)
     from benchmarks.make_synthetic_checkpoint import bench_config, layers_for_size, make_checkpoint
 
@@ -78,7 +78,8 @@ def main(argv=None) -> None:
               f"{r['peak_load_bytes'] / r['held_bytes']:>11.3f}")
     if not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

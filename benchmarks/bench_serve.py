@@ -187,17 +187,18 @@ def bench_prefix(checkpoint: str, args) -> None:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("checkpoint", None, None, flag_values=fv)
+    flags.DEFINE_string("checkpoint", None, "checkpoint to serve (default: a small random model, converted)",
+                        flag_values=fv)
     flags.DEFINE_integer("requests", 16, "requests at concurrency 1 and 4 (x2 at 16)", flag_values=fv)
-    flags.DEFINE_integer("max_tokens", 64, None, flag_values=fv)
-    flags.DEFINE_integer("max_batch", 16, None, flag_values=fv)
-    flags.DEFINE_integer("port", 18765, None, flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 64, "completion tokens per request", flag_values=fv)
+    flags.DEFINE_integer("max_batch", 16, "the server's decode slots", flag_values=fv)
+    flags.DEFINE_integer("port", 18765, "the server's port", flag_values=fv)
     flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
-    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix"], None, flag_values=fv)
+    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix"], "what to measure", flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.checkpoint or make_model(tmp.name)
@@ -232,7 +233,8 @@ def main(argv=None) -> None:
         ratio = c16[0]["tokens"] / c16[0]["wall"] / base
         print(f"concurrency 16 / concurrency 1 output tokens/s: {ratio:.2f}x (target >= 4x): "
               f"{'PASS' if ratio >= 4 else 'FAIL'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -115,16 +116,17 @@ def make_released(folder: str, experts: int = 16, seed: int = 0) -> int:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("out", None, None, required=True, flag_values=fv)
+    flags.DEFINE_string("out", None, "the HF folder to write", required=True, flag_values=fv)
     flags.DEFINE_integer("experts", 16, "routed experts of the MoE layer", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, None, flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the tensors", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     total = make_released(args.out, args.experts, args.seed)
     print(f"{args.out}: 1 dense + 1 MoE layer x {args.experts} experts at the released shapes, {total / 1e9:.2f} GB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -102,20 +103,22 @@ def _random(rng: np.random.Generator, name: str, shape) -> np.ndarray:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("out", None, None, required=True, flag_values=fv)
+    flags.DEFINE_string("out", None, "the HF folder to write", required=True, flag_values=fv)
     flags.DEFINE_float("size-gb", 1.0, "approximate tensor bytes", flag_values=fv)
-    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], None, flag_values=fv)
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of the tensors that are not FP8",
+                      flag_values=fv)
     flags.DEFINE_boolean("fp8", False, "released FP8 format for the projections", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, None, flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the tensors", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     layers = layers_for_size(args.size_gb * 1e9, "float8_e4m3fn" if args.fp8 else args.dtype)
     cfg = bench_config(layers)
     total = make_checkpoint(cfg, args.out, dtype=args.dtype, use_fp8=args.fp8, seed=args.seed)
     print(f"{args.out}: {layers} layers x {cfg.num_routed_experts} experts, {total / 1e9:.2f} GB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

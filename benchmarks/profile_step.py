@@ -108,13 +108,13 @@ def workload(what: str, variant: str = "issue"):
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_enum("what", "train", ["train", "decode", "prefill"], None, flag_values=fv)
+    flags.DEFINE_enum("what", "train", ["train", "decode", "prefill"], "the step to trace", flag_values=fv)
     flags.DEFINE_string("variant", "issue", "a config of benchmarks/bench_workers.py VARIANTS", flag_values=fv)
-    flags.DEFINE_integer("steps", 3, None, flag_values=fv)
-    flags.DEFINE_integer("top", 25, None, flag_values=fv)
+    flags.DEFINE_integer("steps", 3, "traced steps", flag_values=fv)
+    flags.DEFINE_integer("top", 25, "operations listed", flag_values=fv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     dump_dir = tempfile.mkdtemp(prefix="profile_hlo_")
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
@@ -127,7 +127,8 @@ def main(argv=None) -> None:
         for _ in range(args.steps):
             call()
     print(top_ops(trace_dir, dump_dir, args.steps, args.top, by_part=args.what == "train"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -140,18 +140,20 @@ def measure(code: str, mesh: str, processes: int, devices: int, root: str, port:
 
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_multi_string("mesh", None, "axis=size[,axis=size]; repeatable", flag_values=fv)
-    flags.DEFINE_integer("processes", 4, None, flag_values=fv)
+    flags.DEFINE_integer("processes", 4, "training processes", flag_values=fv)
     flags.DEFINE_integer("devices", 2, "fake CPU devices per process", flag_values=fv)
-    flags.DEFINE_string("code", os.path.dirname(os.path.dirname(os.path.abspath(__file__))), None, flag_values=fv)
-    flags.DEFINE_integer("port", 8476, None, flag_values=fv)
+    flags.DEFINE_string("code", os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "the checkout whose experiments.train runs", flag_values=fv)
+    flags.DEFINE_integer("port", 8476, "the coordinator's port", flag_values=fv)
     flags.DEFINE_boolean("fresh_only", False, "only the tiny run and the fresh start (a quick before)", flag_values=fv)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     root = tempfile.mkdtemp(prefix="start_memory_")
     for mesh in args.mesh or ["fsdp=8"]:
         measure(os.path.abspath(args.code), mesh, args.processes, args.devices, root, args.port, args.fresh_only)
+    return 0
 
 
 if __name__ == "__main__":

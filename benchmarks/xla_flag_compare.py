@@ -65,19 +65,20 @@ def compare(variant: str, rounds: int, set_names: list[str], batch: int = 8, seq
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("variant", "bench", None, flag_values=fv)
-    flags.DEFINE_integer("rounds", 8, None, flag_values=fv)
-    flags.DEFINE_string("sets", "none,dot,idot,greedy", None, flag_values=fv)
+    flags.DEFINE_string("variant", "bench", "a config of benchmarks/bench_workers.py VARIANTS", flag_values=fv)
+    flags.DEFINE_integer("rounds", 8, "timing rounds (the order flips each round)", flag_values=fv)
+    flags.DEFINE_string("sets", "none,dot,idot,greedy", "option sets, comma-separated", flag_values=fv)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     results = compare(args.variant, args.rounds, args.sets.split(","))
     print("| variant | options | wall s/step median (min) | CPU s/step median (min) | loss |\n|---|---|---|---|---|")
     for name, (wall, cpu, loss) in results.items():
         print(f"| {args.variant} | {name} | {statistics.median(wall):.3f} ({min(wall):.3f}) | "
               f"{statistics.median(cpu):.3f} ({min(cpu):.3f}) | {loss:.6f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
