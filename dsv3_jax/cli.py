@@ -19,6 +19,7 @@ import types
 from typing import Callable, NoReturn, Sequence
 
 from absl import flags
+from absl import logging as absl_logging
 
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)  # TensorStore appends its whole spec as JSON
 
@@ -49,6 +50,14 @@ def parse(define_flags: Callable[[flags.FlagValues], None], argv: Sequence[str] 
         usage(f"unexpected arguments {unparsed}; every value is a --flag")
     values = {name.replace("-", "_"): value for name, value in fv.flag_values_dict().items() if "." not in name}
     return types.SimpleNamespace(**values, **({"rest": unparsed} if rest else {}))
+
+
+def log_info() -> None:
+    """absl's log lines, INFO and up, on stderr as absl.app.run sets them up: for the commands whose
+    progress the library logs through absl.logging (training)."""
+    flags.FLAGS.mark_as_parsed()  # absl's own flags (--verbosity ...) at their defaults
+    absl_logging.use_absl_handler()
+    absl_logging.set_verbosity(absl_logging.INFO)
 
 
 def numbers(args: types.SimpleNamespace, name: str, kind: type = int) -> None:

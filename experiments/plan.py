@@ -312,6 +312,7 @@ def lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batc
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
+    cli.log_info()
     config = args.config
     try:
         if args.ledger:

@@ -105,6 +105,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
+    cli.log_info()
     try:
         records = load_records(args.workdir)
     except (FileNotFoundError, ValueError) as e:

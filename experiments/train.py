@@ -69,6 +69,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
+    cli.log_info()
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     config = args.config
     with config.unlocked():

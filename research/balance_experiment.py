@@ -56,6 +56,7 @@ def run(config, workdir: str, gamma: float) -> dict[float, dict]:
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
+    cli.log_info()
     config, workdir = args.config, args.workdir
     if args.steps is not None:
         with config.unlocked():
