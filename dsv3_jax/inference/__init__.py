@@ -1,10 +1,10 @@
 """Inference over the latent (MLA) cache: the loop, chunked prefill, sampling, MTP speculative decoding
 and the cache layout; every forward is the model's own (`DeepSeekV3.forward(..., cache=)`)."""
 
-from dsv3_jax.inference.cache import KVCache, StackCache, bucket_slots, cache_bytes_per_token, init_cache
+from dsv3_jax.inference.cache import bucket_slots, cache_bytes_per_token, init_cache
 from dsv3_jax.inference.decode import model_step, mtp_draft
 from dsv3_jax.inference.generate import GenerateStats, Generation, StepTokens, generate
 from dsv3_jax.inference.sampling import SamplingConfig
 
-__all__ = ["GenerateStats", "Generation", "KVCache", "SamplingConfig", "StackCache", "StepTokens",
-           "bucket_slots", "cache_bytes_per_token", "generate", "init_cache", "model_step", "mtp_draft"]
+__all__ = ["GenerateStats", "Generation", "SamplingConfig", "StepTokens", "bucket_slots", "cache_bytes_per_token",
+           "generate", "init_cache", "model_step", "mtp_draft"]

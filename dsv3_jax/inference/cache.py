@@ -30,23 +30,17 @@ import jax.numpy as jnp
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.transformer import ModelCache
-from dsv3_jax.ops.latent_attention import FP8_BLOCK, dequantize as decode_latent, encode  # noqa: F401 (re-exported)
+from dsv3_jax.ops.latent_attention import FP8_BLOCK
 import sharding
 from sharding import expert_parallel
 
 CACHE_DTYPES = ("float32", "bfloat16", "float8", "int8")
-StackCache = LatentCache  # one layer stack (dense layers, MoE layers or MTP depths): [L, B, S, ...]
-KVCache = ModelCache  # every stack of the model
-
-
-def _check_dtype(cache_dtype: str) -> None:
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
 
 
 def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
     """Per-token, per-layer arrays of the cache: name -> (trailing shape, dtype)."""
-    _check_dtype(cache_dtype)
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     if cache_dtype == "float8":
         return {"latent": ((c,), jnp.dtype(jnp.float8_e4m3fn)),
@@ -65,18 +59,19 @@ def cache_bytes_per_token(cfg: ModelConfig, cache_dtype: str = "bfloat16") -> in
     return sum(math.prod(shape) * dt.itemsize for shape, dt in token_layout(cfg, cache_dtype).values())
 
 
-def _stack(cfg: ModelConfig, cache_dtype: str, layers: int, batch: int, slots: int) -> StackCache | None:
+def _stack(cfg: ModelConfig, cache_dtype: str, layers: int, batch: int, slots: int) -> LatentCache | None:
+    """One layer stack (dense layers, MoE layers or MTP depths): [L, B, S, ...] per array."""
     if layers == 0:
         return None
     arrays = {name: jnp.zeros((layers, batch, slots, *shape), dt)
               for name, (shape, dt) in token_layout(cfg, cache_dtype).items()}
-    return StackCache(arrays["latent"], arrays.get("latent_scale"), arrays["k_pe"])
+    return LatentCache(arrays["latent"], arrays.get("latent_scale"), arrays["k_pe"])
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, cache_dtype: str = "bfloat16", *,
-               with_mtp: bool = False) -> KVCache:
+               with_mtp: bool = False) -> ModelCache:
     """A zero cache of `slots` positions for every layer (and the MTP depths when `with_mtp`)."""
-    return KVCache(_stack(cfg, cache_dtype, cfg.num_dense_layers, batch, slots),
+    return ModelCache(_stack(cfg, cache_dtype, cfg.num_dense_layers, batch, slots),
                    _stack(cfg, cache_dtype, cfg.num_moe_layers, batch, slots),
                    _stack(cfg, cache_dtype, cfg.num_mtp_layers if with_mtp else 0, batch, slots))
 

@@ -89,12 +89,19 @@ def _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp):
 
 
 class Generation:
-    """Iterates StepTokens as they are produced; `output()` and `stats` once iteration has finished.
+    """Generates up to `max_new_tokens` per row after int32 `prompts` [B, T], yielding StepTokens as
+    they are produced; `output()` and `stats` once iteration has finished.
 
-    See `generate` for the arguments; `param_shardings` (a pytree of shardings matching
-    `nnx.state(model)`) and `cache_sharding` (one sharding for every cache array [L, B, S, ...])
-    place the weights and the cache for sharded decoding. `rows`: the rows asked for (default all); the
-    later ones only pad the batch to a multiple of a mesh's token shards, and no statistic counts them.
+    temperature 0 is greedy; otherwise samples (top_k, top_p as in `sampling`) reproducibly for a
+    `seed`. `lengths` [B] gives ragged (right-padded) prompt lengths. `use_mtp` drafts with the MTP
+    modules and verifies in one step (same tokens as without when greedy; same distribution when
+    sampling). `cache_dtype` is "float32", "bfloat16", "float8" or "int8" (default: the compute dtype).
+    The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two; the last one
+    padded, so a prompt shorter than a chunk costs a whole one). `param_shardings` (a pytree of
+    shardings matching `nnx.state(model)`) and `cache_sharding` (one sharding for every cache array
+    [L, B, S, ...]) place the weights and the cache for sharded decoding. `rows`: the rows asked for
+    (default all); the later ones only pad the batch to a multiple of a mesh's token shards, and no
+    statistic counts them.
     """
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
@@ -192,24 +199,12 @@ class Generation:
         return self._out
 
 
-def generate(model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
-             pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
-             return_stats: bool = False, **placement):
-    """Generates up to `max_new_tokens` per row after int32 `prompts` [B, T].
-
-    temperature 0 is greedy; otherwise samples (top_k, top_p as in `sampling`) reproducibly for a
-    `seed`. `lengths` [B] gives ragged (right-padded) prompt lengths. `use_mtp` drafts with the MTP
-    modules and verifies in one step (same tokens as without when greedy; same distribution when
-    sampling). `cache_dtype` is "float32", "bfloat16", "float8" or "int8" (default: the compute dtype).
-    The prompt enters the cache in chunks of `prefill_chunk` tokens (a power of two; the last one
-    padded, so a prompt shorter than a chunk costs a whole one).
-    Returns int32 [B, T + max_new_tokens] (layout in the module docstring) and, with
-    `return_stats`, a GenerateStats (acceptance_rate, tokens_per_forward, timings).
+def generate(model, prompts, max_new_tokens: int, *, return_stats: bool = False, **options):
+    """`Generation` run to the end (`options`: its keyword arguments). Returns int32
+    [B, T + max_new_tokens] (layout in the module docstring) and, with `return_stats`, a
+    GenerateStats (acceptance_rate, tokens_per_forward, timings).
     """
-    gen = Generation(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                     lengths=lengths, stop_tokens=stop_tokens, use_mtp=use_mtp, pad_id=pad_id,
-                     cache_dtype=cache_dtype, prefill_chunk=prefill_chunk, **placement)
+    gen = Generation(model, prompts, max_new_tokens, **options)
     for _ in gen:
         pass
     out = jax.device_put(gen.output())  # a transfer: jnp.asarray would compile a copy per prompt length

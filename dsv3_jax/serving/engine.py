@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -83,7 +82,6 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     sink: Callable[[Event], None]  # called from the engine thread
-    id: str = ""
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     generated: list[int] = dataclasses.field(default_factory=list)
     stream: TextStream | None = None
@@ -115,7 +113,6 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
         self.metrics = Metrics(num_slots=b)
-        self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.state, self.last_error, self.resets = "ok", None, 0  # see health()
@@ -128,7 +125,6 @@ class Engine:
                 raise EngineFailed(f"the engine failed and could not recover: {self.last_error}")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
-            request.id = request.id or f"req-{next(self._ids)}"
             request.stream = TextStream(self.tokenizer, list(request.params.stop))
             self.waiting.append(request)
             self.metrics.requests_received += 1

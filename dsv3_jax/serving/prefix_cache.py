@@ -39,23 +39,16 @@ class PrefixCache:
             raise ValueError(f"prefix cache capacity must be >= 1 block, got {capacity}")
         self.capacity, self.width = capacity, width
         self.blocks: collections.OrderedDict[bytes, object] = collections.OrderedDict()
-        self.hits = self.misses = 0  # blocks reused / blocks looked up and absent
-
-    def reusable(self, length: int) -> int:
-        """Blocks a prompt of `length` tokens may take from the cache (its last token is prefilled)."""
-        return (length - 1) // self.width
 
     def match(self, prompt: list[int]) -> list[object]:
         """The cached blocks of the prompt's longest cached prefix, in order (refreshed as recent)."""
         found = []
-        for key in block_keys(prompt, self.width, self.reusable(len(prompt))):
+        for key in block_keys(prompt, self.width, (len(prompt) - 1) // self.width):  # the last token is prefilled
             block = self.blocks.get(key)
             if block is None:
-                self.misses += 1
                 break
             self.blocks.move_to_end(key)
             found.append(block)
-        self.hits += len(found)
         return found
 
     def wants(self, prompt: list[int], k: int) -> bytes | None:

@@ -8,8 +8,8 @@ from flax import nnx
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
-from dsv3_jax.inference.cache import decode_latent, encode
 from dsv3_jax.inference.decode import model_step
+from dsv3_jax.ops.latent_attention import dequantize as decode_latent, encode
 
 
 def test_bytes_per_token_671b():
