@@ -109,8 +109,6 @@ class Generation:
                  pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
                  param_shardings=None, cache_sharding=None, rows: int | None = None):
         cfg = model.config
-        prefill.check_chunk(prefill_chunk)
-        cache_dtype = cache_dtype or cfg.compute_dtype
         self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp)
         self.max_new_tokens, self.stop_tokens, self.pad_id = max_new_tokens, tuple(int(s) for s in stop_tokens), pad_id
         self.sampling = SamplingConfig(float(temperature), top_k, top_p)
@@ -121,7 +119,7 @@ class Generation:
         b, t = self.prompts.shape
         self.chunks = prefill.plan(t, prefill_chunk)
         slots = bucket_slots(max(t + max_new_tokens + self.depths, prefill.padded_end(t, prefill_chunk)))
-        cache = init_cache(cfg, b, slots, cache_dtype, with_mtp=use_mtp)
+        cache = init_cache(cfg, b, slots, cache_dtype or cfg.compute_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
         self.rows = b if rows is None else rows

@@ -87,7 +87,8 @@ class RowSampling(NamedTuple):
     def draw_at(self, positions_B: jax.Array) -> "Draw":
         """The engine's draw: row b keyed by (its request's seed, the position of the token drawn), so
         its draws do not depend on the other rows of the batch."""
-        return Draw(self, row_keys(self.seed, positions_B))
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(self.seed, positions_B)
+        return Draw(self, keys)
 
     def scalars(self) -> tuple:
         """The [B] parameters (temperature, top_k, top_p, seed), without the penalty tables."""
@@ -130,11 +131,6 @@ def filtered_logits(logits_BxV: jax.Array, s: RowSampling, *, top_k: bool = True
     kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1)  # the first token always stays
     threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(x >= threshold, x, -jnp.inf)
-
-
-def row_keys(seed_B: jax.Array, positions_B: jax.Array) -> jax.Array:
-    """One key per row from its request's seed and the position of the token being drawn."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, positions_B)
 
 
 class Draw(NamedTuple):

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import pathlib
 
-from dsv3_jax.data.chat_template import (  # noqa: F401  (the server's names for them)
-    BUNDLED_TEMPLATE,
-    ChatTemplateError,
-    ChatTokenizer,
-    compile_template,
-)
+from dsv3_jax.data.chat_template import BUNDLED_TEMPLATE, ChatTemplateError, ChatTokenizer  # noqa: F401 (re-exported)
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
 

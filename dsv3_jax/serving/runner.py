@@ -94,7 +94,6 @@ class Runner:
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
-        cache_dtype = cache_dtype or cfg.compute_dtype
         if not 2 <= max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len must lie in [2, max_position_embeddings={cfg.max_position_embeddings}], "
                              f"got {max_seq_len}")
@@ -102,7 +101,7 @@ class Runner:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         prefill.check_chunk(chunk)
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
-        self.cache_dtype = cache_dtype
+        self.cache_dtype = cache_dtype or cfg.compute_dtype
         self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
         shards = token_shards(mesh)
         if max_batch % shards or chunk % shards:
