@@ -1,6 +1,6 @@
 """The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
 prompt into one slot's rows, and one decode step over every slot at its own position, optionally
-with MTP speculation (each slot feeds its last token and M drafts; `inference.speculative.accept_slots`).
+with MTP speculation (each slot feeds its last token and M drafts; `inference.speculative.accept`).
 
 Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
 M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
