@@ -7,7 +7,7 @@ depend only on the prompt's first (k + 1) W tokens. A block is keyed by a hash c
 tokens (key_k = sha256(key_{k-1}, tokens of block k)), so a lookup walks the prompt once. A prompt of
 T tokens reuses at most its first (T - 1) // W blocks: its last token is always prefilled, since its
 logits give the first generated token. With the same chunks run from the same rows, a request's
-tokens are exactly those of a prefill from scratch (`tests/serving/test_engine_prefix.py`).
+tokens are exactly those of a prefill from scratch (`tests/serving/test_engine.py`).
 
 Blocks live on the device, at most `capacity` of them, evicted least recently used (a hit refreshes
 every block of the matched prefix).
