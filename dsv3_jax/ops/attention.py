@@ -62,17 +62,10 @@ def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: floa
 
     Queries go `block` rows at a time, each block against the keys up to its last row only: a
     512-token chunk computes 10 of the 16 [128, 128] score tiles that the square would."""
-    length = q_BxTxHxK.shape[1]
+    batch, length = q_BxTxHxK.shape[:2]
     q, k, v = _heads_first(q_BxTxHxK), _heads_first(k_BxTxHxK), _heads_first(v_BxTxHxV)
-    outs, lses = [], []
-    for start in range(0, length, block):
-        end = min(start + block, length)
-        mask_1x1xWxS = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
-        out, lse_BxHxWx1 = _block_fwd(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask_1x1xWxS, softmax_scale)
-        outs.append(out)
-        lses.append(lse_BxHxWx1[..., 0])
-    out_BxHxTxV, lse_BxHxT = jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
-    return _heads_first(out_BxHxTxV), jnp.transpose(lse_BxHxT, (0, 2, 1))
+    out_BxHxTxV, (*_, lse_BxHxTx1) = _attention_fwd(q, k, v, causal_mask(None, batch, length), softmax_scale, block)
+    return _heads_first(out_BxHxTxV), jnp.transpose(lse_BxHxTx1[..., 0], (0, 2, 1))
 
 
 def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,

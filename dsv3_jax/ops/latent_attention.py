@@ -77,21 +77,26 @@ def per_128_scales(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None) -> ja
     return jnp.broadcast_to(scale_BxSxG, (*scale_BxSxG.shape[:-1], blocks))
 
 
-def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, softmax_scale, dt):
-    """One block of P keys of the online softmax; carry = (max [B,H,W], sum [B,H,W], acc [B,H,W,C]),
-    queries heads-first [B, H, W, *]. Heads-first, each block's two dots are plain batched matmuls
-    ([H*W, C] x [C, P] and [H*W, P] x [P, C]); with acc as [B, W, H, C], XLA:CPU ran the second as a
-    transposed dot outside its fast matmul path, far slower than the first (profile in
-    docs/benchmarks.md, 4K decode)."""
+def _softmax_step(carry, s_BxHxWxP, values, eq: str, dt):
+    """One block of P keys of the online softmax: carry = (max [B,H,W], sum [B,H,W], acc [B,H,W,*]),
+    scores already scaled and masked (-inf), `values` contracted with the probabilities by `eq`."""
     m_prev, l_prev, acc_prev = carry
+    m_new = jnp.maximum(m_prev, jnp.max(s_BxHxWxP, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
+    alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s_BxHxWxP - m_safe[..., None])
+    pv = jnp.einsum(eq, p.astype(dt), values.astype(dt), preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[..., None] * acc_prev + pv
+
+
+def _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1xWxP, softmax_scale, dt):
+    """One block of P latent keys, queries heads-first [B, H, W, *]. Heads-first, each block's two
+    dots are plain batched matmuls ([H*W, C] x [C, P] and [H*W, P] x [P, C]); with acc as
+    [B, W, H, C], XLA:CPU ran the second as a transposed dot outside its fast matmul path
+    (docs/benchmarks.md, Kernel choices)."""
     s = (jnp.einsum("BHWC,BPC->BHWP", q_lat, latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
          + jnp.einsum("BHWR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
     s = jnp.where(visible_Bx1xWxP, s * softmax_scale, -jnp.inf)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
-    alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s - m_safe[..., None])
-    pv = jnp.einsum("BHWP,BPC->BHWC", p.astype(dt), latent_BxPxC.astype(dt), preferred_element_type=jnp.float32)
-    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[..., None] * acc_prev + pv
+    return _softmax_step(carry, s, latent_BxPxC, "BHWP,BPC->BHWC", dt)
 
 
 def _own_mask(positions_BxW: jax.Array) -> jax.Array:
@@ -112,6 +117,27 @@ def _reader(cache, layer, block: int):
     return read
 
 
+def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
+    """The online softmax (`step(carry, latent [B, P, C] dequantised to dt, k_pe [B, P, R],
+    visible [B, P])`) over the cache slots before each row's first position, `block` slots at a
+    time; blocks past every row's start are never read. Starts empty; acc_shape [B, H, W, *]."""
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
+    read = _reader(cache, layer, block)
+    before_B = positions_BxW[:, 0]
+    init = (jnp.full(acc_shape[:3], -jnp.inf, jnp.float32), jnp.zeros(acc_shape[:3], jnp.float32),
+            jnp.zeros(acc_shape, jnp.float32))
+
+    def body(i, carry):
+        start = i * block
+        visible_BxP = (start + jnp.arange(block))[None, :] < before_B[:, None]
+        latent_BxPxC = dequantize(read(latent_BxSxC, start), read(scale_BxSxG, start), dt)
+        return step(carry, latent_BxPxC, read(k_pe_BxSxR, start), visible_BxP)
+
+    num_blocks = (jnp.max(before_B) + block - 1) // block
+    return jax.lax.fori_loop(0, num_blocks, body, init)
+
+
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
            block: int = READ_BLOCK, layer=None) -> jax.Array:
     """Softmax over the cache slots before each row's first position (read `block` slots at a time)
@@ -124,41 +150,24 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     q_pe is already rotated; positions are consecutive per row.
     """
     dt = compute_dtype
-    b, w, h, c = q_lat_BxWxHxC.shape
-    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
-    block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
-    read = _reader(cache, layer, block)
     q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))
-    before_B = positions_BxW[:, 0]
-    init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
-            jnp.zeros((b, h, w, c), jnp.float32))
 
-    def body(i, carry):
-        start = i * block
-        visible = (start + jnp.arange(block))[None, None, None, :] < before_B[:, None, None, None]
-        return _block_step(carry, q_lat, q_pe, dequantize(read(latent_BxSxC, start), read(scale_BxSxG, start), dt),
-                           read(k_pe_BxSxR, start), visible, softmax_scale, dt)
+    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP):
+        return _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_BxP[:, None, None, :], softmax_scale, dt)
 
-    num_blocks = (jnp.max(before_B) + block - 1) // block  # blocks past every row's start are never read
-    carry = jax.lax.fori_loop(0, num_blocks, body, init)
+    carry = _over_prefix(step, q_lat.shape[:3] + (q_lat.shape[-1],), cache, positions_BxW, layer, block, dt)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
     return jnp.transpose(acc / l_sum[..., None], (0, 2, 1, 3))
 
 
 def _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias_Bx1x1xP, w_uk, w_uv, softmax_scale, dt):
     """One block of P cached slots, expanded to per-head keys [B, H, P, N] and values [B, H, P, V];
-    carry = (max [B, H, W], sum [B, H, W], acc [B, H, W, V]), queries heads-first [B, H, W, *]."""
-    m_prev, l_prev, acc_prev = carry
+    queries heads-first [B, H, W, *]."""
     k_nope = jnp.einsum("BPC,CHN->BHPN", latent_BxPxC.astype(dt), w_uk, preferred_element_type=jnp.float32)
     v = jnp.einsum("BPC,CHV->BHPV", latent_BxPxC.astype(dt), w_uv, preferred_element_type=jnp.float32)
     s = (jnp.einsum("BHWN,BHPN->BHWP", q_nope, k_nope.astype(dt), preferred_element_type=jnp.float32)
          + jnp.einsum("BHWR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
-    s = s * softmax_scale + bias_Bx1x1xP
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet: everything stays 0
-    alpha, p = jnp.exp(m_prev - m_safe), jnp.exp(s - m_safe[..., None])
-    pv = jnp.einsum("BHWP,BHPV->BHWV", p.astype(dt), v.astype(dt), preferred_element_type=jnp.float32)
-    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[..., None] * acc_prev + pv
+    return _softmax_step(carry, s * softmax_scale + bias_Bx1x1xP, v, "BHWP,BHPV->BHWV", dt)
 
 
 def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache, positions_BxW, *,
@@ -169,26 +178,15 @@ def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache,
     (blocks past every row's start are never read nor expanded) -> (out [B, W, H, V] float32,
     lse [B, W, H] float32; -inf where a row has no prefix). `cache` and `layer` as in `attend`."""
     dt = compute_dtype
-    b, w, h, _ = q_nope_BxWxHxN.shape
-    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
-    block = math.gcd(block, latent_BxSxC.shape[-2])
-    read = _reader(cache, layer, block)
     q_nope = jnp.transpose(q_nope_BxWxHxN, (0, 2, 1, 3)).astype(dt)
     q_pe = jnp.transpose(q_pe_BxWxHxR, (0, 2, 1, 3)).astype(dt)
     w_uk, w_uv = w_uk_CxHxN.astype(dt), w_uv_CxHxV.astype(dt)
-    before_B = positions_BxW[:, 0]
-    init = (jnp.full((b, h, w), -jnp.inf, jnp.float32), jnp.zeros((b, h, w), jnp.float32),
-            jnp.zeros((b, h, w, w_uv.shape[-1]), jnp.float32))
 
-    def body(i, carry):
-        start = i * block
-        visible = (start + jnp.arange(block))[None, :] < before_B[:, None]
-        bias = jnp.where(visible, 0.0, -jnp.inf)[:, None, None, :]
-        return _expanded_step(carry, q_nope, q_pe, dequantize(read(latent_BxSxC, start), read(scale_BxSxG, start), dt),
-                              read(k_pe_BxSxR, start), bias, w_uk, w_uv, softmax_scale, dt)
+    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP):
+        bias = jnp.where(visible_BxP, 0.0, -jnp.inf)[:, None, None, :]
+        return _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias, w_uk, w_uv, softmax_scale, dt)
 
-    num_blocks = (jnp.max(before_B) + block - 1) // block
-    m, l_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    m, l_sum, acc = _over_prefix(step, q_nope.shape[:3] + (w_uv.shape[-1],), cache, positions_BxW, layer, block, dt)
     lse = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
     out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
     return jnp.transpose(out, (0, 2, 1, 3)), jnp.transpose(lse, (0, 2, 1))
