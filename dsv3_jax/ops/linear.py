@@ -40,11 +40,10 @@ def _on_platform(kernel, reference):
     return run
 
 
-def _kernels():
-    """(matmul, grouped matmul, grouped Wgrad), each chosen for the platform the program is lowered for."""
-    return (_on_platform(pk.fp8_matmul, pk.fp8_matmul_reference),
-            _on_platform(pk.fp8_grouped_matmul, pk.fp8_grouped_matmul_reference),
-            _on_platform(pk.fp8_grouped_wgrad, pk.fp8_grouped_wgrad_reference))
+# Each chosen for the platform the program is lowered for.
+_matmul = _on_platform(pk.fp8_matmul, pk.fp8_matmul_reference)
+_grouped_matmul = _on_platform(pk.fp8_grouped_matmul, pk.fp8_grouped_matmul_reference)
+_grouped_wgrad = _on_platform(pk.fp8_grouped_wgrad, pk.fp8_grouped_wgrad_reference)
 
 
 def _quantize_tokens(a_MxK):
@@ -74,9 +73,8 @@ def fp8_matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype) -> jax.Array:
 
 
 def _fp8_fwd(x_MxK, w_KxN, out_dtype):
-    mm = _kernels()[0]
     w_q, w_s = _quantize_weight_t(w_KxN)
-    y_MxN = mm(*_quantize_tokens(x_MxK), w_q, w_s, out_dtype=out_dtype)
+    y_MxN = _matmul(*_quantize_tokens(x_MxK), w_q, w_s, out_dtype=out_dtype)
     return y_MxN, (_quantize_tokens_t(x_MxK), (w_q, w_s), *_dtype_carriers(x_MxK, w_KxN))
 
 
@@ -84,18 +82,14 @@ def _dgrad(dy_MxN, w_q, w_s, sizes_G=None):
     """dx = dy . w^T in FP8, the recipe's Dgrad: dy in 1x128 tiles against the weight's stored
     128x128 blocks transposed (last two axes swapped); rows sorted by group when `sizes_G` is given.
     Returns fp32 [M, K]."""
-    mm, grouped = _kernels()[:2]
     w_t = (jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_s, -1, -2))
-    if sizes_G is None:
-        return mm(*_quantize_tokens(dy_MxN), *w_t, out_dtype=jnp.float32)
-    return grouped(*_quantize_tokens(dy_MxN), *w_t, sizes_G, out_dtype=jnp.float32)
+    return _fp8_matmul(*_quantize_tokens(dy_MxN), *w_t, sizes_G, out_dtype=jnp.float32)
 
 
 def _fp8_bwd(out_dtype, res, dy_MxN):
     (xt_q, xt_s), (w_q, w_s), x_like, w_like = res
-    mm = _kernels()[0]
     dx_MxK = _dgrad(dy_MxN, w_q, w_s)
-    dw_KxN = mm(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
+    dw_KxN = _matmul(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
     return dx_MxK.astype(x_like.dtype), dw_KxN.astype(w_like.dtype)
 
 
@@ -151,7 +145,7 @@ def _quant_matmul(x_MxK: jax.Array, qa: QArray, compute_dtype) -> jax.Array:
     """x [M, K] . w for one quantized matrix (no stack axes) -> [M, N] in `compute_dtype`: FP8 through
     the block-scaled kernel, int formats dequantised once (ops/quant.py's numerics)."""
     if qa.fmt == "fp8":
-        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, compute_dtype)
+        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, None, compute_dtype)
     w_KxN = quant.dequantize_2d(qa, compute_dtype)
     return jnp.einsum("MK,KN->MN", x_MxK.astype(compute_dtype), w_KxN,
                       preferred_element_type=jnp.float32).astype(compute_dtype)
@@ -204,63 +198,50 @@ def _group_aligned_t(a_MxK, sizes_G):
 
 
 def _grouped_fwd(x_MxK, w_GxKxN, sizes_G, out_dtype):
-    grouped = _kernels()[1]
     w_q, w_s = _quantize_weights_t(w_GxKxN)
-    y_MxN = grouped(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
+    y_MxN = _grouped_matmul(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
     xt, _ = _group_aligned_t(x_MxK, sizes_G)
     return y_MxN, (xt, (w_q, w_s), sizes_G, *_dtype_carriers(x_MxK, w_GxKxN))
 
 
 def _grouped_bwd(out_dtype, res, dy_MxN):
     (xt_q, xt_s), (w_q, w_s), sizes_G, x_like, w_like = res
-    wgrad = _kernels()[2]
     dx_MxK = _dgrad(dy_MxN, w_q, w_s, sizes_G)
     (dyt_q, dyt_s), tile_group = _group_aligned_t(dy_MxN, sizes_G)
-    dw_GxKxN = wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
+    dw_GxKxN = _grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
     return dx_MxK.astype(x_like.dtype), dw_GxKxN.astype(w_like.dtype), None
 
 
 fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, out_dtype) -> jax.Array:
-    """x . w for a weight stored in FP8 (e4m3 [N, K] with 128x128 `scale_inv` blocks, as released):
-    the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
-    Returns [M, N] in `out_dtype`. The weight is frozen (inference, QLoRA): the backward is Dgrad
-    alone, dy in 1x128 tiles against the stored blocks transposed (as `fp8_matmul`'s); w gets none."""
-    return _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype)[0]
-
-
-def _stored_fwd(x_MxK, w_q_NxK, w_scale, out_dtype):
-    y_MxN = _kernels()[0](*_quantize_tokens(x_MxK), w_q_NxK, w_scale, out_dtype=out_dtype)
-    return y_MxN, (w_q_NxK, w_scale, jnp.zeros((0,), x_MxK.dtype))
-
-
-def _stored_bwd(out_dtype, res, dy_MxN):
-    w_q_NxK, w_scale, x_like = res
-    return _dgrad(dy_MxN, w_q_NxK, w_scale).astype(x_like.dtype), None, None
-
-
-fp8_matmul_stored.defvjp(_stored_fwd, _stored_bwd)
+def _fp8_matmul(x_q, x_s, w_q, w_s, sizes_G=None, *, out_dtype):
+    """The block-scaled kernel on quantised operands: rows sorted by group when `sizes_G` is given."""
+    if sizes_G is None:
+        return _matmul(x_q, x_s, w_q, w_s, out_dtype=out_dtype)
+    return _grouped_matmul(x_q, x_s, w_q, w_s, sizes_G, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def fp8_grouped_matmul_stored(x_MxK: jax.Array, w_q_GxNxK: jax.Array, w_scale: jax.Array, group_sizes_G: jax.Array,
-                              out_dtype) -> jax.Array:
-    """`fp8_matmul_stored` for rows sorted by group (experts), each through its group's stored
-    FP8 weight [N, K]. Returns [M, N] in `out_dtype`; frozen weights: the backward is Dgrad alone."""
-    return _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype)[0]
+def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, group_sizes_G: jax.Array | None,
+                      out_dtype) -> jax.Array:
+    """x . w for a weight stored in FP8 (e4m3 [N, K] with 128x128 `scale_inv` blocks, as released):
+    the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
+    With `group_sizes_G`, rows sorted by group (experts), each through its group's weight
+    (w_q [G, N, K]). Returns [M, N] in `out_dtype`. The weight is frozen (inference, QLoRA): the
+    backward is Dgrad alone, dy in 1x128 tiles against the stored blocks transposed (as
+    `fp8_matmul`'s); w gets none."""
+    return _stored_fwd(x_MxK, w_q_NxK, w_scale, group_sizes_G, out_dtype)[0]
 
 
-def _grouped_stored_fwd(x_MxK, w_q_GxNxK, w_scale, group_sizes_G, out_dtype):
-    y_MxN = _kernels()[1](*_quantize_tokens(x_MxK), w_q_GxNxK, w_scale, group_sizes_G, out_dtype=out_dtype)
-    return y_MxN, (w_q_GxNxK, w_scale, group_sizes_G, jnp.zeros((0,), x_MxK.dtype))
+def _stored_fwd(x_MxK, w_q_NxK, w_scale, sizes_G, out_dtype):
+    y_MxN = _fp8_matmul(*_quantize_tokens(x_MxK), w_q_NxK, w_scale, sizes_G, out_dtype=out_dtype)
+    return y_MxN, (w_q_NxK, w_scale, sizes_G, jnp.zeros((0,), x_MxK.dtype))
 
 
-def _grouped_stored_bwd(out_dtype, res, dy_MxN):
+def _stored_bwd(out_dtype, res, dy_MxN):
     w_q, w_scale, sizes_G, x_like = res
     return _dgrad(dy_MxN, w_q, w_scale, sizes_G).astype(x_like.dtype), None, None, None
 
 
-fp8_grouped_matmul_stored.defvjp(_grouped_stored_fwd, _grouped_stored_bwd)
+fp8_matmul_stored.defvjp(_stored_fwd, _stored_bwd)

@@ -73,7 +73,9 @@ def rel_max(got, want):
 @pytest.fixture(params=["jnp", "pallas"])
 def kernels(request, monkeypatch):
     if request.param == "pallas":  # interpret mode on CPU
-        monkeypatch.setattr(linear, "_kernels", lambda: (pk.fp8_matmul, pk.fp8_grouped_matmul, pk.fp8_grouped_wgrad))
+        for name, kernel in [("_matmul", pk.fp8_matmul), ("_grouped_matmul", pk.fp8_grouped_matmul),
+                             ("_grouped_wgrad", pk.fp8_grouped_wgrad)]:
+            monkeypatch.setattr(linear, name, kernel)
     return request.param
 
 

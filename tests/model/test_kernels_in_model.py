@@ -62,7 +62,9 @@ def test_fp8_kernels_equal_the_jnp_recipe_in_the_model(tokens, fp8, monkeypatch)
     import pallas_kernels as pk
     from dsv3_jax.ops import linear
 
-    monkeypatch.setattr(linear, "_kernels", lambda: (pk.fp8_matmul, pk.fp8_grouped_matmul, pk.fp8_grouped_wgrad))
+    for name, kernel in [("_matmul", pk.fp8_matmul), ("_grouped_matmul", pk.fp8_grouped_matmul),
+                         ("_grouped_wgrad", pk.fp8_grouped_wgrad)]:
+        monkeypatch.setattr(linear, name, kernel)
     seg = jnp.array([[1] * 10 + [2] * 14, [1] * 24])
     model = DeepSeekV3(CFG.replace(fp8_matmul=True), rngs=nnx.Rngs(0))
     logits = nnx.jit(lambda m: m.forward(tokens, segment_ids=seg).logits)(model)
