@@ -20,7 +20,7 @@ the key fold_in(key, i) split over the layers (a `DropoutKey`, sliced per layer 
 the key is the train state's `rng`, advanced every step and checkpointed, so a resumed run draws the
 masks an uninterrupted one draws. Without a key (eval, generate, serve, `merge`) no dropout.
 The routed experts' adapters drop their inputs inside the grouped matmul: one mask row per sorted
-(token, expert) row, drawn from the adapter's key over the sorted rows (`expert_dropout`,
+(token, expert) row, drawn from the adapter's key over the sorted rows (`expert_adapters`,
 `ops/dispatch.adapter_masks`), the mask travelling with its row into the tile loop (single-device
 dispatch; an expert- or token-parallel mesh refuses it, `model/moe.py`).
 
@@ -42,14 +42,13 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax.model import params
-from dsv3_jax.model.quant import QuantizedWeight
+from dsv3_jax.model.quant import QuantizedWeight, stack_dims
 from dsv3_jax.ops import quant
 from dsv3_jax.ops.quant import QArray
 
 # Every projection of MLA (q_a, q_b or q, kv_a, kv_b, o), the dense MLPs and the shared experts;
 # routed experts ("moe_layers/ffn/w*") only with LoRAConfig.experts. MTP layers are left out.
 DEFAULT_TARGETS = r"(dense_layers|moe_layers)/(attn/(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn/(shared_experts/)?w[123])"
-_BATCH_AXES = (params.LAYERS, "expert")  # leading axes along which each slice has its own adapter
 BASE_WEIGHTS = ("none", *quant.FORMATS)
 
 
@@ -98,7 +97,7 @@ class Adapter(nnx.Module):
 
     def __init__(self, weight: nnx.Variable, contract: int, cfg: LoRAConfig, rngs: nnx.Rngs):
         axes = params.logical_axes(weight)
-        nb = _batch_rank(axes)
+        nb = stack_dims(axes)  # leading layers / expert axes: each slice its own adapter
         shape = weight.shape
         dtype = jnp.float32 if isinstance(weight, QuantizedWeight) else weight.dtype  # QLoRA: fp32 adapters
         a_shape, b_shape = (*shape[:nb + contract], cfg.rank), (*shape[:nb], cfg.rank, *shape[nb + contract:])
@@ -120,13 +119,6 @@ def low_rank_delta(a, b, batch_rank: int, scale: float, xp=np):
     nl = int(np.prod(lead, dtype=np.int64))
     d = xp.einsum("Lir,Lro->Lio", a.reshape(nl, -1, r).astype(xp.float32), b.reshape(nl, r, -1).astype(xp.float32))
     return (scale * d).reshape(*lead, *a.shape[batch_rank:-1], *b.shape[batch_rank + 1:])
-
-
-def _batch_rank(axes) -> int:
-    n = 0
-    while n < len(axes) and axes[n] in _BATCH_AXES:
-        n += 1
-    return n
 
 
 def adapter(module: nnx.Module, name: str) -> Adapter | None:
@@ -155,16 +147,9 @@ def with_dropout(model: nnx.Module, key_data: jax.Array) -> None:
     for i, (_, node, name) in enumerate(_adapted(model)):
         ad = adapter(node, name)
         if ad.dropout:
-            layers = ad.a.shape[:_layer_rank(params.logical_axes(ad.a))]
+            layers = ad.a.shape[:stack_dims(params.logical_axes(ad.a), (params.LAYERS,))]
             keys = jax.random.split(jax.random.fold_in(key, i), layers) if layers else jax.random.fold_in(key, i)
             ad.dropout_key = DropoutKey(jax.random.key_data(keys))
-
-
-def _layer_rank(axes) -> int:
-    n = 0
-    while n < len(axes) and axes[n] == params.LAYERS:
-        n += 1
-    return n
 
 
 def weight(module: nnx.Module, name: str) -> jax.Array:
@@ -178,34 +163,26 @@ def weight(module: nnx.Module, name: str) -> jax.Array:
     return (w.astype(jnp.float32) + ad.delta()).astype(w.dtype)
 
 
-def expert_arrays(moe: nnx.Module) -> tuple[tuple[jax.Array, ...], float]:
-    """The routed experts' (a1, b1, a3, b3, a2, b2) and scale, or ((), 1.0) without adapters."""
+def expert_adapters(moe: nnx.Module) -> tuple[tuple[jax.Array, ...], float, tuple | None]:
+    """The routed experts' adapters: ((a1, b1, a3, b3, a2, b2), scale, dropout), or ((), 1.0, None)
+    without. dropout: (rate, key data of w1's, w3's and w2's adapter) in a training step with
+    dropout (`with_dropout`), else None: the `lora_dropout` of `ops.dispatch`."""
     ads = [adapter(moe, n) for n in ("w1", "w3", "w2")]
     if ads[0] is None:
-        return (), 1.0
-    return tuple(m[...] for ad in ads for m in (ad.a, ad.b)), ads[0].scale
-
-
-def expert_dropout(moe: nnx.Module):
-    """(rate, key data of w1's, w3's and w2's adapter) of the routed experts' adapters in a training
-    step with dropout (`with_dropout`), else None: the `lora_dropout` of `ops.dispatch`."""
-    ads = [adapter(moe, n) for n in ("w1", "w3", "w2")]
-    if ads[0] is None or getattr(ads[0], "dropout_key", None) is None:
-        return None
-    return (ads[0].dropout, *(ad.dropout_key[...] for ad in ads))
+        return (), 1.0, None
+    keyed = getattr(ads[0], "dropout_key", None) is not None
+    dropout = (ads[0].dropout, *(ad.dropout_key[...] for ad in ads)) if keyed else None
+    return tuple(m[...] for ad in ads for m in (ad.a, ad.b)), ads[0].scale, dropout
 
 
 def _targets(model: nnx.Module, cfg: LoRAConfig):
     """(path, module, weight name, contract) of every weight the config adapts."""
     pattern = re.compile(cfg.targets)
-    for path, node in nnx.iter_graph(model):
-        for name, contract in getattr(type(node), "LORA_TARGETS", {}).items():
-            if not hasattr(node, name):
-                continue
-            where = "/".join(str(p) for p in (*path, name))
-            routed = "expert" in params.logical_axes(getattr(node, name))
-            if pattern.fullmatch(where) and (cfg.experts or not routed):
-                yield where, node, name, contract
+    for path, node, name, contract in params.projections(model):
+        where = "/".join(path)
+        routed = "expert" in params.logical_axes(getattr(node, name))
+        if pattern.fullmatch(where) and (cfg.experts or not routed):
+            yield where, node, name, contract
 
 
 def apply(model: nnx.Module, cfg: LoRAConfig) -> list[str]:
@@ -222,10 +199,9 @@ def apply(model: nnx.Module, cfg: LoRAConfig) -> list[str]:
 
 
 def _adapted(model: nnx.Module):
-    for path, node in list(nnx.iter_graph(model)):
-        for name in getattr(type(node), "LORA_TARGETS", {}):
-            if adapter(node, name) is not None:
-                yield "/".join(str(p) for p in (*path, name)), node, name
+    for path, node, name, _ in params.projections(model):
+        if adapter(node, name) is not None:
+            yield "/".join(path), node, name
 
 
 class QuantizedBase(nnx.Variable):

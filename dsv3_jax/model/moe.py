@@ -83,10 +83,9 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, self.cfg.compute_dtype
         mesh = jax.sharding.get_abstract_mesh()
         stacks = (self.w1[...], self.w3[...], self.w2[...])
-        adapters, scale = lora.expert_arrays(self)
+        adapters, scale, drop = lora.expert_adapters(self)  # drop: a training step's adapter dropout, or None
         adapters = tuple(a.astype(dt) for a in adapters)
         scaled = {"lora_scale": scale, "impl": cfg.moe_impl, "fp8": cfg.fp8_matmul, "max_tile": cfg.moe_tile_size}
-        drop = lora.expert_dropout(self)  # a LoRA training step with adapter dropout: masks per sorted row
         if drop is not None and (expert_parallel.is_active(mesh) or expert_parallel.splits_tokens(mesh)):
             raise ValueError("lora.dropout > 0 with lora.experts=True runs on single-device expert dispatch only "
                              "(masks are drawn over one device's sorted rows); set lora.dropout=0, lora.experts=False "

@@ -8,7 +8,7 @@ construction time.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,17 @@ def ones(shape: Sequence[int], axes: Sequence[str | None], *, dtype) -> nnx.Para
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
     """The logical axis names of a variable (one per dimension)."""
     return tuple(variable.get_metadata()["logical_axes"])
+
+
+def projections(model: nnx.Module) -> Iterator[tuple[tuple[str, ...], nnx.Module, str, int]]:
+    """(path, owning module, attribute name, contracted axes) of every weight that a module of
+    `model` declares in its `LORA_TARGETS` (name -> leading input axes it contracts) and holds, in
+    graph order: the projections that adapters (model/lora.py) and quantization (model/quant.py)
+    act on. The graph is listed first, so the caller may replace what it visits."""
+    for path, node in list(nnx.iter_graph(model)):
+        for name, contract in getattr(type(node), "LORA_TARGETS", {}).items():
+            if isinstance(getattr(node, name, None), nnx.Variable):
+                yield (*(str(p) for p in path), name), node, name, contract
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:

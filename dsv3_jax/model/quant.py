@@ -20,7 +20,6 @@ from flax import nnx
 
 from dsv3_jax.model import params
 from dsv3_jax.ops import quant
-from dsv3_jax.ops.quant import QArray
 
 TARGETS = ("experts", "all")
 STACK_AXES = ("layers", "expert")
@@ -40,34 +39,20 @@ def check_targets(targets: str) -> str:
     return targets
 
 
-def _is_expert_module(module) -> bool:
-    """A module whose projections hold one matrix per routed expert (an `expert` logical axis)."""
-    for name in getattr(type(module), "LORA_TARGETS", {}):
-        var = getattr(module, name, None)
-        if isinstance(var, (nnx.Param, QuantizedWeight)) and "expert" in params.logical_axes(var):
-            return True
-    return False
-
-
 def targets(model: nnx.Module, which: str) -> Iterator[tuple[tuple[str, ...], nnx.Module, str, int]]:
     """(variable path, owning module, attribute name, contracted axes) of every projection `which`
-    covers; the contracted axes follow the stack axes (`layers`, `expert`)."""
+    covers (`experts`: those with an `expert` axis); the contracted axes follow the stack axes."""
     check_targets(which)
-    for path, node in list(nnx.iter_graph(model)):
-        if not isinstance(node, nnx.Module):
-            continue
-        if which == "experts" and not _is_expert_module(node):
-            continue
-        for name, contract in getattr(type(node), "LORA_TARGETS", {}).items():
-            var = getattr(node, name, None)
-            if isinstance(var, (nnx.Param, QuantizedWeight)):
-                yield tuple(str(p) for p in path) + (name,), node, name, contract
+    for path, node, name, contract in params.projections(model):
+        if which == "all" or "expert" in params.logical_axes(getattr(node, name)):
+            yield path, node, name, contract
 
 
-def stack_dims(axes: tuple) -> int:
-    """Leading logical axes that index whole matrices (layers of a stack, experts)."""
+def stack_dims(axes: tuple, names: tuple = STACK_AXES) -> int:
+    """Leading logical axes in `names`: by default those that index whole matrices (layers of a
+    stack, experts)."""
     n = 0
-    while n < len(axes) and axes[n] in STACK_AXES:
+    while n < len(axes) and axes[n] in names:
         n += 1
     return n
 
@@ -121,6 +106,3 @@ def format_of(model: nnx.Module) -> str | None:
             return node[...].fmt
     return None
 
-
-__all__ = ["QArray", "QuantizedWeight", "TARGETS", "quantize_model", "dequantize_model", "parameter_bytes",
-           "targets", "physical_axes", "stack_dims", "default_targets", "format_of"]

@@ -81,8 +81,8 @@ def rows_in_tiles(x_MxD, expert_M, slot_M, in_tiles_M, sizes_E, t: int, max_rows
         return jnp.zeros((num_tiles * t, v_MxA.shape[1]), v_MxA.dtype).at[pos_M].set(v_MxA, mode="drop").reshape(
             num_tiles, t, -1)
 
-    y_JxtxD = tile_loop_swiglu(tiles(x_MxD), tile_expert_J, num_active, *weights, layer,
-                               tuple(adapters), lora_scale, tuple(tiles(m) for m in masks))
+    y_JxtxD = tile_loop_swiglu(lora_scale, tiles(x_MxD), tile_expert_J, num_active, tuple(weights), layer,
+                               tuple(adapters), tuple(tiles(m) for m in masks))
     return y_JxtxD.reshape(num_tiles * t, d).at[pos_M].get(mode="fill", fill_value=0)
 
 
@@ -129,11 +129,12 @@ def _tile_swiglu(x_txD, w1_DxF, w3_DxF, w2_FxD, adapters=(), scale: float = 1.0,
     return _tile_proj(swiglu(gate, up), w2_FxD, ad[2], scale, m[2]), gate, up
 
 
-def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_ExFxD, layer=None, adapters=(),
-                     lora_scale: float = 1.0, masks=()):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tile_loop_swiglu(lora_scale: float, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks):
     """Tile j's rows through expert tile_expert_J[j]'s SwiGLU, one tile per loop step. [J, t, D].
 
-    Weights are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
+    `weights` (w1 [E, D, F], w3 [E, D, F], w2 [E, F, D]; quantized ones are frozen: their cotangent
+    is zero) are [E, ...] or, with `layer` (int32, maybe traced), a layer stack [L, E, ...] read in
     place (inference over a scanned stack: no per-layer copy of every expert's weights); each tile
     casts its expert's weights to x's dtype.
 
@@ -145,13 +146,7 @@ def tile_loop_swiglu(x_JxtxD, tile_expert_J, num_active, w1_ExDxF, w3_ExDxF, w2_
     accumulated the same way; `masks` (three [J, t, ...] arrays or none) multiply their inputs
     (adapter dropout), forward and backward.
     """
-    weights = (w1_ExDxF, w3_ExDxF, w2_ExFxD)  # quantized ones are frozen: their cotangent is zero
-    return _tile_loop(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, tuple(adapters), tuple(masks))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tile_loop(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks):
-    return _tile_loop_fwd(scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks)[0]
+    return _tile_loop_fwd(lora_scale, x_JxtxD, tile_expert_J, num_active, weights, layer, adapters, masks)[0]
 
 
 def _put(buffer_JxAxB, j, value_AxB):
@@ -240,4 +235,4 @@ def _frozen_cotangent(qa: QArray) -> QArray:
                         else np.zeros(v.shape, jax.dtypes.float0), qa)
 
 
-_tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)
+tile_loop_swiglu.defvjp(_tile_loop_fwd, _tile_loop_bwd)
