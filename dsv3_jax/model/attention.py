@@ -20,11 +20,14 @@ so a call reads only the cached c [S, C] and k_pe [S, R], never per-head keys or
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+import pallas_kernels
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import lora, params
@@ -70,10 +73,6 @@ class LatentCache(NamedTuple):
 def _attention_fn(impl: str, with_lse: bool = False):
     """Causal attention within a call: (q, k, v, softmax_scale=) -> out, or (out, lse [B, T, H])."""
     if impl == "pallas":
-        import functools
-
-        import pallas_kernels  # the kernels package has no model knowledge; imported on demand
-
         return functools.partial(pallas_kernels.mla_prefill, return_lse=True) if with_lse else pallas_kernels.mla_prefill
     return causal_attention_lse if with_lse else xla_attention
 

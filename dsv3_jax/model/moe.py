@@ -86,24 +86,24 @@ class MoE(nnx.Module):
         adapters, scale, drop = lora.expert_adapters(self)  # drop: a training step's adapter dropout, or None
         adapters = tuple(a.astype(dt) for a in adapters)
         scaled = {"lora_scale": scale, "impl": cfg.moe_impl, "fp8": cfg.fp8_matmul, "max_tile": cfg.moe_tile_size}
-        if drop is not None and (expert_parallel.is_active(mesh) or expert_parallel.splits_tokens(mesh)):
+        split_experts, split_tokens = expert_parallel.is_active(mesh), expert_parallel.splits_tokens(mesh)
+        if drop is not None and (split_experts or split_tokens):
             raise ValueError("lora.dropout > 0 with lora.experts=True runs on single-device expert dispatch only "
                              "(masks are drawn over one device's sorted rows); set lora.dropout=0, lora.experts=False "
                              "or a mesh without expert/token splitting")
-        if layer is not None and not expert_parallel.is_active(mesh) and not expert_parallel.splits_tokens(mesh):
-            return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *stacks, *adapters,
-                                           layer=layer, **scaled), jnp.float32(0)
+        if not split_experts and not split_tokens:  # a layer stack is read in place at `layer`
+            ws = stacks if layer is not None else tuple(w.astype(dt) for w in stacks)
+            return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *ws, *adapters, layer=layer,
+                                           lora_dropout=drop, **scaled), jnp.float32(0)
         weights = (tuple(w.astype(dt) for w in stacks) if layer is None
                    else dispatch.layer_weights(stacks, layer, dt)) + adapters
-        if expert_parallel.is_active(mesh):
+        if split_experts:
             local = functools.partial(dispatch.local_expert_mlp, **scaled)
             y, dropped = expert_parallel.expert_parallel(
                 x_NxD, route.experts_NxK, route.weights_NxK, weights, local, mesh=mesh,
                 num_experts=cfg.num_routed_experts, capacity_factor=cfg.expert_capacity_factor,
                 exchange=cfg.expert_exchange)
             return y, dropped.astype(jnp.float32)
-        dispatch_fn = functools.partial(dispatch.routed_experts, **scaled, lora_dropout=drop)
-        if expert_parallel.splits_tokens(mesh):  # each device sorts and computes its own tokens only
-            return expert_parallel.token_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, dispatch_fn,
-                                                  mesh=mesh), jnp.float32(0)
-        return dispatch_fn(x_NxD, route.experts_NxK, route.weights_NxK, *weights), jnp.float32(0)
+        dispatch_fn = functools.partial(dispatch.routed_experts, **scaled)  # each device sorts its own tokens only
+        return expert_parallel.token_parallel(x_NxD, route.experts_NxK, route.weights_NxK, weights, dispatch_fn,
+                                              mesh=mesh), jnp.float32(0)

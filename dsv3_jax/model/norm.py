@@ -7,13 +7,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dsv3_jax.model import params
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, axis_name: str, param_dtype):
         self.eps = eps
-        self.weight = params.ones((dim,), (axis_name,), dtype=param_dtype)
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., dim] -> same shape and dtype; y = w * x / sqrt(mean(x^2) + eps)."""

@@ -32,9 +32,9 @@ def _standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """N(0, 1) float32 of `shape`. Traced into a program (the sharded start's jit with out_shardings,
     dsv3_jax/train/state.py) it is drawn in the parameter's own shape, so each device draws only its
     shard; a flat draw reshaped cannot be split like a parameter sharded on two dimensions. Run op
-    by op (a model built eagerly) it is a flat draw reshaped, which XLA:CPU compiles ~3x faster.
-    With the partitionable threefry (jax's default) a value depends on its linear index only, so
-    both give the same numbers."""
+    by op (a model built eagerly) it is a flat draw reshaped, which XLA:CPU compiles faster
+    (docs/benchmarks.md, Kernel choices). With the partitionable threefry (jax's default) a value
+    depends on its linear index only, so both give the same numbers."""
     if isinstance(jnp.zeros(()), jax.core.Tracer):  # being staged into a program
         return jax.random.normal(key, shape, jnp.float32)
     size = int(np.prod(shape, dtype=np.int64))
@@ -47,10 +47,6 @@ def normal(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], *, 
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
     value = std * _standard_normal(rngs.params(), tuple(shape))
     return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
-
-
-def ones(shape: Sequence[int], axes: Sequence[str | None], *, dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(tuple(shape), dtype), logical_axes=tuple(axes))
 
 
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:

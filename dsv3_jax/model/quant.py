@@ -84,13 +84,10 @@ def quantize_model(model: nnx.Module, fmt: str, which: str | None = None, group:
 def dequantize_model(model: nnx.Module, dtype) -> nnx.Module:
     """Every `QuantizedWeight` of `model` back to an `nnx.Param` in `dtype`, in place: the model the
     quantized one approximates (the reference of its tests)."""
-    for path, node in list(nnx.iter_graph(model)):
-        if not isinstance(node, nnx.Module):
-            continue
-        for name, var in list(vars(node).items()):
-            if isinstance(var, QuantizedWeight):
-                setattr(node, name, nnx.Param(quant.dequantize(var[...], dtype),
-                                              logical_axes=params.logical_axes(var)))
+    for _, node, name, _ in params.projections(model):
+        var = getattr(node, name)
+        if isinstance(var, QuantizedWeight):
+            setattr(node, name, nnx.Param(quant.dequantize(var[...], dtype), logical_axes=params.logical_axes(var)))
     return model
 
 

@@ -56,13 +56,17 @@ def _head_nll(chunk: int, compute_dtype: str):
 
     @jax.custom_vjp
     def fn(h, w, targets, weights):
-        nll, _, _ = _scan(h, w, targets, weights, chunk, compute_dtype, want_dh=False, want_dw=False)
+        nll, _, _ = _scan_chunks(h, w, targets, weights, chunk, compute_dtype, want_dh=False, want_dw=False,
+                                 vocab_major=False)
         return jnp.sum(nll * weights.astype(jnp.float32))
 
     def fwd(h, w, targets, weights):
-        """Forms only the gradients asked for: a head held constant (LoRA) skips h^T d z."""
-        nll, dh, dw = _scan(h.value, w.value, targets.value, weights.value, chunk, compute_dtype,
-                            want_dh=h.perturbed, want_dw=w.perturbed)
+        """Forms only the gradients asked for: a head held constant (LoRA) skips h^T d z. On CPU the
+        loop reads W as [V, D] for d h (`_scan_chunks`)."""
+        scan = functools.partial(_scan_chunks, h.value, w.value, targets.value, weights.value, chunk, compute_dtype,
+                                 want_dh=h.perturbed, want_dw=w.perturbed)
+        nll, dh, dw = jax.lax.platform_dependent(cpu=functools.partial(scan, vocab_major=True),
+                                                 default=functools.partial(scan, vocab_major=False))
         loss = jnp.sum(nll * weights.value.astype(jnp.float32))
         return loss, (nll.astype(weights.value.dtype) if weights.perturbed else None, dh, dw)
 
@@ -78,23 +82,13 @@ def _scaled(g, x):
     return None if x is None else (g * x).astype(x.dtype)
 
 
-def _scan(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: bool, want_dw: bool):
-    """Per-token nll [B, T] (unweighted) and, as asked, d h [B, T, D] and d W [D, V] of the weighted
-    sum (None when not asked). On CPU the loop reads W as [V, D] for d h (`_scan_chunks`)."""
-    scan = functools.partial(_scan_chunks, h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk, dt, want_dh=want_dh,
-                             want_dw=want_dw)
-    if not (want_dh or want_dw):
-        return scan(vocab_major=False)
-    return jax.lax.platform_dependent(cpu=functools.partial(scan, vocab_major=True),
-                                      default=functools.partial(scan, vocab_major=False))
-
-
 def _scan_chunks(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, want_dh: bool, want_dw: bool,
                  vocab_major: bool):
-    """`_scan`, with d h = d z W^T reading W as [D, V] or, `vocab_major`, as [V, D]: one transposed
-    copy of W a step, so that XLA:CPU runs a plain [C, V] x [V, D] matmul, faster there than reading
-    W transposed in the dot (docs/benchmarks.md, Kernel choices). d W stays [D, V]: summing d W^T in
-    [V, D] was slower."""
+    """Per-token nll [B, T] (unweighted) and, as asked, d h [B, T, D] and d W [D, V] of the weighted
+    sum (None when not asked). d h = d z W^T reads W as [D, V] or, `vocab_major`, as [V, D]: one
+    transposed copy of W a step, so that XLA:CPU runs a plain [C, V] x [V, D] matmul, faster there
+    than reading W transposed in the dot (docs/benchmarks.md, Kernel choices). d W stays [D, V]:
+    summing d W^T in [V, D] was slower."""
     b, t, _ = h_BxTxD.shape
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -126,8 +120,7 @@ def _scan_chunks(h_BxTxD, w_DxV, targets_BxT, weights_BxT, chunk: int, dt, *, wa
             dw = dw + jnp.einsum("BCD,BCV->DV", h, dz, preferred_element_type=jnp.float32)
         return dw, (nll, dh)
 
-    acc_shape = w_DxV.shape
-    dw, (nll, dh) = jax.lax.scan(step, jnp.zeros(acc_shape, jnp.float32) if want_dw else None, xs)
+    dw, (nll, dh) = jax.lax.scan(step, jnp.zeros(w_DxV.shape, jnp.float32) if want_dw else None, xs)
     if dw is not None:
         dw = dw.astype(w_DxV.dtype)
     return merge(nll), None if dh is None else merge(dh), dw

@@ -218,8 +218,4 @@ def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, sof
     own_latent, own_k_pe = own[0][:, 0].astype(dt), own[1][:, 0].astype(dt)
     s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat, own_latent, preferred_element_type=jnp.float32)
                  + jnp.einsum("BHR,BR->BH", q_pe.astype(dt), own_k_pe, preferred_element_type=jnp.float32))
-    s_own_BxH = s_own_BxH * softmax_scale
-    m = jnp.maximum(lse_BxH, s_own_BxH)
-    w_cache, w_own = jnp.exp(lse_BxH - m), jnp.exp(s_own_BxH - m)
-    out = (w_cache[..., None] * o_BxHxC + w_own[..., None] * own_latent.astype(jnp.float32)[:, None, :])
-    return (out / (w_cache + w_own)[..., None])[:, None]
+    return merge(o_BxHxC[:, None], lse_BxH[:, None], own_latent[:, None, None, :], (s_own_BxH * softmax_scale)[:, None])

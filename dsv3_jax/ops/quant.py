@@ -89,10 +89,6 @@ class QArray:
         return math.prod(self.slice_shape[:self.contract])
 
     @property
-    def n(self) -> int:
-        return math.prod(self.slice_shape[self.contract:])
-
-    @property
     def nbytes(self) -> int:
         return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
@@ -146,11 +142,6 @@ def quantize_int(w_KxN, fmt: str, group: int, xp=jnp):
     return (pack_int4(q, group, xp) if fmt == "int4" else q), scale
 
 
-def int_values(qa: QArray):
-    """The int8 values [..., K, N] of an int QArray (int4 unpacked)."""
-    return unpack_int4(qa.q, qa.group) if qa.fmt == "int4" else qa.q
-
-
 def dequantize_2d(qa: QArray, dtype=jnp.float32) -> jax.Array:
     """[..., K, N] in `dtype`: fp32(q) * scale rounded once (fp8: the [N, K] blocks transposed)."""
     if qa.fmt == "fp8":
@@ -158,7 +149,8 @@ def dequantize_2d(qa: QArray, dtype=jnp.float32) -> jax.Array:
         s = jnp.repeat(jnp.repeat(qa.scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
         return jnp.swapaxes(qa.q.astype(jnp.float32) * s, -1, -2).astype(dtype)
     s = jnp.repeat(qa.scale, qa.group, axis=-2)
-    return (int_values(qa).astype(jnp.float32) * s).astype(dtype)
+    q = unpack_int4(qa.q, qa.group) if qa.fmt == "int4" else qa.q
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def dequantize(qa: QArray, dtype=jnp.float32) -> jax.Array:
