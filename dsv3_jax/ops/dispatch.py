@@ -67,7 +67,7 @@ def _grouped_mm(lhs_MxK, w, sizes_E, fp8: bool = False):
     if isinstance(w, QArray):
         return quant_grouped_matmul(lhs_MxK, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs_MxK.dtype)
     if fp8:
-        return linear.fp8_grouped_matmul(lhs_MxK, w, sizes_E, lhs_MxK.dtype)
+        return linear.fp8_matmul(lhs_MxK, w, sizes_E, lhs_MxK.dtype)
     return jax.lax.ragged_dot(lhs_MxK, w, sizes_E, preferred_element_type=jnp.float32).astype(lhs_MxK.dtype)
 
 

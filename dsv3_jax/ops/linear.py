@@ -57,8 +57,11 @@ def _quantize_tokens_t(a_MxK):
 
 
 def _quantize_weight_t(w_KxN):
-    """128x128 blocks of w^T: ([N,K] e4m3, [NB,KB] scales); transposed, the same blocks serve Dgrad."""
-    return pk.quantize_128x128(w_KxN.T.astype(jnp.float32), min_amax=MIN_AMAX)
+    """128x128 blocks of w^T: ([N,K] e4m3, [NB,KB] scales), per group for w [G, K, N]; transposed,
+    the same blocks serve Dgrad."""
+    quantize = functools.partial(pk.quantize_128x128, min_amax=MIN_AMAX)
+    w_NxK = jnp.swapaxes(w_KxN, -1, -2).astype(jnp.float32)
+    return quantize(w_NxK) if w_NxK.ndim == 2 else jax.vmap(quantize)(w_NxK)
 
 
 def _dtype_carriers(x, w):
@@ -66,16 +69,22 @@ def _dtype_carriers(x, w):
     return jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype) -> jax.Array:
-    """x . w with all three GEMMs in FP8 (module docstring). Returns [M, N] in `out_dtype`."""
-    return _fp8_fwd(x_MxK, w_KxN, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_matmul(x_MxK: jax.Array, w_KxN: jax.Array, group_sizes_G: jax.Array | None, out_dtype) -> jax.Array:
+    """x . w with all three GEMMs in FP8 (module docstring). Returns [M, N] in `out_dtype`.
+
+    With `group_sizes_G`, rows sorted by group times their group's weight (w [G, K, N], experts).
+    Wgrad then contracts each group's tokens: they are laid out group-aligned (every 128-token tile
+    in one group, `pallas_kernels.fp8_grouped_wgrad`) before the 128x1 quantisation.
+    """
+    return _fp8_fwd(x_MxK, w_KxN, group_sizes_G, out_dtype)[0]
 
 
-def _fp8_fwd(x_MxK, w_KxN, out_dtype):
+def _fp8_fwd(x_MxK, w_KxN, sizes_G, out_dtype):
     w_q, w_s = _quantize_weight_t(w_KxN)
-    y_MxN = _matmul(*_quantize_tokens(x_MxK), w_q, w_s, out_dtype=out_dtype)
-    return y_MxN, (_quantize_tokens_t(x_MxK), (w_q, w_s), *_dtype_carriers(x_MxK, w_KxN))
+    y_MxN = _fp8_matmul(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
+    xt = _quantize_tokens_t(x_MxK) if sizes_G is None else _group_aligned_t(x_MxK, sizes_G)[0]
+    return y_MxN, (xt, (w_q, w_s), sizes_G, *_dtype_carriers(x_MxK, w_KxN))
 
 
 def _dgrad(dy_MxN, w_q, w_s, sizes_G=None):
@@ -87,13 +96,25 @@ def _dgrad(dy_MxN, w_q, w_s, sizes_G=None):
 
 
 def _fp8_bwd(out_dtype, res, dy_MxN):
-    (xt_q, xt_s), (w_q, w_s), x_like, w_like = res
-    dx_MxK = _dgrad(dy_MxN, w_q, w_s)
-    dw_KxN = _matmul(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
-    return dx_MxK.astype(x_like.dtype), dw_KxN.astype(w_like.dtype)
+    (xt_q, xt_s), (w_q, w_s), sizes_G, x_like, w_like = res
+    dx_MxK = _dgrad(dy_MxN, w_q, w_s, sizes_G)
+    if sizes_G is None:
+        dw_KxN = _matmul(xt_q, xt_s, *_quantize_tokens_t(dy_MxN), out_dtype=jnp.float32)
+    else:
+        (dyt_q, dyt_s), tile_group = _group_aligned_t(dy_MxN, sizes_G)
+        dw_KxN = _grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
+    return dx_MxK.astype(x_like.dtype), dw_KxN.astype(w_like.dtype), None
 
 
 fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def _group_aligned_t(a_MxK, sizes_G):
+    """128x1 tiles of each group's tokens: ([K,T] e4m3, [K,TB] scales), T in the aligned layout."""
+    dest_M, tile_group = pk.group_aligned_rows(sizes_G, a_MxK.shape[0])
+    a_TxK = jnp.zeros((tile_group.shape[0] * 128, a_MxK.shape[1]), jnp.float32)
+    a_TxK = a_TxK.at[dest_M].set(a_MxK.astype(jnp.float32), mode="drop")
+    return _quantize_tokens_t(a_TxK), tile_group
 
 
 def _flatten(x, w, contract: int):
@@ -137,7 +158,7 @@ def _project(x, w, contract, compute_dtype, fp8):
     x, w = x.astype(compute_dtype), w.astype(compute_dtype)
     if fp8:
         x2, w2 = _flatten(x, w, contract)
-        return fp8_matmul(x2, w2, jnp.dtype(compute_dtype)).reshape(*batch, *out)
+        return fp8_matmul(x2, w2, None, jnp.dtype(compute_dtype)).reshape(*batch, *out)
     return _plain_dot(x, w, contract).astype(compute_dtype)
 
 
@@ -172,47 +193,6 @@ def dot_2d(x, w, contract: int) -> jax.Array:
     batch, out = x.shape[: x.ndim - contract], w.shape[contract:]
     x_MxK, w_KxN = _flatten(x, w, contract)
     return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32).reshape(*batch, *out)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def fp8_grouped_matmul(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array, out_dtype) -> jax.Array:
-    """Rows sorted by group times their group's weight, all three GEMMs in FP8 (module docstring).
-
-    Wgrad contracts each group's tokens: they are laid out group-aligned (every 128-token tile in
-    one group, `pallas_kernels.fp8_grouped_wgrad`) before the 128x1 quantisation.
-    """
-    return _grouped_fwd(x_MxK, w_GxKxN, group_sizes_G, out_dtype)[0]
-
-
-def _quantize_weights_t(w_GxKxN):
-    quantize = functools.partial(pk.quantize_128x128, min_amax=MIN_AMAX)
-    return jax.vmap(quantize)(jnp.swapaxes(w_GxKxN, 1, 2).astype(jnp.float32))
-
-
-def _group_aligned_t(a_MxK, sizes_G):
-    """128x1 tiles of each group's tokens: ([K,T] e4m3, [K,TB] scales), T in the aligned layout."""
-    dest_M, tile_group = pk.group_aligned_rows(sizes_G, a_MxK.shape[0])
-    a_TxK = jnp.zeros((tile_group.shape[0] * 128, a_MxK.shape[1]), jnp.float32)
-    a_TxK = a_TxK.at[dest_M].set(a_MxK.astype(jnp.float32), mode="drop")
-    return _quantize_tokens_t(a_TxK), tile_group
-
-
-def _grouped_fwd(x_MxK, w_GxKxN, sizes_G, out_dtype):
-    w_q, w_s = _quantize_weights_t(w_GxKxN)
-    y_MxN = _grouped_matmul(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
-    xt, _ = _group_aligned_t(x_MxK, sizes_G)
-    return y_MxN, (xt, (w_q, w_s), sizes_G, *_dtype_carriers(x_MxK, w_GxKxN))
-
-
-def _grouped_bwd(out_dtype, res, dy_MxN):
-    (xt_q, xt_s), (w_q, w_s), sizes_G, x_like, w_like = res
-    dx_MxK = _dgrad(dy_MxN, w_q, w_s, sizes_G)
-    (dyt_q, dyt_s), tile_group = _group_aligned_t(dy_MxN, sizes_G)
-    dw_GxKxN = _grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, tile_group, sizes_G, out_dtype=jnp.float32)
-    return dx_MxK.astype(x_like.dtype), dw_GxKxN.astype(w_like.dtype), None
-
-
-fp8_grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _fp8_matmul(x_q, x_s, w_q, w_s, sizes_G=None, *, out_dtype):

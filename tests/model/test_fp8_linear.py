@@ -90,7 +90,7 @@ def _data(m, k, n, seed=0):
 @pytest.mark.parametrize("m,k,n", [(200, 300, 130)])  # partial tiles on every axis
 def test_dense_fprop_dgrad_wgrad(m, k, n, kernels):
     x, w, dy = _data(m, k, n)
-    y, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, jnp.float32), x, w)
+    y, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, None, jnp.float32), x, w)
     dx, dw = vjp(jnp.asarray(dy))
     for got, want, exact in zip((y, dx, dw), numpy_linear(x, w, dy), (x @ w, dy @ w.T, x.T @ dy)):
         assert rel_max(got, want) < 1e-5
@@ -102,7 +102,7 @@ def test_grouped_fprop_dgrad_wgrad(kernels):
     m, k, n = sum(sizes) + 4, 256, 130  # 4 rows past the groups: zero output and gradients
     x, _, dy = _data(m, k, n, seed=1)
     w = (np.random.default_rng(2).normal(size=(len(sizes), k, n)) * 0.05).astype(np.float32)
-    fn = lambda a, b: linear.fp8_grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32), jnp.float32)  # noqa: E731
+    fn = lambda a, b: linear.fp8_matmul(a, b, jnp.asarray(sizes, jnp.int32), jnp.float32)  # noqa: E731
     y, vjp = jax.vjp(fn, x, w)
     dx, dw = vjp(jnp.asarray(dy))
     starts = np.cumsum([0] + sizes)
@@ -124,7 +124,7 @@ def test_gradients_follow_the_loss_scale(kernels):
     Dgrad and Wgrad by exactly 2^-40: every scale is its tile's own amax / 448, with no floor
     that turns small gradients into subnormals or zeros."""
     x, w, dy = _data(256, 256, 128, seed=3)
-    _, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, jnp.float32), x, w)
+    _, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, None, jnp.float32), x, w)
     c = 2.0 ** -40
     for got, want in zip(vjp(jnp.asarray(dy * c)), vjp(jnp.asarray(dy))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want) * c)
@@ -132,7 +132,7 @@ def test_gradients_follow_the_loss_scale(kernels):
 
 def test_backward_keeps_fp8_residuals_not_the_input():
     x, w, _ = _data(256, 256, 128)
-    _, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, jnp.bfloat16), x.astype(jnp.bfloat16), w)
+    _, vjp = jax.vjp(lambda a, b: linear.fp8_matmul(a, b, None, jnp.bfloat16), x.astype(jnp.bfloat16), w)
     residuals = jax.tree.leaves(vjp)
     big = [r for r in residuals if r.size >= 128 * 128]
     assert big and all(r.dtype == jnp.float8_e4m3fn for r in big), [(r.shape, r.dtype) for r in residuals]
