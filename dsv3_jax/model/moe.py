@@ -95,8 +95,7 @@ class MoE(nnx.Module):
             ws = stacks if layer is not None else tuple(w.astype(dt) for w in stacks)
             return dispatch.routed_experts(x_NxD, route.experts_NxK, route.weights_NxK, *ws, *adapters, layer=layer,
                                            lora_dropout=drop, **scaled), jnp.float32(0)
-        weights = (tuple(w.astype(dt) for w in stacks) if layer is None
-                   else dispatch.layer_weights(stacks, layer, dt)) + adapters
+        weights = tuple((w if layer is None else w[layer]).astype(dt) for w in stacks) + adapters
         if split_experts:
             local = functools.partial(dispatch.local_expert_mlp, **scaled)
             y, dropped = expert_parallel.expert_parallel(

@@ -115,11 +115,6 @@ def adapter_masks(lora_dropout, m: int, d: int, f: int, dtype) -> tuple:
                            1.0 / (1.0 - rate), 0.0).astype(dtype) for k, n in zip(keys, (d, d, f)))
 
 
-def layer_weights(stacks, layer, dtype):
-    """(w1, w3, w2) of one layer in `dtype`, sliced at `layer` from stacks [L, E, ...]."""
-    return tuple(w[layer].astype(dtype) for w in stacks)
-
-
 def _choose(weights, adapters, layer, masks, impl: str, fp8: bool, sparse_rows: bool) -> tuple[str, str]:
     """(CPU path, TPU/GPU path): the one place the implementation is chosen (module docstring)."""
     if impl not in IMPLS:
@@ -153,8 +148,8 @@ def grouped_expert_mlp(x_MxD: jax.Array, group_sizes_E: jax.Array, weights, adap
     cpu, accelerator = _choose(weights, adapters, layer, masks, impl, fp8, sparse_rows)
     lora = dict(adapters=adapters, lora_scale=lora_scale, masks=masks)
 
-    def one_layer():
-        return weights if layer is None else layer_weights(weights, layer, x_MxD.dtype)
+    def one_layer():  # the paths but the tile loop slice a layer stack first
+        return weights if layer is None else tuple(w[layer].astype(x_MxD.dtype) for w in weights)
 
     paths = {"tiled": lambda: tile_loop.tiled_mlp(x_MxD, group_sizes_E, weights, max_tile, layer, **lora),
              "padded": lambda: padded_groups.padded_groups_mlp(x_MxD, group_sizes_E, weights, max_tile),

@@ -20,6 +20,7 @@ own dtypes. Letters: M tokens (rows), K input features, N output features, G gro
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,11 +65,6 @@ def _quantize_weight_t(w_KxN):
     return quantize(w_NxK) if w_NxK.ndim == 2 else jax.vmap(quantize)(w_NxK)
 
 
-def _dtype_carriers(x, w):
-    """Empty arrays of x's and w's dtypes: the backward returns gradients in the primal dtypes."""
-    return jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul(x_MxK: jax.Array, w_KxN: jax.Array, group_sizes_G: jax.Array | None, out_dtype) -> jax.Array:
     """x . w with all three GEMMs in FP8 (module docstring). Returns [M, N] in `out_dtype`.
@@ -84,7 +80,8 @@ def _fp8_fwd(x_MxK, w_KxN, sizes_G, out_dtype):
     w_q, w_s = _quantize_weight_t(w_KxN)
     y_MxN = _fp8_matmul(*_quantize_tokens(x_MxK), w_q, w_s, sizes_G, out_dtype=out_dtype)
     xt = _quantize_tokens_t(x_MxK) if sizes_G is None else _group_aligned_t(x_MxK, sizes_G)[0]
-    return y_MxN, (xt, (w_q, w_s), sizes_G, *_dtype_carriers(x_MxK, w_KxN))
+    carriers = (jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))  # the gradients' dtypes
+    return y_MxN, (xt, (w_q, w_s), sizes_G, *carriers)
 
 
 def _dgrad(dy_MxN, w_q, w_s, sizes_G=None):
@@ -118,9 +115,7 @@ def _group_aligned_t(a_MxK, sizes_G):
 
 
 def _flatten(x, w, contract: int):
-    k = 1
-    for d in w.shape[:contract]:
-        k *= d
+    k = math.prod(w.shape[:contract])
     return x.reshape(-1, k), w.reshape(k, -1)
 
 

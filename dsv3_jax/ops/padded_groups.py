@@ -7,9 +7,9 @@ whole stays dropless: the same function as every other path. C is `HEADROOM` x t
 expert, so with a balanced router every row, or almost every, is in the batched part, whose
 padding is at most E * C ~ 1.25 M rows.
 
-Why: XLA:CPU runs one [E, C, D] x [E, D, F] batched dot at about twice the rate of the same FLOPs
-as a loop of [t, D] x [D, F] tiles, whose slices and updates cost as much again
-(docs/benchmarks.md, Kernel choices).
+Why: XLA:CPU runs one [E, C, D] x [E, D, F] batched dot faster than the same FLOPs as a loop of
+[t, D] x [D, F] tiles, whose slices and updates add their own cost (docs/benchmarks.md, Kernel
+choices).
 
 Not to be confused with `expert_capacity_factor` (sharding/expert_parallel.py), which drops the
 rows past a device's capacity: nothing is dropped here.
