@@ -31,10 +31,9 @@ def tile_rows(num_rows: int, num_experts: int, max_tile: int) -> int:
     return tile
 
 
-
 def swiglu(gate, up):
+    """silu(gate) * up in up's dtype, the silu in fp32: the expert SwiGLU's elementwise step."""
     return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
-
 
 
 def expert_and_slot(sizes_E: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
