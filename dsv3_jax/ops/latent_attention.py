@@ -153,7 +153,8 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))
 
     def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP):
-        return _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_BxP[:, None, None, :], softmax_scale, dt)
+        visible_Bx1x1xP = visible_BxP[:, None, None, :]
+        return _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1x1xP, softmax_scale, dt)
 
     carry = _over_prefix(step, q_lat.shape[:3] + (q_lat.shape[-1],), cache, positions_BxW, layer, block, dt)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
