@@ -61,9 +61,7 @@ def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if num_layers % (2 * s):
         index, _ = v_layer_slots(num_layers, s)
-        if stored_specs is not None:
-            return stages.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
-        return jax.tree.map(lambda a: a[index], stacked)
+        return stages.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
     k = num_layers // (2 * s)
     rank = lambda c: c if c < s else 2 * s - 1 - c  # noqa: E731
 

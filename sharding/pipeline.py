@@ -29,7 +29,7 @@ what came round the ring from stage S - 1, kept in a buffer of M microbatches un
 (this needs M >= S). The last stage's final-round outputs are the result. Side inputs every layer
 reads (rope angles, segment ids) are not passed along: each stage indexes them by the microbatch
 it runs. Idle (stage, tick) slots are the bubble, (S - 1) / (R * M + S - 1) of all slots, which
-`bubble_fraction` gives and the schedule also counts as it runs (`return_activity=True`). Idle
+`bubble_fraction` gives (tests/sharding/pipeline_worker.py counts it in the compiled program). Idle
 slots compute on stale data and their results are discarded (SPMD: every stage runs the same
 program). The backward pass is the same schedule reversed (jax differentiates through scan and
 ppermute), so every microbatch's residuals live until the backward starts: memory grows with M.
@@ -96,8 +96,7 @@ def layer_slots(num_layers: int, num_stages: int, repeats: int = 1) -> tuple[np.
 
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
-                   axis: str = "pipeline", repeats: int = 1, schedule: str | None = None,
-                   return_activity: bool = False, stored_specs: Any = None):
+                   axis: str = "pipeline", repeats: int = 1, schedule: str | None = None, stored_specs: Any = None):
     """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
@@ -109,9 +108,8 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     (`_one_f_one_b_backward`); dualpipev lays the stack out as a V of 2S chunks with a forward and
     backward of its own (sharding/dualpipev.py). Side inputs get no gradient under those two.
     Returns (y [M, ...], aux [L, M, ...]) where aux stacks layer_fn's second output per layer and
-    microbatch, and with `return_activity` also the fraction of stage-ticks of
-    the forward that did work. `stored_specs` (PartitionSpecs of `stacked`, optional) lets an
-    uneven split move each stage's layers with `to_slots` instead of a gather.
+    microbatch. `stored_specs` (PartitionSpecs of `stacked`, optional) lets an uneven split move
+    each stage's layers with `to_slots`'s all_to_all instead of a gather.
     """
     s = mesh.shape[axis]
     m = x_MxB_.shape[0]
@@ -127,31 +125,24 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     split = splits_stack_batch(schedule, m, s)
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
-        out, aux = dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis,
-                                   stored_specs=stored_specs, split=split)
-        busy = dualpipev.schedule_table(s, m, backward=False).busy
-        return (out, aux, busy) if return_activity else (out, aux)
+        return dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis, stored_specs=stored_specs,
+                               split=split)
     index, valid = layer_slots(num_layers, s, repeats)
     if repeats == 1 and num_layers % s == 0:  # the stored layout: no data moves
         params = stacked
-    elif stored_specs is not None:
-        params = to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
     else:
-        params = jax.tree.map(lambda a: a[index], stacked)
+        params = to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
     if schedule == "gpipe" or schedule == "circular":
-        out, aux, activity = _gpipe(layer_fn, params, jnp.asarray(valid), x_MxB_, side_M_, mesh=mesh, axis=axis,
-                                    repeats=repeats)
+        out, aux = _gpipe(layer_fn, params, jnp.asarray(valid), x_MxB_, side_M_, mesh=mesh, axis=axis, repeats=repeats)
     else:
         out, aux = _hand_backward(layer_fn, valid, mesh=mesh, axis=axis, split=split)(params, x_MxB_, side_M_)
-        activity = m / (m + s - 1)  # the forward runs as GPipe's
-    aux = jax.tree.map(lambda a: a[slot_of_layer(index, valid)], aux)  # slots -> [L, M, ...]
-    return (out, aux, activity) if return_activity else (out, aux)
+    return out, jax.tree.map(lambda a: a[slot_of_layer(index, valid)], aux)  # slots -> [L, M, ...]
 
 
 def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
            hand: bool = False, split: bool = False):
     """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
-    [S * R * K, M, ...], activity). Its backward is jax's transpose of the scan and ppermutes.
+    [S * R * K, M, ...]). Its backward is jax's transpose of the scan and ppermutes.
     `hand` (the forward of a hand-run backward, never differentiated by jax): the last stage writes
     each output as it is produced (`StageBatch`), x and y split over `axis` when `split`."""
     s = mesh.shape[axis]
@@ -198,14 +189,10 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
             a = jax.lax.dynamic_slice_in_dim(a, stage, repeats * m, 0).reshape(repeats, m, *a.shape[1:])
             return jnp.swapaxes(a, 1, 2).reshape(-1, m, *a.shape[3:])
 
-        auxs = jax.tree.map(per_slot, auxs)
-        t_all = jnp.arange(ticks)
-        busy = jnp.sum((t_all >= stage) & (t_all < stage + repeats * m))
-        activity = jax.lax.psum(busy, axis) / (s * ticks)
-        return outs, auxs, activity
+        return outs, jax.tree.map(per_slot, auxs)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P()),
-                         out_specs=(batch.spec(), P(axis), P()), axis_names={axis},
+                         out_specs=(batch.spec(), P(axis)), axis_names={axis},
                          check_vma=False)(params, valid, x_MxB_, side_M_)
 
 
@@ -214,9 +201,8 @@ def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, spl
     inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`); x, y and their
     gradients split over `axis` on the microbatch dimension when `split` (`StageBatch`)."""
     def forward(params, xs, side):
-        out, aux, _ = _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1,
-                             hand=True, split=split)
-        return out, aux
+        return _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1, hand=True,
+                      split=split)
 
     def backward(params, xs, side, ct_y, ct_aux):
         return _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux, mesh=mesh,

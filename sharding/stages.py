@@ -66,7 +66,10 @@ def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: 
     not split over `axis` is replicated there: each stage takes its slots. A dimension split over
     `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
     order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
-    comment below). The backward is the transpose (all_to_all back, local scatter-add)."""
+    comment below). The backward is the transpose (all_to_all back, local scatter-add). Without
+    `stored_specs` (None), the plain gather."""
+    if stored_specs is None:  # the plain gather
+        return jax.tree.map(lambda a: a[index], stacked)
     s = mesh.shape[axis]
     table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
     leaves, treedef = jax.tree.flatten(stacked)
