@@ -50,25 +50,30 @@ _ACTIVATIONS: dict[str, MeshAxes] = {
 _EXPERTS = ("expert", "pipeline")
 _FSDP = ("fsdp", "pipeline")
 
+_PARAM_AXES = ("layers", "expert", "embed", "vocab", "heads", "mlp", "q_lora", "kv_lora", "head_dim")
+
+
+def _preset(**params: MeshAxes) -> dict[str, MeshAxes]:
+    """The activation rules and `params`; parameter axes not named are replicated."""
+    return {**_ACTIVATIONS, **dict.fromkeys(_PARAM_AXES), **params}
+
+
+_ZERO3 = dict.fromkeys(("embed", "q_lora", "kv_lora", "vocab", "mlp", "heads"), "fsdp")
 PRESETS: dict[str, dict[str, MeshAxes]] = {
     # ZeRO-3: every matrix sharded on its first large dim over fsdp, batch over data x fsdp.
-    "fsdp": {**_ACTIVATIONS, "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "vocab": "fsdp",
-             "mlp": "fsdp", "heads": "fsdp", "expert": None, "layers": None, "head_dim": None},
+    "fsdp": _preset(**_ZERO3),
     # FSDP inside each expert group: experts on `expert`, the rest as above.
-    "fsdp_expert": {**_ACTIVATIONS, "expert": "expert", "embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp",
-                    "vocab": "fsdp", "mlp": "fsdp", "heads": "fsdp", "layers": None, "head_dim": None},
+    "fsdp_expert": _preset(**_ZERO3, expert="expert"),
     # Megatron-style: heads / hidden / vocab on `tensor`, experts on `expert`, embed on fsdp if present.
-    "expert_tensor": {**_ACTIVATIONS, "expert": "expert", "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-                      "embed": "fsdp", "q_lora": None, "kv_lora": None, "layers": None, "head_dim": None},
+    "expert_tensor": _preset(expert="expert", heads="tensor", mlp="tensor", vocab="tensor", embed="fsdp"),
     # DeepSeek-V3's own recipe: layers on `pipeline`, experts on `expert`, data parallel beside them
     # (with the `pipeline` fallback above for what the layer axis cannot take).
-    "pipeline_expert_data": {**_ACTIVATIONS, "layers": "pipeline", "expert": _EXPERTS, "embed": "pipeline",
-                             "vocab": None, "heads": None, "mlp": None, "q_lora": "pipeline",
-                             "kv_lora": "pipeline", "head_dim": None},
+    "pipeline_expert_data": _preset(layers="pipeline", expert=_EXPERTS, embed="pipeline", q_lora="pipeline",
+                                    kv_lora="pipeline"),
+    # Every axis at once: each preset is this table on a mesh whose other axes are 1.
+    "default": _preset(layers="pipeline", expert=_EXPERTS, heads="tensor", mlp="tensor", vocab="tensor", embed=_FSDP,
+                       q_lora=_FSDP, kv_lora=_FSDP),
 }
-# Every axis at once: each preset is this table on a mesh whose other axes are 1.
-PRESETS["default"] = {**_ACTIVATIONS, "layers": "pipeline", "expert": _EXPERTS, "heads": "tensor", "mlp": "tensor",
-                      "vocab": "tensor", "embed": _FSDP, "q_lora": _FSDP, "kv_lora": _FSDP, "head_dim": None}
 
 
 class ShardingRuleError(ValueError):
@@ -78,7 +83,7 @@ class ShardingRuleError(ValueError):
 def get_rules(rules: str | Rules | None) -> dict[str, MeshAxes]:
     """A preset name, a mapping (used as given) or None (the `default` preset)."""
     if rules is None:
-        return dict(PRESETS["default"])
+        rules = "default"
     if isinstance(rules, str):
         if rules not in PRESETS:
             raise ShardingRuleError(f"unknown sharding preset {rules!r}; presets: {sorted(PRESETS)}")
@@ -126,9 +131,7 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh, r
         chosen, shards = [], 1
         for mesh_axis in _as_tuple(rules.get(axis_name) if axis_name is not None else None):
             n = mesh.shape.get(mesh_axis, 1)
-            if n == 1:
-                continue
-            if mesh_axis in used:  # an earlier dimension claimed it: by design, not a fallback
+            if n == 1 or mesh_axis in used:  # absent, or an earlier dimension claimed it (by design)
                 continue
             if size % (shards * n):
                 if strict:
