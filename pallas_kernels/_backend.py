@@ -21,12 +21,17 @@ CPU). Default: CPU -> TPU style interpreted, TPU -> Mosaic TPU, GPU -> Triton.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 STYLES = ("tpu", "triton")
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: finite, so a fully masked row gives no nan
+_DOT_FORMS = {"NN": (((1,), (0,)), ((), ())), "NT": (((1,), (1,)), ((), ())), "TN": (((0,), (0,)), ((), ()))}
 _ALIASES = {"tpu": "tpu", "mosaic_tpu": "tpu", "triton": "triton", "gpu": "triton",
             "cuda": "triton", "rocm": "triton"}
 
@@ -90,6 +95,11 @@ def check_blocks(be: Backend, *, rows: tuple[str, ...] = (), lanes: tuple[str, .
             raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
 
 
+def dot_f32(a, b, form: str = "NN"):
+    """A 2-D block product accumulated in fp32: a . b ("NN"), a . b^T ("NT") or a^T . b ("TN")."""
+    return lax.dot_general(a, b, _DOT_FORMS[form], preferred_element_type=jnp.float32)
+
+
 def round_up(x, m: int):
     """x rounded up to a multiple of m (an int, or a traced integer array)."""
     return (x + m - 1) // m * m
@@ -111,4 +121,4 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
-    return jax.numpy.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths, constant_values=value)

@@ -24,7 +24,7 @@ from pallas_kernels.fp8_matmul import (BlockSizes, fp8_matmul_reference, pad_w_o
 from pallas_kernels.quantize import TILE, check_scale_shapes
 
 
-def _tile_layout(group_sizes, m: int, block_m: int):
+def tile_layout(group_sizes, m: int, block_m: int):
     """Row destinations in the tile-padded layout and per-tile (group, valid) metadata."""
     g = group_sizes.shape[0]
     sizes = jnp.minimum(jnp.maximum(group_sizes.astype(jnp.int32), 0), m)
@@ -87,7 +87,7 @@ def fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes, *, out_dtype=jnp
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     np_, kp = round_up(n, bn), round_up(k, bk)
     subs, kbp = bk // TILE, kp // TILE
-    dest, tile_group, tile_valid, num_tiles = _tile_layout(group_sizes, m, bm)
+    dest, tile_group, tile_valid, num_tiles = tile_layout(group_sizes, m, bm)
     mp = num_tiles * bm
     x = jnp.zeros((mp, k), x_q.dtype).at[dest].set(x_q, mode="drop")
     xs = jnp.zeros((mp, x_scale.shape[1]), jnp.float32).at[dest].set(x_scale, mode="drop")

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import pad_axis, round_up
-from pallas_kernels.fp8_grouped_matmul import _tile_layout
+from pallas_kernels.fp8_grouped_matmul import tile_layout
 from pallas_kernels.fp8_matmul import BlockSizes, scaled_block_dot
 from pallas_kernels.quantize import TILE, check_scale_shapes
 
@@ -31,7 +31,7 @@ from pallas_kernels.quantize import TILE, check_scale_shapes
 def group_aligned_rows(group_sizes_G: jax.Array, m: int):
     """(dest_M, tile_group_TB): row m of the sorted rows goes to token dest[m] of a layout where
     each group starts on a 128 boundary; rows past sum(group_sizes) get an out-of-range dest."""
-    dest, tile_group, _, _ = _tile_layout(group_sizes_G, m, TILE)
+    dest, tile_group, _, _ = tile_layout(group_sizes_G, m, TILE)
     return dest, tile_group
 
 

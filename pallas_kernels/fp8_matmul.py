@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import pad_axis, round_up
+from pallas_kernels._backend import dot_f32, pad_axis, round_up
 from pallas_kernels.quantize import TILE, check_scale_shapes
 
 
@@ -39,11 +39,10 @@ class BlockSizes:
     fp8_dot: bool | None = None
 
     def validate(self, be: _backend.Backend) -> None:
-        block_m, block_n, block_k = self.block_m, self.block_n, self.block_k
-        if block_k % TILE:
-            raise ValueError(f"{block_k=} must be a multiple of {TILE}")
-        _backend.check_blocks(be, rows=("block_m",), lanes=("block_n",), block_m=block_m, block_n=block_n,
-                              block_k=block_k)
+        if self.block_k % TILE:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of {TILE}")
+        _backend.check_blocks(be, rows=("block_m",), lanes=("block_n",), block_m=self.block_m, block_n=self.block_n,
+                              block_k=self.block_k)
 
     def dot_dtype(self, be: _backend.Backend):
         native = self.fp8_dot if self.fp8_dot is not None else be.style == "triton"
@@ -54,9 +53,7 @@ def scaled_block_dot(x_blk, w_blk, xs_col, ws_row, dot_dtype):
     """One promotion block: ([bm,128] . [bn,128]^T) in fp32, times xs [bm,1] and ws [1,bn]."""
     if dot_dtype is not None:
         x_blk, w_blk = x_blk.astype(dot_dtype), w_blk.astype(dot_dtype)
-    part = lax.dot_general(x_blk, w_blk, (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-    return part * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
+    return dot_f32(x_blk, w_blk, "NT") * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
 
 
 def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype, k, num_k):
@@ -124,14 +121,6 @@ def rhs_row_scale(w_scale, n: int):
     return jnp.repeat(w_scale, TILE, axis=-2)[..., :n, :]
 
 
-def check_rhs_scale(name: str, w_q, w_scale) -> None:
-    """Accepts a 128x128 block scale or a per-row (1x128 tile) scale for `w_q` [..., N, K]."""
-    if w_scale.shape[-2] == w_q.shape[-2]:
-        check_scale_shapes(name, w_q, w_scale, 1)
-    else:
-        check_scale_shapes(name, w_q, w_scale, TILE)
-
-
 def pad_w_operands(w_q, w_scale, np_: int, kp: int):
     """w_q [...,N,K] -> [...,Np,Kp]; w_scale [...,NB|N,KB] -> per-row [...,KBp,1,Np]."""
     n = w_q.shape[-2]
@@ -154,7 +143,7 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
     if x_q.ndim != 2 or w_q.ndim != 2 or x_q.shape[1] != w_q.shape[1]:
         raise ValueError(f"need x_q [M,K], w_q [N,K] with equal K; got {x_q.shape=}, {w_q.shape=}")
     check_scale_shapes("x_q", x_q, x_scale, 1)
-    check_rhs_scale("w_q", w_q, w_scale)
+    check_scale_shapes("w_q", w_q, w_scale, 1 if w_scale.shape[-2] == w_q.shape[-2] else TILE)  # per row or block
     (m, k), n = x_q.shape, w_q.shape[0]
     mp, np_, kp = round_up(m, bs.block_m), round_up(n, bs.block_n), round_up(k, bs.block_k)
     x, xs = pad_x_operands(x_q, x_scale, mp, kp)

@@ -25,27 +25,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import pad_axis, round_up
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels._backend import MASK_VALUE, dot_f32, pad_axis, round_up
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """`block_kv` cache positions per step; `num_splits` KV splits (None: up to 8, by length);
-    `block_h` heads per Triton program (None: 16). TPU programs take every head at once. On an
-    H200 all 128 heads of the 671B in one Triton program ask for 432 KB of shared memory (227 KB
-    exist), so the heads are cut into blocks, each its own program over the same cache."""
+    `block_h` heads per Triton program (None: 16). TPU programs take every head at once. All 128
+    heads of the 671B in one Triton program need more shared memory than a Hopper GPU has
+    (docs/benchmarks.md, Kernel choices), so the heads are cut into blocks, each its own program
+    over the same cache."""
 
     block_kv: int = 128
     num_splits: int | None = None
     block_h: int | None = None
 
     def validate(self, be: _backend.Backend) -> None:
-        block_kv = self.block_kv
-        if be.style == "tpu" and block_kv % 128:
-            raise ValueError(f"{block_kv=} must be a multiple of 128 on TPU")
-        _backend.check_blocks(be, block_kv=block_kv)
+        _backend.check_blocks(be, lanes=("block_kv",), block_kv=self.block_kv)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.block_h is not None and (self.block_h < 16 or self.block_h != _backend.next_pow2(self.block_h)):
@@ -55,9 +51,7 @@ class BlockSizes:
 def _online_step(carry, q_lat, q_pe, kv, kp, start, length, scale):
     """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32."""
     m_prev, l_prev, acc_prev = carry
-    nt = (((1,), (1,)), ((), ()))
-    s = lax.dot_general(q_lat, kv, nt, preferred_element_type=jnp.float32)
-    s += lax.dot_general(q_pe, kp, nt, preferred_element_type=jnp.float32)
+    s = dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp, "NT")
     pos = start + lax.broadcasted_iota(jnp.int32, (1, kv.shape[0]), 1)
     s = jnp.where(pos < length, s * scale, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -71,13 +65,11 @@ def _pv_dot(p, v):
     """p [H,bk] f32 @ v [bk,R] in fp32 accumulate. For 16-bit v, p is split into two bf16 terms
     (hi + lo, ~16 mantissa bits) so probabilities are not rounded to bf16: 2x MXU work on a
     memory-bound kernel instead of a multi-pass fp32 matmul."""
-    dn = (((1,), (0,)), ((), ()))
     if v.dtype == jnp.float32:
-        return lax.dot_general(p, v, dn, preferred_element_type=jnp.float32)
+        return dot_f32(p, v)
     p_hi = p.astype(v.dtype)
     p_lo = (p - p_hi.astype(jnp.float32)).astype(v.dtype)
-    return (lax.dot_general(p_hi, v, dn, preferred_element_type=jnp.float32)
-            + lax.dot_general(p_lo, v, dn, preferred_element_type=jnp.float32))
+    return dot_f32(p_hi, v) + dot_f32(p_lo, v)
 
 
 def _finish(carry, o_ref, lse_ref):
@@ -153,10 +145,6 @@ def _combine_splits(o_BxSPxHxR, lse_BxSPxH):
     return out, m[:, 0] + jnp.log(denom)
 
 
-def _default_splits(s: int, block_kv: int) -> int:
-    return max(1, min(8, -(-s // (4 * block_kv))))
-
-
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "return_lse", "block_sizes",
                                              "backend", "interpret"))
 def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
@@ -183,7 +171,7 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     if fp8 and kv_scale.shape != (b, s, -(-r // 128)):
         raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
     bk = bs.block_kv
-    splits = bs.num_splits or _default_splits(s, bk)
+    splits = bs.num_splits or max(1, min(8, -(-s // (4 * bk))))  # up to 8 splits of at least 4 blocks
     bps = -(-s // (splits * bk))
     sp = splits * bps * bk
     hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)

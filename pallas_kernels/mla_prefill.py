@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import pad_axis, round_up
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_NT = (((1,), (1,)), ((), ()))  # a [m,k] . b [n,k]^T
-_NN = (((1,), (0,)), ((), ()))  # a [m,k] . b [k,n]
-_TN = (((0,), (0,)), ((), ()))  # a [k,m]^T . b [k,n]
+from pallas_kernels._backend import MASK_VALUE, dot_f32, pad_axis, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +35,8 @@ class BlockSizes:
 
     @classmethod
     def default(cls, be: _backend.Backend) -> "BlockSizes":
-        """TPU: 128 x 128. Triton: 64 x 64, since 128 x 128 with Dqk padded to 256 asks for 257 KB
-        of shared memory, over an H100/H200's 227 KB (measured on an H200: RESOURCE_EXHAUSTED)."""
+        """TPU: 128 x 128. Triton: 64 x 64, since 128 x 128 blocks with Dqk padded to 256 need more
+        shared memory than a Hopper GPU has (docs/benchmarks.md, Kernel choices)."""
         return cls(64, 64) if be.style == "triton" else cls()
 
     def validate(self, be: _backend.Backend) -> None:
@@ -63,8 +58,7 @@ _SEQ_ROWS, _SEQ_COLS = 2, 3
 
 
 def _block_shape(op: _Op, shape, blk):
-    last = shape[3] if op.seq_axis == _SEQ_ROWS else blk
-    return (None, None, blk, last) if op.seq_axis == _SEQ_ROWS else (None, None, 1, last)
+    return (None, None, blk, shape[3]) if op.seq_axis == _SEQ_ROWS else (None, None, 1, blk)
 
 
 def _index(op: _Op, b, h, seq_idx):
@@ -158,26 +152,27 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
 
 def _scores(q, k, q_seg, k_seg, q0, k0, scale):
     """Scaled scores [bq,bk] (fp32) and the causal + same-segment mask."""
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = dot_f32(q, k, "NT") * scale
     q_pos = q0 + lax.broadcasted_iota(jnp.int32, s.shape, 0)
     k_pos = k0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     return s, (k_pos <= q_pos) & (q_seg == k_seg)
 
 
-def _dot(a, b, dn, like):
-    return lax.dot_general(a.astype(like.dtype), b, dn, preferred_element_type=jnp.float32)
+def _dot(a, b, form: str = "NN"):
+    """`dot_f32` with a cast to b's dtype (probabilities and score gradients are fp32)."""
+    return dot_f32(a.astype(b.dtype), b, form)
 
 
-def _fwd_step(carry, outer, inner, o, i, *, scale, bq, bk):
+def _fwd_step(carry, outer, inner, o, i, *, cfg):
     m_prev, l_prev, acc_prev = carry
     (q, q_seg), (k, v, k_seg) = outer, inner
-    s, mask = _scores(q, k, q_seg, k_seg, o * bq, i * bk, scale)
+    s, mask = _scores(q, k, q_seg, k_seg, o * cfg.bq, i * cfg.bk, cfg.scale)
     s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    return m_new, l_new, alpha * acc_prev + _dot(p, v, _NN, v)
+    return m_new, l_new, alpha * acc_prev + _dot(p, v)
 
 
 def _fwd_finish(carry, outer):
@@ -191,18 +186,18 @@ def _probs(q, k, q_seg, k_seg, lse, q0, k0, scale):
     return jnp.where(mask, jnp.exp(s - lse), 0.0)
 
 
-def _dq_step(carry, outer, inner, o, i, *, scale, bq, bk):
+def _dq_step(carry, outer, inner, o, i, *, cfg):
     (dq,), (q, q_seg, do, lse, delta), (k, v, k_seg) = carry, outer, inner
-    p = _probs(q, k, q_seg, k_seg, lse, o * bq, i * bk, scale)
-    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-    return (dq + _dot(ds, k, _NN, k),)
+    p = _probs(q, k, q_seg, k_seg, lse, o * cfg.bq, i * cfg.bk, cfg.scale)
+    ds = p * (dot_f32(do, v, "NT") - delta)
+    return (dq + _dot(ds, k),)
 
 
-def _dkv_step(carry, outer, inner, o, i, *, scale, bq, bk):
+def _dkv_step(carry, outer, inner, o, i, *, cfg):
     (dk, dv), (k, v, k_seg), (q, q_seg, do, lse, delta) = carry, outer, inner
-    p = _probs(q, k, q_seg, k_seg, lse, i * bq, o * bk, scale)
-    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-    return dk + _dot(ds, q, _TN, q), dv + _dot(p, do, _TN, do)
+    p = _probs(q, k, q_seg, k_seg, lse, i * cfg.bq, o * cfg.bk, cfg.scale)
+    ds = p * (dot_f32(do, v, "NT") - delta)
+    return dk + _dot(ds, q, "TN"), dv + _dot(p, do, "TN")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +218,8 @@ def _causal_hi(o, bq, bk, n_k):  # kv blocks [0, hi) touch q block o
 def _forward(q, k, v, q_seg, k_seg, cfg: _Cfg):
     b, h, t, dk = q.shape
     dv = v.shape[3]
-    kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
     return _flash_call(
-        cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, **kw),
+        cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, cfg=cfg),
         init=lambda: (jnp.full((cfg.bq, 1), MASK_VALUE, jnp.float32),
                       jnp.zeros((cfg.bq, 1), jnp.float32), jnp.zeros((cfg.bq, dv), jnp.float32)),
         finish=_fwd_finish, outer=[(q, _ROWS_H), (q_seg, _ROWS_1)],
@@ -251,17 +245,16 @@ def _flash_bwd(cfg: _Cfg, res, do):
     b, h, t, d_qk = q.shape
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     do = do.astype(q.dtype)
-    kw = dict(scale=cfg.scale, bq=cfg.bq, bk=cfg.bk)
     q_side = [(q, _ROWS_H), (q_seg, _ROWS_1), (do, _ROWS_H), (lse, _ROWS_H), (delta, _ROWS_H)]
     kv_side = [(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)]
     (dq,) = _flash_call(
-        cfg.be, name="mla_prefill_dq", step=functools.partial(_dq_step, **kw),
+        cfg.be, name="mla_prefill_dq", step=functools.partial(_dq_step, cfg=cfg),
         init=lambda: (jnp.zeros((cfg.bq, d_qk), jnp.float32),),
         finish=lambda c, _: (c[0] * cfg.scale,), outer=q_side, inner=kv_side,
         out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], outer_blk=cfg.bq, inner_blk=cfg.bk,
         dims=(b, h, t), inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
     dk, dv = _flash_call(
-        cfg.be, name="mla_prefill_dkv", step=functools.partial(_dkv_step, **kw),
+        cfg.be, name="mla_prefill_dkv", step=functools.partial(_dkv_step, cfg=cfg),
         init=lambda: (jnp.zeros((cfg.bk, d_qk), jnp.float32),
                       jnp.zeros((cfg.bk, v.shape[3]), jnp.float32)),
         finish=lambda c, _: (c[0] * cfg.scale, c[1]), outer=kv_side, inner=q_side,

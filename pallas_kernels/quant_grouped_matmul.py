@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import pad_axis, round_up
-from pallas_kernels.fp8_grouped_matmul import _tile_layout, grouped_rows_reference
+from pallas_kernels._backend import dot_f32, pad_axis, round_up
+from pallas_kernels.fp8_grouped_matmul import grouped_rows_reference, tile_layout
 
 FORMATS = ("int8", "int4")
 
@@ -84,7 +84,7 @@ def _tpu_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, acc_ref, *, fmt, 
         x = x_ref[...]
         w = jnp.concatenate([_dequant_group(q_ref[j * rows:(j + 1) * rows, :], s_ref[j], fmt, x.dtype)
                              for j in range(s_ref.shape[0])], axis=0)  # [bk, bn]
-        acc_ref[...] += lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[...] += dot_f32(x, w)
 
     @pl.when(k == num_k - 1)
     def _():
@@ -150,44 +150,7 @@ def quant_grouped_matmul(x, w_q, w_scale, group_sizes, *, fmt: str, group: int, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
-    return _kernel(static, x, w_q, w_scale, group_sizes)
-
-
-def _frozen_fwd(static, x, w_q, w_scale, group_sizes):
-    return _kernel(static, x, w_q, w_scale, group_sizes), (jnp.zeros((0,), x.dtype), w_q, w_scale, group_sizes)
-
-
-def _frozen_bwd(static, res, dy_MxN):
-    """dx = dy W^T per row's group; the frozen weights' (and the sizes') cotangents are zero."""
-    fmt, group = static[:2]
-    x_like, w_q, w_scale, group_sizes = res
-    dx = quant_grouped_matmul_t(dy_MxN.astype(x_like.dtype), w_q, w_scale, group_sizes, fmt=fmt, group=group)
-    return dx, None, None, None
-
-
-_frozen_weights_mm.defvjp(_frozen_fwd, _frozen_bwd)
-
-
-def quant_grouped_matmul_t(dy_MxN, w_q, w_scale, group_sizes, *, fmt: str, group: int):
-    """dy [M,N] . W_g^T -> [M,K] in dy's dtype (fp32 accumulation): the x-gradient of
-    `quant_grouped_matmul`. One quantization group of K at a time: its rows of every expert
-    dequantised ([G, group, N]) and contracted by `ragged_dot`; rows beyond sum(group_sizes) give 0."""
-    m, kq = dy_MxN.shape[0], w_q.shape[1]
-    rows = group // 2 if fmt == "int4" else group
-    q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
-
-    def k_group(j):  # columns [j*group, (j+1)*group) of dx
-        q_j = lax.dynamic_slice_in_dim(q, j * rows, rows, axis=1)
-        w_GxgxN = dequantize_reference(q_j, lax.dynamic_slice_in_dim(w_scale, j, 1, axis=1), fmt=fmt, group=group,
-                                       dtype=dy_MxN.dtype)
-        return lax.ragged_dot(dy_MxN, jnp.swapaxes(w_GxgxN, 1, 2), group_sizes.astype(jnp.int32),
-                              preferred_element_type=jnp.float32).astype(dy_MxN.dtype)
-
-    parts_JxMxg = lax.map(k_group, jnp.arange(kq // rows))
-    return jnp.moveaxis(parts_JxMxg, 0, 1).reshape(m, kq // rows * group)
-
-
-def _kernel(static, x, w_q, w_scale, group_sizes):
+    """The kernel; differentiable in x only (`_frozen_bwd`)."""
     fmt, group, out_dtype, bs, be = static
     (m, k), (g, _, n) = x.shape, w_q.shape
     q = lax.bitcast_convert_type(w_q, jnp.int8) if w_q.dtype == jnp.uint8 else w_q
@@ -195,7 +158,7 @@ def _kernel(static, x, w_q, w_scale, group_sizes):
     np_ = round_up(n, bn)
     kp = round_up(k, bs.block_k)
     pack = 2 if fmt == "int4" else 1
-    dest, tile_group, tile_valid, num_tiles = _tile_layout(group_sizes, m, bm)
+    dest, tile_group, tile_valid, num_tiles = tile_layout(group_sizes, m, bm)
     mp = num_tiles * bm
     xt = pad_axis(jnp.zeros((mp, k), x.dtype).at[dest].set(x, mode="drop"), 1, kp)
     q = pad_axis(pad_axis(q, 1, kp // pack), 2, np_)  # padded rows: zero weights
@@ -226,6 +189,40 @@ def _kernel(static, x, w_q, w_scale, group_sizes):
     out = _backend.pallas_call(be, kernel, name=f"{fmt}_grouped_matmul",
                                out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid_spec=grid_spec)(*operands)
     return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
+
+
+def _frozen_fwd(static, x, w_q, w_scale, group_sizes):
+    y = _frozen_weights_mm(static, x, w_q, w_scale, group_sizes)
+    return y, (jnp.zeros((0,), x.dtype), w_q, w_scale, group_sizes)  # x's dtype only: the weights are all dx needs
+
+
+def _frozen_bwd(static, res, dy_MxN):
+    """dx = dy W^T per row's group; the frozen weights' (and the sizes') cotangents are zero."""
+    fmt, group = static[:2]
+    x_like, w_q, w_scale, group_sizes = res
+    dx = quant_grouped_matmul_t(dy_MxN.astype(x_like.dtype), w_q, w_scale, group_sizes, fmt=fmt, group=group)
+    return dx, None, None, None
+
+
+_frozen_weights_mm.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def quant_grouped_matmul_t(dy_MxN, w_q, w_scale, group_sizes, *, fmt: str, group: int):
+    """dy [M,N] . W_g^T -> [M,K] in dy's dtype (fp32 accumulation): the x-gradient of
+    `quant_grouped_matmul`. One quantization group of K at a time: its rows of every expert
+    dequantised ([G, group, N]) and contracted by `ragged_dot`; rows beyond sum(group_sizes) give 0."""
+    m, kq = dy_MxN.shape[0], w_q.shape[1]
+    rows = group // 2 if fmt == "int4" else group
+
+    def k_group(j):  # columns [j*group, (j+1)*group) of dx
+        q_j = lax.dynamic_slice_in_dim(w_q, j * rows, rows, axis=1)
+        w_GxgxN = dequantize_reference(q_j, lax.dynamic_slice_in_dim(w_scale, j, 1, axis=1), fmt=fmt, group=group,
+                                       dtype=dy_MxN.dtype)
+        return lax.ragged_dot(dy_MxN, jnp.swapaxes(w_GxgxN, 1, 2), group_sizes.astype(jnp.int32),
+                              preferred_element_type=jnp.float32).astype(dy_MxN.dtype)
+
+    parts_JxMxg = lax.map(k_group, jnp.arange(kq // rows))
+    return jnp.moveaxis(parts_JxMxg, 0, 1).reshape(m, kq // rows * group)
 
 
 def dequantize_reference(w_q, w_scale, *, fmt: str, group: int, dtype):

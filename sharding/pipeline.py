@@ -300,24 +300,6 @@ def merge_microbatches(x_MxB_: jax.Array) -> jax.Array:
     return jnp.swapaxes(x_MxB_, 0, 1).reshape(m * mb, *x_MxB_.shape[2:])
 
 
-def num_microbatches_for(batch: int, num_stages: int, target_bubble: float = 0.2, batch_shards: int = 1,
-                         repeats: int = 1) -> int:
-    """Microbatch count for a batch of `batch` rows split over `batch_shards` devices: the smallest
-    M with bubble_fraction(S, M, R) <= target among those that keep every microbatch splittable
-    over the shards ((batch / M) % batch_shards == 0) and, for the circular schedule, M >= S; the
-    largest such M when none reaches the target."""
-    feasible = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % batch_shards == 0
-                and (repeats == 1 or m >= num_stages)]
-    if not feasible:
-        raise ValueError(f"batch of {batch} rows cannot be split over {batch_shards} devices"
-                         + (f" into at least {num_stages} microbatches (pipeline_repeats={repeats})" if repeats > 1
-                            else ""))
-    for m in feasible:
-        if bubble_fraction(num_stages, m, repeats) <= target_bubble:
-            return m
-    return feasible[-1]
-
-
 def outer_microbatches(batch: int, mesh, requested: int = 0) -> int:
     """Microbatches of the layers outside the stack for `batch` rows: `requested` (checked: each
     microbatch must split evenly over the batch shards, rules.BATCH_AXES), or when 0, on a mesh
@@ -373,15 +355,27 @@ def check_schedule(mesh, *, num_layers: int, batch: int, microbatches: int = 0, 
     return resolve_microbatches(batch, stages, stage_batch_shards(mesh), microbatches, repeats)
 
 
-def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, requested: int = 0,
-                         repeats: int = 1) -> int:
-    """`requested` microbatches (checked), or `num_microbatches_for`'s choice when it is 0."""
-    if not requested:
-        return num_microbatches_for(batch, num_stages, batch_shards=batch_shards, repeats=repeats)
-    if batch % requested or (batch // requested) % batch_shards:
-        raise ValueError(f"pipeline_microbatches={requested} must divide the batch of {batch} rows into "
-                         f"microbatches that split evenly over the mesh's {batch_shards} batch shards")
-    if repeats > 1 and requested < num_stages:
-        raise ValueError(f"pipeline_microbatches={requested} is fewer than the {num_stages} stages; the circular "
-                         f"schedule (pipeline_repeats={repeats}) needs at least one per stage")
-    return requested
+def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, requested: int = 0, repeats: int = 1,
+                         target_bubble: float = 0.2) -> int:
+    """`requested` microbatches for a batch of `batch` rows split over `batch_shards` devices
+    (checked), or when 0 the smallest M with bubble_fraction(S, M, R) <= target among those that
+    keep every microbatch splittable over the shards ((batch / M) % batch_shards == 0) and, for the
+    circular schedule, M >= S; the largest such M when none reaches the target."""
+    if requested:
+        if batch % requested or (batch // requested) % batch_shards:
+            raise ValueError(f"pipeline_microbatches={requested} must divide the batch of {batch} rows into "
+                             f"microbatches that split evenly over the mesh's {batch_shards} batch shards")
+        if repeats > 1 and requested < num_stages:
+            raise ValueError(f"pipeline_microbatches={requested} is fewer than the {num_stages} stages; the circular "
+                             f"schedule (pipeline_repeats={repeats}) needs at least one per stage")
+        return requested
+    feasible = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % batch_shards == 0
+                and (repeats == 1 or m >= num_stages)]
+    if not feasible:
+        raise ValueError(f"batch of {batch} rows cannot be split over {batch_shards} devices"
+                         + (f" into at least {num_stages} microbatches (pipeline_repeats={repeats})" if repeats > 1
+                            else ""))
+    for m in feasible:
+        if bubble_fraction(num_stages, m, repeats) <= target_bubble:
+            return m
+    return feasible[-1]

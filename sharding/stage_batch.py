@@ -4,8 +4,8 @@ Letters: S stages, M microbatches, B rows. Under the hand-run backwards (shardin
 1f1b, sharding/dualpipev.py) the stack's input x, output y and their gradients are [M, ...]
 batches that one stage reads or writes a microbatch at a time: the first stage reads x and writes
 its gradient, the stage producing y (1F1B's last, DualPipeV's first) writes it and reads its
-cotangent. Held whole on every stage they cost three [stage tokens, D] buffers per stage (21 GiB
-of the paper's 2048-device run); split, M / S microbatches a stage, each microbatch moves between
+cotangent. Held whole on every stage they cost three [stage tokens, D] buffers per stage (the
+README's plan of the paper's 2048-device run gives their size); split, M / S microbatches a stage, each microbatch moves between
 its owner and the stage that needs it when it is needed (`StageBatch`). The model splits its batch
 so that a stage's microbatches are rows it already holds (`split_stage_microbatches`).
 """

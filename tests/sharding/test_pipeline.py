@@ -19,8 +19,8 @@ def test_stage_layers_balance_uneven_counts():
 
 def test_microbatch_choice_meets_the_target_bubble():
     # bubble_fraction itself is held to the compiled schedule in the eight-device test below.
-    assert pipeline.num_microbatches_for(64, 4, target_bubble=0.2) == 16  # 3/19 <= 0.2 < 3/11
-    assert pipeline.bubble_fraction(4, pipeline.num_microbatches_for(64, 4, 0.2)) <= 0.2
+    assert pipeline.resolve_microbatches(64, 4, target_bubble=0.2) == 16  # 3/19 <= 0.2 < 3/11
+    assert pipeline.bubble_fraction(4, pipeline.resolve_microbatches(64, 4, target_bubble=0.2)) <= 0.2
 
 
 def test_pipeline_matches_sequential_layers_on_eight_devices():
