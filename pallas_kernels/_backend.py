@@ -30,10 +30,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 STYLES = ("tpu", "triton")
+_NATIVE = {"tpu": "tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}  # jax platform -> its style
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: finite, so a fully masked row gives no nan
 _DOT_FORMS = {"NN": (((1,), (0,)), ((), ())), "NT": (((1,), (1,)), ((), ())), "TN": (((0,), (0,)), ((), ()))}
-_ALIASES = {"tpu": "tpu", "mosaic_tpu": "tpu", "triton": "triton", "gpu": "triton",
-            "cuda": "triton", "rocm": "triton"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,24 +47,15 @@ class Backend:
             raise ValueError(f"{self.style=} must be one of {STYLES}")
 
 
-def resolve(backend: str | Backend | None = None, interpret: bool | None = None) -> Backend:
-    """Picks the backend; `backend` ("tpu", "triton"/"gpu", "interpret", None=auto) overrides.
+def resolve(backend: str | None = None, interpret: bool | None = None) -> Backend:
+    """The kernel style `backend` ("tpu" or "triton"; None: the default device's, "tpu" on CPU).
 
-    `interpret=None` interprets exactly when the chosen style cannot run on the default
-    device (e.g. CPU). Forcing `interpret=False` on CPU is only useful for lowering checks
-    with `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`.
+    `interpret=None` interprets exactly when the chosen style cannot run on the default device
+    (e.g. CPU). Forcing `interpret=False` on CPU is only useful for lowering checks with
+    `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`.
     """
-    if isinstance(backend, Backend):
-        return backend if interpret is None else dataclasses.replace(backend, interpret=interpret)
-    native = _ALIASES.get(jax.default_backend())  # the platforms: tpu, gpu/cuda/rocm, cpu (None)
-    if backend in (None, "auto"):
-        style = native or "tpu"
-    elif backend == "interpret":
-        style, interpret = native or "tpu", True if interpret is None else interpret
-    elif backend in _ALIASES:
-        style = _ALIASES[backend]
-    else:
-        raise ValueError(f"{backend=} must be one of None, 'auto', 'interpret', {sorted(_ALIASES)}")
+    native = _NATIVE.get(jax.default_backend())  # None on CPU
+    style = backend or native or "tpu"
     if interpret is None:
         interpret = style != native
     return Backend(style=style, interpret=bool(interpret))
