@@ -170,21 +170,17 @@ class ModelConfig:
 
     # -------------------------------------------------------------- validation
     def _validate(self):
-        positive = (
+        lowest = dict.fromkeys((
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
             "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "num_routed_experts", "num_experts_per_token", "num_expert_groups", "num_groups_per_token",
-            "max_position_embeddings", "moe_tile_size", "pipeline_repeats",
-        )
-        for name in positive:
+            "max_position_embeddings", "moe_tile_size", "pipeline_repeats"), 1)
+        lowest |= dict.fromkeys(("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches",
+                                 "outer_microbatches"), 0)
+        for name, low in lowest.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches",
-                     "outer_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
             raise ConfigError(f"q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
         if self.num_dense_layers > self.num_layers:
@@ -247,25 +243,25 @@ class ModelConfig:
         return scale
 
     # ------------------------------------------------------- parameter counts
-    def _attention_params(self) -> int:
+    def attention_weights(self) -> int:
+        """Matmul weights of one MLA layer: q (through the q LoRA when set), kv down and up, output."""
         d, h = self.hidden_size, self.num_heads
-        if self.q_lora_rank is None:
-            q = d * h * self.qk_head_dim
-        else:
-            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
-        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        q = d * h * self.qk_head_dim if self.q_lora_rank is None else self.q_lora_rank * (d + h * self.qk_head_dim)
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim)
         kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + h * self.v_head_dim * d
 
-    def _moe_params(self, activated: bool) -> int:
+    def moe_weights(self, routed_experts: int) -> int:
+        """Matmul weights of one MoE layer: the router, `routed_experts` routed and the shared experts."""
         d, f = self.hidden_size, self.moe_intermediate_size
-        experts = self.num_experts_per_token if activated else self.num_routed_experts
-        router = self.num_routed_experts * d + self.num_routed_experts  # weight + correction bias
-        return router + (experts + self.num_shared_experts) * 3 * d * f
+        return self.num_routed_experts * d + (routed_experts + self.num_shared_experts) * 3 * d * f
 
     def _layer_params(self, moe: bool, activated: bool = False) -> int:
-        ffn = self._moe_params(activated) if moe else 3 * self.hidden_size * self.intermediate_size
-        return self._attention_params() + ffn + 2 * self.hidden_size  # + attention and ffn norms
+        """Matmul weights, norm gains (attention, ffn, q and kv latents) and the router's correction bias."""
+        experts = self.num_experts_per_token if activated else self.num_routed_experts
+        ffn = self.moe_weights(experts) + self.num_routed_experts if moe else 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size + (self.q_lora_rank or 0) + self.kv_lora_rank
+        return self.attention_weights() + ffn + norms
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts from the config alone.
@@ -311,13 +307,11 @@ class ModelConfig:
         """The `config.json` dict HF transformers loads as `DeepseekV3ForCausalLM`."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.yarn is not None:
-            y = self.yarn
-            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
-                    "original_max_position_embeddings": y.original_max_position_embeddings,
-                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
-                    "mscale_all_dim": y.mscale_all_dim, "truncate": y.truncate}
-            if y.attention_factor is not None:
-                rope["attention_factor"] = y.attention_factor
+            yarn = dataclasses.asdict(self.yarn)
+            attention_factor = yarn.pop("attention_factor")  # written last, and only when set
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, **yarn}
+            if attention_factor is not None:
+                rope["attention_factor"] = attention_factor
         fixed = {**_HF_FIXED, "rope_parameters": rope}
         out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
         out |= {key: fixed[key] if field is None else getattr(self, field) for key, field in _HF_FIELDS.items()}

@@ -34,12 +34,8 @@ PEAK_FLOPS = {
 
 def matmul_weights_per_token(cfg) -> dict[str, int]:
     """Matmul weights one token meets in the forward, by part: "main" (layers and head), "mtp"."""
-    d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
-    q = d * h * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * cfg.qk_head_dim)
-    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    attention = q + kv + h * cfg.v_head_dim * d
-    experts = cfg.num_experts_per_token + cfg.num_shared_experts
-    moe = cfg.num_routed_experts * d + experts * 3 * d * cfg.moe_intermediate_size
+    d, v = cfg.hidden_size, cfg.vocab_size
+    attention, moe = cfg.attention_weights(), cfg.moe_weights(cfg.num_experts_per_token)
     dense = 3 * d * cfg.intermediate_size
     main = cfg.num_dense_layers * (attention + dense) + cfg.num_moe_layers * (attention + moe) + d * v
     return {"main": main, "mtp": cfg.num_mtp_layers * (2 * d * d + attention + moe + d * v)}
