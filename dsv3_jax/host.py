@@ -147,8 +147,7 @@ def tune_model(cfg):
     """`cfg` (a ModelConfig) with the training scan unrolled for stacks of at most
     UNROLL_MAX_LAYERS layers on one CPU device, unless it sets `unroll_max_layers` itself;
     unchanged elsewhere, where compile time flat in depth is what counts, and on several devices
-    (unrolled there, a bf16 forward on an 8-device mesh moved 2e-2 from one device's, and the
-    compiled step's memory left the plan's)."""
+    (docs/benchmarks.md)."""
     import jax
 
     if not cfg.unroll_max_layers and on_cpu() and jax.device_count() == 1:
@@ -157,8 +156,8 @@ def tune_model(cfg):
 
 
 def init_compiler_options() -> dict | None:
-    """`compiler_options` for jitting a run's initialisation: XLA:CPU's cheapest code generation (it
-    compiles an N-D threefry in a third of the time), None elsewhere."""
+    """`compiler_options` for jitting a run's initialisation: XLA:CPU's cheapest code generation, None
+    elsewhere."""
     if on_cpu():
         return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     return None

@@ -162,12 +162,10 @@ def split_indices(num_documents: int, eval_fraction: float) -> dict[str, np.ndar
         train.append(index[~is_eval].astype(dtype))
         evals.append(index[is_eval].astype(dtype))
     train, evals = np.concatenate(train), np.concatenate(evals)
-    if not len(evals) or not len(train):  # Tiny corpora: move the document with the lowest hash.
+    if not len(evals) or not len(train):  # Tiny corpora: the lowest hash is eval, the highest train.
         u = _uniform_hash(np.arange(num_documents, dtype=np.uint64))
-        is_eval = np.zeros(num_documents, bool)
-        is_eval[np.argmin(u) if not len(evals) else slice(None)] = True
-        if len(train) == 0:
-            is_eval[np.argmax(u)] = False
+        is_eval = u < eval_fraction
+        is_eval[np.argmin(u)], is_eval[np.argmax(u)] = True, False
         train, evals = np.flatnonzero(~is_eval).astype(dtype), np.flatnonzero(is_eval).astype(dtype)
     return {"train": train, "eval": evals}
 

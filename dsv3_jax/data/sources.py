@@ -129,14 +129,15 @@ class TokenSource:
         return f"TokenSource({len(self._paths)} shards, {len(self)} documents)"
 
 
-def read_text_file(path: str) -> list[str]:
-    """Returns the documents of a `.txt` file: blocks separated by blank lines."""
+def read_text_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
+    """Returns (documents, origins) of a `.txt` file, a document per block between blank lines
+    (`text_field`, for `.jsonl` files, is ignored)."""
     text = _read_nonempty(path)
     docs = [d.strip("\n") for d in _BLANK_LINES.split(text.replace("\r\n", "\n"))]
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise DataError(f"{path}: no documents (only whitespace).")
-    return docs
+    return docs, [f"{path} document {i}" for i in range(len(docs))]
 
 
 def read_jsonl_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
@@ -206,11 +207,8 @@ def open_source(data=None, *, text_field: str = "text", vocab_size: int | None =
         return TokenSource(paths, vocab_size=vocab_size)
     docs, origins = [], []
     for path in paths:
-        if path.endswith(JSONL_SUFFIXES):
-            file_docs, file_origins = read_jsonl_file(path, text_field)
-        else:
-            file_docs = read_text_file(path)
-            file_origins = [f"{path} document {i}" for i in range(len(file_docs))]
+        read = read_jsonl_file if path.endswith(JSONL_SUFFIXES) else read_text_file
+        file_docs, file_origins = read(path, text_field)
         docs.extend(file_docs)
         origins.extend(file_origins)
     return TextSource(docs, origins)

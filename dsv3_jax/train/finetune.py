@@ -13,7 +13,6 @@ from dsv3_jax.checkpoint import lora_export
 from dsv3_jax.model import lora
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.train import optimizer
-from dsv3_jax.train.state import split_model
 
 
 def base_of(init_from: str | None) -> str | None:
@@ -51,13 +50,17 @@ def quantize_base(config, model: nnx.Module) -> nnx.Module:
     return model
 
 
-def adapt(config, model: nnx.Module, *, read_peft: bool = True, log: bool = False) -> dict | None:
+def trainable(config, params: nnx.State) -> dict | None:
+    """The mask of the parameters that train: with a `config.lora` section the adapters, else None (all)."""
+    return optimizer.trainable_mask(params, nnx.LoRAParam) if "lora" in config else None
+
+
+def adapt(config, model: nnx.Module, *, read_peft: bool = True, log: bool = False) -> None:
     """With a `config.lora` section: LoRA adapters on the model (in place; read from a PEFT
-    `--init_from` when `read_peft`, not on an abstract model) and the mask of the parameters that
-    train (the adapters). Without: None (every parameter trains). `log`: say which weights carry
+    `--init_from` when `read_peft`, not on an abstract model). `log`: say which weights carry
     adapters (the trainer adapts several copies of the model; one of them says it)."""
     if "lora" not in config:
-        return None
+        return
     fields = config.lora.to_dict()
     init_from = config.train.init_from
     peft = init_from if init_from and lora_export.is_peft_folder(init_from) else None
@@ -71,5 +74,4 @@ def adapt(config, model: nnx.Module, *, read_peft: bool = True, log: bool = Fals
         logging.info("LoRA rank %d on %d weights: %s", fields["rank"], len(targets), ", ".join(targets))
     if peft and read_peft:
         logging.info("adapters from %s: %d modules", peft, len(lora_export.import_peft(model, peft)))
-    return optimizer.trainable_mask(split_model(model)[1], nnx.LoRAParam)
 

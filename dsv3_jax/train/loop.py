@@ -98,15 +98,14 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
     one device or host. With `config.lora` the model carries adapters and only they train."""
     tc = config.train
 
-    def make_model():  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
+    def make_model(log: bool = False):  # a new Rngs each call: eval_shape and the jitted init draw the same numbers
         fresh = finetune.quantize_base(config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))  # QLoRA: as loaded
-        finetune.adapt(config, fresh, read_peft=False)
+        finetune.adapt(config, fresh, read_peft=False, log=log)
         return fresh
 
-    abstract_model = nnx.eval_shape(make_model)
-    trainable = finetune.adapt(config, nnx.eval_shape(lambda: finetune.quantize_base(
-        config, DeepSeekV3(cfg, rngs=nnx.Rngs(tc.seed)))), read_peft=False, log=True)  # the mask: same tree
+    abstract_model = nnx.eval_shape(lambda: make_model(log=True))
     _, params, _ = state_lib.split_model(abstract_model)
+    trainable = finetune.trainable(config, params)
     decay = optimizer_lib.select(optimizer_lib.decay_mask(params), trainable)
     tx = optimizer_lib.make_optimizer(config.optimizer, tc.steps, decay)
     graphdef, abstract = state_lib.abstract_train_state(abstract_model, tx, tc.seed, trainable)
@@ -133,14 +132,17 @@ def make_data(config, vocab_size: int):
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size} ids, {config.data.tokenizer or 'bundled tokenizer'})")
-    data_config = DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
-                             data=config.data.path, tokenizer=config.data.tokenizer,
-                             text_field=config.data.text_field, add_bos=config.data.add_bos,
-                             eval_fraction=config.data.eval_fraction, seed=config.data.seed,
-                             num_workers=config.data.num_workers, format=config.data.format,
-                             chat_template=config.data.chat_template)
-    train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
+    d = config.data
+    train_ds, eval_ds = make_train_and_eval(
+        _data_config(config, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction, seed=d.seed,
+                     num_workers=d.num_workers, format=d.format, chat_template=d.chat_template), tokenizer=tokenizer)
     return iter(train_ds), eval_ds
+
+
+def _data_config(config, **fields) -> DataConfig:
+    """Rows of data.seq_len + 1 tokens (inputs and their next-token targets), config.data's batch and tokenizer."""
+    d = config.data
+    return DataConfig(seq_len=d.seq_len + 1, batch_size=d.batch_size, tokenizer=d.tokenizer, add_bos=d.add_bos, **fields)
 
 
 def make_pretrain_eval(config):
@@ -148,10 +150,8 @@ def make_pretrain_eval(config):
     data.pretrain_eval is off: the same hash split a pretraining run on it holds out."""
     if not config.data.pretrain_eval:
         return None
-    return make_dataset(DataConfig(seq_len=config.data.seq_len + 1, batch_size=config.data.batch_size,
-                                   data=config.data.pretrain_path, tokenizer=config.data.tokenizer,
-                                   add_bos=config.data.add_bos, eval_fraction=config.data.pretrain_eval_fraction),
-                        "eval")
+    return make_dataset(_data_config(config, data=config.data.pretrain_path,
+                                     eval_fraction=config.data.pretrain_eval_fraction), "eval")
 
 
 def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
@@ -209,15 +209,13 @@ def train(config) -> list[dict]:
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
                        bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True)
     first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
+    eval_step = step_lib.make_eval_step(graphdef)
     if on_mesh is None:
         train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
     else:
         mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
                                                     on_mesh.rules, **step_kwargs)
-
-        def train_step(state, batch):
-            return mesh_step(state, on_mesh.place_batch(batch))
-
+        train_step, eval_step = on_mesh.placing(mesh_step), on_mesh.placing(eval_step)
         if jax.process_count() > 1 and host.on_cpu() and start < tc.steps:
             # XLA:CPU's collectives (gloo) give a process 30 s to join the first one, and processes
             # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
@@ -225,12 +223,6 @@ def train(config) -> list[dict]:
             mesh_step.compile(state, on_mesh.place_batch(first_batch))
             host.trim_heap()  # the compiler's freed heap, before the step's buffers
             multihost.barrier("train_step_compiled")
-    eval_step = step_lib.make_eval_step(graphdef)
-    if on_mesh is not None:
-        host_eval_step = eval_step
-
-        def eval_step(state, batch):
-            return host_eval_step(state, on_mesh.place_batch(batch))
     tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
     flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
     peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
@@ -241,7 +233,7 @@ def train(config) -> list[dict]:
                  peak, peak_source)
 
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start) if lead else _NoWriter()
-    progress = metrics_lib.Progress(start, tc.steps)
+    progress = metrics_lib.Progress(tc.steps)
     records, window_start = [], start
     try:
         if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
@@ -357,17 +349,16 @@ def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_s
     return record
 
 
+# The console line's fields, in order: record key, format of its value (keys not in the record are left out).
+_CONSOLE = (("loss", "loss {:.4f}"), ("lm_loss", "lm {:.4f}"), ("mtp_loss", "mtp {:.4f}"), ("eval_loss", "eval {:.4f}"),
+            ("pretrain_eval_loss", "pretrain-eval {:.4f}"), ("maxvio", "maxvio {:.3f}"), ("grad_norm", "gnorm {:.3f}"),
+            ("lr", "lr {:.3g}"), ("tokens_per_sec", "{:.0f} tok/s"), ("mfu", "mfu {:.2%}"))
+
+
 def _console(record, total_steps, steps_per_sec, eta):
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lm {record['lm_loss']:.4f}",
-             f"mtp {record['mtp_loss']:.4f}"]
-    if "eval_loss" in record:
-        parts.append(f"eval {record['eval_loss']:.4f}")
-    if "pretrain_eval_loss" in record:
-        parts.append(f"pretrain-eval {record['pretrain_eval_loss']:.4f}")
-    if "maxvio" in record:
-        parts.append(f"maxvio {np.mean(record['maxvio']):.3f}")
-    parts += [f"gnorm {record['grad_norm']:.3f}", f"lr {record['lr']:.3g}",
-              f"{record['tokens_per_sec']:.0f} tok/s", f"mfu {100 * record['mfu']:.2f}%"]
+    shown = dict(record, maxvio=np.mean(record["maxvio"])) if "maxvio" in record else record
+    parts = [f"step {record['step']}/{total_steps}"]
+    parts += [fmt.format(shown[key]) for key, fmt in _CONSOLE if key in shown]
     if record["skipped_steps"]:
         parts.append(f"skipped {record['skipped_steps']}")
     if np.isfinite(eta):

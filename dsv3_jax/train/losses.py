@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from dsv3_jax.ops.cross_entropy import token_nll
 from dsv3_jax.ops.head_loss import head_nll
 
-# Tokens per chunk of the chunked head loss: on CPU, 256-512 ran the head and its loss 1.5-2x faster
-# than the whole logits for B8 x T256 at V 4096-12000 (docs/benchmarks.md); [256, V] fp32 logits
-# are 132 MB at the 671B vocabulary.
+# Tokens per chunk of the chunked head loss (chosen in docs/benchmarks.md); [256, V] fp32 logits are
+# 132 MB at the 671B vocabulary.
 HEAD_CHUNK_TOKENS = 256
 
 

@@ -142,22 +142,19 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 class Progress:
-    """Throughput and ETA over the steps since the last report (compile time excluded)."""
+    """Throughput since the last report and ETA at the mean rate since the first (compile time excluded)."""
 
-    def __init__(self, start_step: int, total_steps: int):
+    def __init__(self, total_steps: int):
         self.total = total_steps
-        self.last_step, self.last_time = start_step, None
-        self.elapsed_steps, self.elapsed_time = 0, 0.0
+        self.first = self.last = None  # (step, time)
 
     def tick(self, step: int) -> tuple[float, float]:
         """Returns (steps/s since the last tick, seconds left), step = steps done so far."""
         now = time.perf_counter()
-        if self.last_time is None:  # the first call follows compilation: start the clock here
-            self.last_step, self.last_time = step, now
+        if self.first is None:  # the first call follows compilation: start the clock here
+            self.first = self.last = (step, now)
             return float("nan"), float("nan")
-        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
-        self.elapsed_steps += step - self.last_step
-        self.elapsed_time += now - self.last_time
-        self.last_step, self.last_time = step, now
-        mean_rate = self.elapsed_steps / max(self.elapsed_time, 1e-9)
+        rate = (step - self.last[0]) / max(now - self.last[1], 1e-9)
+        mean_rate = (step - self.first[0]) / max(now - self.first[1], 1e-9)
+        self.last = (step, now)
         return rate, (self.total - step) / max(mean_rate, 1e-9)

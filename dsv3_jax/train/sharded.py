@@ -47,13 +47,12 @@ def _as_tree(pure: dict, flat: dict) -> dict:
     return jax.tree_util.tree_map_with_path(pick, pure)
 
 
-def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, rules=None, *,
-                          strict: bool = False) -> state_lib.TrainState:
+def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, rules=None) -> state_lib.TrainState:
     """A TrainState of NamedShardings (same structure as `state`) for `model`'s logical axes."""
     rules = sharding.get_rules(rules)
     _, params, biases = state_lib.split_model(model)
-    flat_params = variable_shardings(params, mesh, rules, strict=strict)
-    flat_biases = variable_shardings(biases, mesh, rules, strict=strict)
+    flat_params = variable_shardings(params, mesh, rules)
+    flat_biases = variable_shardings(biases, mesh, rules)
     rep = sharding.replicated(mesh)
     out = jax.tree.map(lambda _: rep, state)
     return out.replace(params=_as_tree(state.params, flat_params),
@@ -120,6 +119,10 @@ class MeshTraining(NamedTuple):
         """This process's rows (config.data.batch_size of them) -> the global batch on the mesh."""
         rows = next(iter(batch.values())).shape[0] * jax.process_count()
         return multihost.global_batch(batch, batch_sharding(self.mesh, self.rules), rows)
+
+    def placing(self, step: Callable) -> Callable:
+        """`step(state, batch)` taking this process's host batch, placed on the mesh first."""
+        return lambda state, batch: step(state, self.place_batch(batch))
 
 
 def check_pipeline(cfg, mesh, batch: int) -> int:

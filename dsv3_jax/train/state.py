@@ -24,6 +24,7 @@ from flax import nnx
 
 from dsv3_jax.model.params import RouterBias
 from dsv3_jax.model.quant import QuantizedWeight
+from dsv3_jax.train.optimizer import select
 
 
 @flax.struct.dataclass
@@ -53,8 +54,6 @@ def _state_of(params: dict, biases: dict, tx: optax.GradientTransformation, seed
     """Step 0 of a run whose weights are `params` / `biases` (pure dicts). `trainable`
     (`optimizer.trainable_mask`, e.g. LoRA adapters only): the parameters the optimizer holds state
     for; None: all of them."""
-    from dsv3_jax.train.optimizer import select
-
     zero = jnp.zeros((), jnp.int32)
     return TrainState(step=zero, params=params, router_bias=biases, opt_state=tx.init(select(params, trainable)),
                       rng=jax.random.key_data(jax.random.key(seed)), skipped=zero, consecutive_skips=zero)

@@ -141,7 +141,7 @@ def _next_key(key_data: jax.Array) -> jax.Array:
     return jax.random.key_data(jax.random.split(jax.random.wrap_key_data(key_data))[0])
 
 
-def make_eval_step(graphdef: nnx.GraphDef, jit_kwargs: dict | None = None):
+def make_eval_step(graphdef: nnx.GraphDef):
     """Returns jitted `eval_step(state, batch) -> (summed next-token NLL, valid tokens)`."""
 
     def eval_step(state: TrainState, batch: dict):
@@ -149,4 +149,4 @@ def make_eval_step(graphdef: nnx.GraphDef, jit_kwargs: dict | None = None):
         _, targets, mask = losses.inputs_and_targets(batch)
         return losses.head_cross_entropy(head, out.hidden, targets, mask)
 
-    return jax.jit(eval_step, **(jit_kwargs or {}))
+    return jax.jit(eval_step)

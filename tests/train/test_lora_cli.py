@@ -152,7 +152,7 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
     import transformers
 
     from dsv3_jax.checkpoint import load_pretrained
-    from dsv3_jax.train import finetune
+    from dsv3_jax.train import finetune, state as state_lib
     from dsv3_jax.train import loop as train_lib
     from experiments.configs import lora as lora_config
 
@@ -183,7 +183,8 @@ def test_adapter_only_export_loads_in_peft_and_back_as_init_from(pretrained, dro
     config = lora_config.get_config()
     config.train.init_from = str(tmp_path / "peft")
     again = train_lib.build_model(config, train_lib.model_config(config))
-    mask = finetune.adapt(config, again)
+    finetune.adapt(config, again)
+    mask = finetune.trainable(config, state_lib.split_model(again)[1])
     assert sum(jax.tree.leaves(mask)) == 2 * 16  # A and B of 16 stacked adapters
     _close(np.asarray(again(tokens)), ours)
 
