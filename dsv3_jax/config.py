@@ -129,7 +129,7 @@ class ModelConfig:
     @classmethod
     def deepseek_v3(cls, **overrides) -> "ModelConfig":
         """The released DeepSeek-V3 / V3.1 (671B) architecture."""
-        return dataclasses.replace(cls(), **overrides) if overrides else cls()
+        return cls().replace(**overrides)
 
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":
@@ -143,17 +143,14 @@ class ModelConfig:
             yarn=YarnConfig(factor=4.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=1.0),
             num_mtp_layers=1, initializer_range=0.02, compute_dtype="float32",
         )
-        return base.replace(**overrides) if overrides else base
+        return base.replace(**overrides)
 
     def replace(self, **overrides) -> "ModelConfig":
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        valid = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(valid))
         if unknown:
-            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; valid fields: {self.field_names()}")
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; valid fields: {valid}")
         return dataclasses.replace(self, **overrides)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":

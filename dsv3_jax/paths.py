@@ -60,14 +60,19 @@ def name(path: str | os.PathLike) -> str:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Writes a small file whole; on a local disk also fsyncs it (a checkpoint's marker files)."""
+    """Replaces a small file whole, in one step: a reader sees the old file or the new one, never a
+    truncated one (a checkpoint's marker files, a run's model_config.json read by the other processes
+    while process 0 rewrites it). On a local disk it writes a temporary file, fsyncs it and renames
+    it over `path`; an object store's writes are whole objects already."""
     if is_url(path):
         at(path).write_text(text)
         return
-    with open(resolve(path), "w") as f:
+    path = resolve(path)
+    with open(path + ".tmp", "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def makedirs(path: str | os.PathLike) -> None:

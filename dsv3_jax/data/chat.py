@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 
 from dsv3_jax.data.chat_template import ChatTemplateError, ChatTokenizer
-from dsv3_jax.data.sources import DataError, expand_paths, json_lines, read_utf8
+from dsv3_jax.data.sources import DataError, expand_paths, json_lines
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
 BUNDLED_CHAT_PATH = pathlib.Path(__file__).parent / "assets" / "chat.jsonl"
@@ -36,7 +36,7 @@ def read_chat_file(path: str) -> list[tuple[list[dict], str]]:
     """(messages, "file:line") of each conversation of a `.jsonl` chat file; a malformed line fails naming
     file:line."""
     conversations = []
-    for where, obj in json_lines(path, read_utf8(path)):
+    for where, obj in json_lines(path):
         messages = obj.get(MESSAGES_FIELD) if isinstance(obj, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where}: expected an object with a non-empty list {MESSAGES_FIELD!r}.")
@@ -44,8 +44,6 @@ def read_chat_file(path: str) -> list[tuple[list[dict], str]]:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DataError(f"{where}: {MESSAGES_FIELD}[{i}] must be an object with string 'role' and 'content'.")
         conversations.append((messages, where))
-    if not conversations:
-        raise DataError(f"{path}: no conversations (no non-blank line).")
     return conversations
 
 

@@ -109,15 +109,13 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
         fan_out = functools.partial(chat_lib.encode_fitting, chat_tok, config.seq_len)
         source = chat_lib.open_chat_source(config.data)
     else:
-        fan_out = functools.partial(_split_long, config.seq_len)
+        fan_out = functools.partial(_document_chunks, tok, config.add_bos, config.seq_len)
         source = sources_lib.open_source(config.data, text_field=config.text_field, vocab_size=tok.vocab_size)
     process_index, process_count = _process(process_index, process_count)
     indices = split_indices(len(source), config.eval_fraction)[split]
     ds = grain.MapDataset.source(_Subset(source, indices))
     if split == "train":
         ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
-    if not chat:
-        ds = ds.map(functools.partial(_tokenize, tok, config.add_bos))
     ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _FlatMap(fan_out))
     rows = config.batch_size * process_count
     features = ("tokens", "loss_mask") if chat else ("tokens",)
@@ -238,11 +236,13 @@ class _Subset:
         return self.source[int(self.indices[i])]
 
 
-def _tokenize(tokenizer, add_bos: bool, document) -> np.ndarray:
-    """Document (text or int32 ids) -> int32 [BOS] + ids + [EOS]."""
+def _document_chunks(tokenizer, add_bos: bool, seq_len: int, document) -> list[dict[str, np.ndarray]]:
+    """Document (text or int32 ids) -> [{"tokens": chunk}]: int32 [BOS] + ids + [EOS] in chunks of at
+    most seq_len tokens."""
     ids = np.asarray(tokenizer.encode(document) if isinstance(document, str) else document, dtype=np.int32)
     parts = [[tokenizer.bos_id]] if add_bos else []
-    return np.concatenate(parts + [ids, [tokenizer.eos_id]]).astype(np.int32)
+    ids = np.concatenate(parts + [ids, [tokenizer.eos_id]]).astype(np.int32)
+    return [{"tokens": ids[i:i + seq_len]} for i in range(0, len(ids), seq_len)]
 
 
 class _FlatMap(grain.experimental.FlatMapTransform):
@@ -255,11 +255,6 @@ class _FlatMap(grain.experimental.FlatMapTransform):
 
     def flat_map(self, item) -> list:
         return self.fan_out(item)
-
-
-def _split_long(seq_len: int, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
-    """int32 [n] -> [{"tokens": chunk}] with chunks of at most seq_len tokens."""
-    return [{"tokens": ids[i:i + seq_len]} for i in range(0, len(ids), seq_len)]
 
 
 def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

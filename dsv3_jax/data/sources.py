@@ -129,9 +129,8 @@ class TokenSource:
         return f"TokenSource({len(self._paths)} shards, {len(self)} documents)"
 
 
-def read_text_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
-    """Returns (documents, origins) of a `.txt` file, a document per block between blank lines
-    (`text_field`, for `.jsonl` files, is ignored)."""
+def read_text_file(path: str) -> tuple[list[str], list[str]]:
+    """Returns (documents, origins) of a `.txt` file, a document per block between blank lines."""
     text = _read_nonempty(path)
     docs = [d.strip("\n") for d in _BLANK_LINES.split(text.replace("\r\n", "\n"))]
     docs = [d for d in docs if d.strip()]
@@ -143,7 +142,7 @@ def read_text_file(path: str, text_field: str = "text") -> tuple[list[str], list
 def read_jsonl_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
     """Returns (documents, origins) of a `.jsonl` file, one document per non-blank line."""
     docs, origins = [], []
-    for where, obj in json_lines(path, _read_nonempty(path)):
+    for where, obj in json_lines(path):
         if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
             raise DataError(f"{where}: expected an object with a string field {text_field!r}.")
         if obj[text_field].strip():
@@ -154,10 +153,10 @@ def read_jsonl_file(path: str, text_field: str = "text") -> tuple[list[str], lis
     return docs, origins
 
 
-def json_lines(path: str, text: str):
-    """("file:line", object) of each non-blank line of a `.jsonl` file's `text`; a line that is not
-    JSON fails naming file:line."""
-    for line_no, line in enumerate(text.splitlines(), start=1):
+def json_lines(path: str):
+    """("file:line", object) of each non-blank line of a `.jsonl` file (at least one: an empty file
+    fails); a line that is not JSON fails naming file:line."""
+    for line_no, line in enumerate(_read_nonempty(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -196,33 +195,30 @@ def open_source(data=None, *, text_field: str = "text", vocab_size: int | None =
         docs = corpus.fortune_documents()
         return TextSource(docs, [f"{corpus.DISTRIBUTION} document {i}" for i in range(len(docs))])
     paths = expand_paths(data)
-    suffixes = {pathlib.Path(p).suffix for p in paths}
-    unknown = suffixes - set(TEXT_SUFFIXES + JSONL_SUFFIXES + RECORD_SUFFIXES)
+    unknown = [p for p in paths if not p.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + RECORD_SUFFIXES)]
     if unknown:
-        bad = next(p for p in paths if pathlib.Path(p).suffix in unknown)
-        raise DataError(f"{bad}: unknown file type; expected .txt, .jsonl or .arrayrecord.")
-    if suffixes & set(RECORD_SUFFIXES):
-        if suffixes - set(RECORD_SUFFIXES):
+        raise DataError(f"{unknown[0]}: unknown file type; expected .txt, .jsonl or .arrayrecord.")
+    shards = [p.endswith(RECORD_SUFFIXES) for p in paths]
+    if any(shards):
+        if not all(shards):
             raise DataError(f"{data}: mixes ArrayRecord shards with text files; run prepare_data.")
         return TokenSource(paths, vocab_size=vocab_size)
     docs, origins = [], []
     for path in paths:
-        read = read_jsonl_file if path.endswith(JSONL_SUFFIXES) else read_text_file
-        file_docs, file_origins = read(path, text_field)
+        if path.endswith(JSONL_SUFFIXES):
+            file_docs, file_origins = read_jsonl_file(path, text_field)
+        else:
+            file_docs, file_origins = read_text_file(path)
         docs.extend(file_docs)
         origins.extend(file_origins)
     return TextSource(docs, origins)
 
 
-def read_utf8(path: str) -> str:
+def _read_nonempty(path: str) -> str:
     try:
-        return pathlib.Path(path).read_text(encoding="utf-8")
+        text = pathlib.Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read as UTF-8 text ({e}).") from e
-
-
-def _read_nonempty(path: str) -> str:
-    text = read_utf8(path)
     if not text.strip():
         raise DataError(f"{path}: file is empty.")
     return text

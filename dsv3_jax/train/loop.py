@@ -127,7 +127,7 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
 
 
 def make_data(config, vocab_size: int):
-    """(train iterator, eval dataset, tokenizer); the pipeline checks every token id against the vocab."""
+    """(train iterator, eval dataset); the pipeline checks every token id against the vocab."""
     tokenizer = load_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
@@ -165,13 +165,12 @@ def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
     return total / max(count, 1.0)
 
 
-def _evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, max_batches: int) -> dict:
-    """Step 0's record: both held-out losses of the model a fine-tuning run starts from."""
-    record = {"step": 0, "eval_loss": evaluate(eval_step, state, eval_ds, max_batches),
-              "pretrain_eval_loss": evaluate(eval_step, state, pretrain_eval_ds, max_batches)}
-    logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", record["eval_loss"],
-                 record["pretrain_eval_loss"])
-    return record
+def _evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, max_batches: int) -> dict:
+    """The held-out losses: `eval_loss`, and `pretrain_eval_loss` with a pretraining eval split."""
+    losses = {"eval_loss": evaluate(eval_step, state, eval_ds, max_batches)}
+    if pretrain_eval_ds is not None:
+        losses["pretrain_eval_loss"] = evaluate(eval_step, state, pretrain_eval_ds, max_batches)
+    return losses
 
 
 def load_record(counts_LxE) -> dict:
@@ -195,8 +194,8 @@ def train(config) -> list[dict]:
     if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
         record = json.loads(config.to_json_best_effort())
         record["model"] = cfg.to_dict()
-        _write_json(paths.join(workdir, "config.json"), record)
-        _write_json(paths.join(workdir, "model_config.json"), cfg.to_dict())
+        paths.write_text(paths.join(workdir, "config.json"), json.dumps(record, indent=2))
+        paths.write_text(paths.join(workdir, "model_config.json"), json.dumps(cfg.to_dict(), indent=2))
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     pretrain_eval_ds = make_pretrain_eval(config)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
@@ -237,8 +236,10 @@ def train(config) -> list[dict]:
     records, window_start = [], start
     try:
         if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
-            records.append(_evaluate_start(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches))
-            writer.write(records[-1])
+            records.append({"step": 0, **_evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches)})
+            logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", records[0]["eval_loss"],
+                         records[0]["pretrain_eval_loss"])
+            writer.write(records[0])
         t_window = time.perf_counter()
         with checkpointing.Preemption() as preemption:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
@@ -254,10 +255,7 @@ def train(config) -> list[dict]:
                 if step % tc.log_every == 0 or step == tc.steps:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
-                        record["eval_loss"] = evaluate(eval_step, state, eval_ds, tc.eval_batches)
-                        if pretrain_eval_ds is not None:
-                            record["pretrain_eval_loss"] = evaluate(eval_step, state, pretrain_eval_ds,
-                                                                    tc.eval_batches)
+                        record |= _evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches)
                     steps_per_sec, eta = progress.tick(step)
                     _console(record, tc.steps, steps_per_sec, eta)
                     writer.write(record)
@@ -275,19 +273,6 @@ def train(config) -> list[dict]:
         ckpt.close()
         writer.close()
     return records
-
-
-def _write_json(path: str, obj) -> None:
-    """Replaces `path` in one step: the other processes of a resumed run read model_config.json while
-    process 0 rewrites it, and must see the old file or the new one, never a truncated one (an
-    object store's writes are whole objects already)."""
-    text = json.dumps(obj, indent=2)
-    if paths.is_url(path):
-        paths.write_text(path, text)
-        return
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def _save(ckpt: checkpointing.Checkpointer, step: int, state, train_iter, m, *, force: bool) -> bool:

@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dsv3_jax import paths
 
@@ -95,11 +94,9 @@ class MetricsWriter:
     def __init__(self, workdir: str, resume_step: int = 0):
         paths.makedirs(workdir)
         self.path = paths.join(workdir, "metrics.jsonl")
-        kept = self._kept_lines(resume_step)
-        paths.write_text(self.path, "".join(kept))
-        url = paths.is_url(self.path)
-        self._lines = kept if url else None  # the object's lines (a URL), or the open file (a path)
-        self._file = None if url else open(self.path, "a")
+        self._lines = self._kept_lines(resume_step)  # rewritten whole on a URL; a local file is appended to
+        paths.write_text(self.path, "".join(self._lines))
+        self._file = None if paths.is_url(self.path) else open(self.path, "a")
         from tensorboardX import SummaryWriter  # imported here: only the writer needs it
         self._tb = SummaryWriter(paths.join(workdir, "tensorboard"))
 
@@ -110,11 +107,11 @@ class MetricsWriter:
         return [line for line in records if json.loads(line)["step"] <= step]
 
     def write(self, record: dict):
-        record = {k: _plain(v) for k, v in record.items()}
+        """`record`: JSON values (Python numbers and lists, as the loop makes them)."""
         line = json.dumps(record) + "\n"
-        if self._lines is not None:
+        if self._file is None:
             self._lines.append(line)
-            paths.at(self.path).write_text("".join(self._lines))
+            paths.write_text(self.path, "".join(self._lines))
         else:
             self._file.write(line)
             self._file.flush()
@@ -126,14 +123,6 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
         self._tb.close()
-
-
-def _plain(value):
-    """numpy/jax scalars and arrays -> JSON numbers and lists."""
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        value = np.asarray(value)
-        return value.item() if value.ndim == 0 else value.tolist()
-    return value
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -6,11 +6,12 @@ The model side of `sharding/`: it reads each variable's `logical_axes` and asks 
 counters, RNG and metrics are replicated; a batch [B, T + 1] is split over the `batch` rule
 (data x fsdp x expert by default).
 
-    mesh = sharding.make_mesh(config.mesh)
-    model, graphdef, abstract = state_lib.abstract_train_state(make_model, tx, seed)
+    mesh = sharding.make_mesh(sizes)
+    model = nnx.eval_shape(make_model)
+    graphdef, abstract = state_lib.abstract_train_state(model, tx, seed)
     shardings = train_state_shardings(model, abstract, mesh, rules)
     state = state_lib.fresh_train_state(make_model, tx, seed, shardings)  # each device: its shards
-    step = make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, **loss_kwargs)
+    step = make_sharded_train_step(graphdef, tx, schedule, shardings, mesh, rules, **loss_kwargs)
     state, metrics = step(state, place_batch(batch, mesh, rules))
 """
 

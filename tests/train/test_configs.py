@@ -1,5 +1,6 @@
 """The config presets build valid models; the 671B recipe is the paper's."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -11,7 +12,7 @@ from dsv3_jax import ModelConfig
 def test_presets_build_model_configs(name):
     c = importlib.import_module(f"experiments.configs.{name}").get_config()
     cfg = ModelConfig.from_dict(c.model.to_dict())
-    assert set(c.model.keys()) == set(ModelConfig.field_names())
+    assert set(c.model.keys()) == {f.name for f in dataclasses.fields(ModelConfig)}
     assert c.optimizer.b1 == 0.9 and c.optimizer.b2 == 0.95 and c.optimizer.weight_decay == 0.1
     assert c.optimizer.clip_norm == 1.0 and c.loss.mtp_weight == 0.3 and c.loss.balance_weight == 1e-4
     assert c.balancing.bias_update_speed == 1e-3
