@@ -132,7 +132,7 @@ class ChatTokenizer:
         else:
             self.template, self.template_origin = read_config_template(config), str(config)
             # A copy of the bundled tokenizer (a run exported before its config was written) is the bundled one.
-            if self.template is None and self.path.read_bytes() == pathlib.Path(BUNDLED_PATH).read_bytes():
+            if self.template is None and self.path.read_bytes() == BUNDLED_PATH.read_bytes():
                 self.template, self.template_origin = BUNDLED_TEMPLATE, "the bundled template (BUNDLED_TEMPLATE)"
         tok = self.tokenizer
         self.specials = {f"{k}_token": tok.hf.id_to_token(getattr(tok, f"{k}_id")) or "" for k in ("bos", "eos", "pad")}
@@ -150,9 +150,7 @@ class ChatTokenizer:
                     messages=messages, add_generation_prompt=add_generation_prompt, **self.specials, **extra):
                 _TRACK.blocks.append(block)
             return "".join(_TRACK.blocks), _TRACK.spans
-        except ChatTemplateError:
-            raise
-        except jinja2.TemplateError as e:
+        except jinja2.TemplateError as e:  # not the template's own raise_exception: a ChatTemplateError already
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
         finally:
             _TRACK.blocks, _TRACK.spans = None, None

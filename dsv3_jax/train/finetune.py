@@ -30,7 +30,7 @@ def lora_config(config) -> lora.LoRAConfig | None:
     return lora.LoRAConfig(**config.lora.to_dict()) if "lora" in config else None
 
 
-def base_load_kwargs(config, mesh_size: int = 1) -> dict:
+def base_load_kwargs(config, mesh_size: int) -> dict:
     """`load_pretrained` arguments for the base: with `lora.base_weights` (QLoRA) it loads quantized."""
     cfg = lora_config(config)
     if cfg is None or not cfg.quantized:

@@ -133,9 +133,9 @@ def make_data(config, vocab_size: int):
         raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size} ids, {config.data.tokenizer or 'bundled tokenizer'})")
     d = config.data
-    train_ds, eval_ds = make_train_and_eval(
-        _data_config(config, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction, seed=d.seed,
-                     num_workers=d.num_workers, format=d.format, chat_template=d.chat_template), tokenizer=tokenizer)
+    data_config = _data_config(config, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction,
+                               seed=d.seed, num_workers=d.num_workers, format=d.format, chat_template=d.chat_template)
+    train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
     return iter(train_ds), eval_ds
 
 

@@ -99,8 +99,7 @@ def decay_mask(param_state: nnx.State) -> dict:
 
 def _variable_mask(predicate, param_state: nnx.State) -> dict:
     """Pure dict of `predicate(variable)` over the variables of `param_state`."""
-    mask = jax.tree.map(predicate, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.to_pure_dict(mask) if isinstance(mask, nnx.State) else mask
+    return nnx.to_pure_dict(jax.tree.map(predicate, param_state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def scale_by_adam_stored_in(dtype, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
@@ -139,9 +138,9 @@ def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransform
                        optax.scale_by_learning_rate(lr))
 
 
-def trainable_mask(param_state: nnx.State, wrt=nnx.Param) -> dict:
-    """Pure dict of bools over the parameters, True for the variables of type `wrt` (all of them for
-    nnx.Param; for LoRA, `nnx.LoRAParam`: the adapters train and the base stays frozen)."""
+def trainable_mask(param_state: nnx.State, wrt: type) -> dict:
+    """Pure dict of bools over the parameters, True for the variables of type `wrt` (for LoRA,
+    `nnx.LoRAParam`: the adapters train and the base stays frozen)."""
     mask = _variable_mask(lambda v: isinstance(v, wrt), param_state)
     if not any(jax.tree.leaves(mask)):
         raise ValueError(f"no parameter of type {wrt.__name__} to train")
