@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsv3_jax import CheckpointError, ConfigError, load_pretrained
-from dsv3_jax.checkpoint.load import dequantize_fp8
+from dsv3_jax.checkpoint.fp8 import dequantize as dequantize_fp8
 from dsv3_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 
 SRC = os.path.join(os.path.dirname(__file__), "fixtures", "parity", "lora_groups_yarn")

@@ -31,7 +31,6 @@ from dsv3_jax import paths
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 
 ITEM = "integrity"
-BLOCK_BYTES = 256 << 20  # read at once when checking stored arrays
 
 
 def _mix(h):
@@ -105,40 +104,6 @@ def check(step: int, item_dir: str, manifest: dict[str, int], arrays: dict[str, 
     for name in names:
         if got[name] != manifest[name]:
             raise damaged(step, item_dir, name, f"checksum {got[name]:#010x}, recorded {manifest[name]:#010x}")
-
-
-def check_stored(step: int, item_dir: str, manifest: dict[str, int], names=None) -> None:
-    """Reads the arrays `names` (default: all the manifest lists) from the files block by block
-    and checks each against the manifest; this process's share when there are several."""
-    names = sorted(manifest if names is None else set(names) & set(manifest))
-    for name in names[jax.process_index()::jax.process_count()]:
-        try:
-            arr = ts.open(_spec(item_dir, name), open=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-                          ).result()
-            shape = tuple(arr.shape)
-            total = sum(checksum_block(arr[index].read().result(), shape, index)
-                        for index in _blocks(shape, arr.dtype.numpy_dtype.itemsize)) % 2**32
-        except Exception as e:  # TensorStore's read errors on a damaged or truncated file
-            raise damaged(step, item_dir, name, first_line(e)) from None
-        if total != manifest[name]:
-            raise damaged(step, item_dir, name, f"checksum {total:#010x}, recorded {manifest[name]:#010x}")
-
-
-def _blocks(shape: tuple[int, ...], itemsize: int):
-    """Leading indices of C-contiguous blocks of at most BLOCK_BYTES."""
-    lead = 0
-    while lead < len(shape) and math.prod(shape[lead:]) * itemsize > BLOCK_BYTES:
-        lead += 1
-    yield from np.ndindex(*shape[:lead])
-
-
-def _spec(item_dir: str, name: str) -> dict:
-    """TensorStore spec of array `name` in an Orbax item: in its OCDBT database, else its zarr folder."""
-    if paths.at(paths.join(item_dir, "manifest.ocdbt")).exists():
-        kv = {"driver": "ocdbt", "base": paths.kvstore(item_dir), "path": name + "/"}
-    else:
-        kv = paths.kvstore(paths.join(item_dir, name))
-    return {"driver": "zarr", "kvstore": kv}
 
 
 def damaged(step: int | None, item_dir: str, name: str, why: str) -> CheckpointError:

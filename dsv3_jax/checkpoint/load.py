@@ -22,6 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -33,11 +34,8 @@ from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3, lora
 from dsv3_jax.model import quant as model_quant
-from dsv3_jax.model.params import RouterBias, logical_axes
+from dsv3_jax.model.params import logical_axes
 from dsv3_jax.ops import quant
-
-dequantize_fp8 = fp8.dequantize
-
 
 def _variables(model: nnx.Module) -> dict[tuple[str, ...], nnx.Variable]:
     return {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)
@@ -77,10 +75,10 @@ class Quantization:
         return {path: (module, name, contract) for path, module, name, contract in
                 model_quant.targets(model, self.targets)}
 
-    def build(self, plan_entry, var, path, mesh, rules, src, raw=None) -> None:
+    def build(self, plan_entry, var, path, mesh, rules, src, raw=None, xp=np) -> None:
         module, name, contract = plan_entry
         qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
-                                       placement_of_axes(mesh, rules), build_array, src, raw)
+                                       placement_of_axes(mesh, rules), build_array, src, raw, xp)
         setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
 
 
@@ -158,39 +156,57 @@ def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[Mo
     return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
 
 
-def restore_variables(item_dir: str, variables: dict, keys: dict, place, step: int | None = None,
+def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict, place, step: int | None = None,
                       manifest: dict[str, int] | None = None) -> None:
-    """Orbax restore of the arrays `keys` names ({variable path: key path in the item at `item_dir`}),
-    each straight into `place(path, var)`'s sharding (a process reads only its devices' shards),
-    set into `variables` (the abstract model's). One path for converted checkpoints and runs (a
-    training `step`); with `manifest`, the arrays are restored in their stored dtype, checked against
-    its checksums (`integrity`), then cast."""
-    import orbax.checkpoint as ocp
-
-    stored = orbax_layout.ItemReader(paths.parent(item_dir), paths.name(item_dir)) if manifest is not None else None
+    """Orbax restore of the arrays `keys` names ({variable path: key path in `item`}), each straight
+    into `place(path, var)`'s sharding (a process reads only its devices' shards), set into
+    `variables` (the abstract model's). With `manifest`, the arrays are restored in their stored
+    dtype, checked against its checksums (`integrity`) of a training `step`, then cast."""
     target: dict = {}
     for p, key in keys.items():
         var = variables[p]
         node = target
         for k in key[:-1]:
             node = node.setdefault(k, {})
-        dtype = stored.array(key).dtype.numpy_dtype if stored is not None else var.dtype
+        dtype = item.arrays[key].dtype if manifest is not None else var.dtype
         node[key[-1]] = jax.ShapeDtypeStruct(var.shape, dtype, sharding=place(p, var))
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
-            restored = ckptr.restore(item_dir, ocp.args.PyTreeRestore(
+            restored = ckptr.restore(item.dir, ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
         except Exception as e:  # a damaged file: Orbax passes TensorStore's error on as a bare Exception
-            damaged = integrity.from_read_error(step, item_dir, e)
+            damaged = integrity.from_read_error(step, item.dir, e)
             if damaged is None and not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
                 raise
-            raise damaged or CheckpointError(f"{item_dir} does not hold this model's parameters ({e})") from None
+            raise damaged or CheckpointError(f"{item.dir} does not hold this model's parameters ({e})") from None
     by_key = {tuple(k.key for k in keypath): value
               for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
     if manifest is not None:
-        integrity.check(step, item_dir, manifest, {".".join(key): by_key[key] for key in keys.values()})
+        integrity.check(step, item.dir, manifest, {".".join(key): by_key[key] for key in keys.values()})
     for p, key in keys.items():
         variables[p].set_value(by_key[key].astype(variables[p].dtype))
+
+
+def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, plan: dict,
+                  quantization: Quantization | None, mesh, rules, step: int | None = None,
+                  manifest: dict[str, int] | None = None, as_restored: bool = False) -> None:
+    """The variables `keys` names ({variable path: key path in `item`}) from one Orbax item, for
+    converted checkpoints and training runs alike: those `plan` covers built quantized per shard
+    from windows of the stored arrays, the rest restored by Orbax (`restore_variables`). With
+    `manifest` every array is checked against its checksum. `as_restored` (a run's weights): each
+    window is cast to the parameter's dtype and quantized with jnp, the values `quantize_model`
+    gives for the restored model (see `quantized`)."""
+    restore_variables(item, variables, {p: k for p, k in keys.items() if p not in plan}, placement(mesh, rules),
+                      step, manifest)
+    if manifest is not None:
+        item.check(step, manifest, [".".join(keys[p]) for p in plan])
+    for p, entry in plan.items():
+        var, arr = variables[p], item.array(keys[p])
+        dtype = var.dtype if as_restored else None
+        st = model_quant.stack_dims(logical_axes(var))
+        src = quantized.ours_2d(lambda index, arr=arr, dtype=dtype: np.asarray(arr[index].read().result(), dtype),
+                                tuple(var.shape[st:]), entry[2])
+        quantization.build(entry, var, p, mesh, rules, src, xp=jnp if as_restored else np)
 
 
 def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
@@ -201,66 +217,48 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     meta = orbax_layout.read_meta(path)
     cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
     variables = _variables(model)
-    place = placement(mesh, rules)
     fp8_leaves = set(meta.get("fp8_leaves", []))
-    params_dir = paths.join(path, orbax_layout.PARAMS)
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
-    stored_keys = orbax_layout.item_keys(path, orbax_layout.PARAMS)
     quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
     keys = {}
     for p, var in variables.items():
         key = ".".join(p)
         if key in fp8_leaves or key in int_leaves:
             continue
-        if p not in stored_keys:
-            raise CheckpointError(f"parameter {key} is missing from {params_dir} (the config in "
+        if p not in stored.arrays:
+            raise CheckpointError(f"parameter {key} is missing from {stored.dir} (the config in "
                                   f"{path}/config/metadata needs it)")
-        shape = tuple(stored.array(p).shape)
+        shape = tuple(stored.arrays[p].shape)
         if shape != tuple(var.shape):
-            raise CheckpointError(f"parameter {key} in {params_dir} has shape {shape}, the config needs "
+            raise CheckpointError(f"parameter {key} in {stored.dir} has shape {shape}, the config needs "
                                   f"{tuple(var.shape)}")
-        if p not in plan:
-            keys[p] = p
+        keys[p] = p
     manifest = integrity.read_manifest(path)
     if manifest is None:
         logging.warning("%s has no checksums (converted before they were recorded): not verified", path)
-    restore_variables(params_dir, variables, keys, place, manifest=(manifest or {}).get(orbax_layout.PARAMS))
+    _restore_item(stored, variables, keys, {p: e for p, e in plan.items() if p in keys}, quantization, mesh, rules,
+                  manifest=(manifest or {}).get(orbax_layout.PARAMS))
+    fp8_item = orbax_layout.ItemReader(path, orbax_layout.FP8)
     if manifest is not None:
-        _check_windowed(path, manifest, plan, int_leaves, fp8_leaves)
+        stored.check(None, manifest[orbax_layout.PARAMS], [".".join(p + (part,)) for p in plan
+                                                           if ".".join(p) in int_leaves for part in ("q", "scale")])
+        if fp8_leaves:
+            fp8_item.check(None, manifest.get(orbax_layout.FP8, {}))
     quantized_keys = {".".join(p) for p in plan}
     if fp8_leaves - quantized_keys:
-        _restore_fp8(path, cfg, variables, fp8_leaves - quantized_keys, place)
+        _restore_fp8(fp8_item, cfg, variables, fp8_leaves - quantized_keys, placement(mesh, rules))
     for p, entry in plan.items():
-        _, _, contract = entry
-        var = variables[p]
+        var, (module, name, contract) = variables[p], entry
         if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
-            module, name, _ = entry
             qa = quantized.restore_quantized(var, contract, quantization.fmt, quantization.group, ".".join(p),
                                              placement_of_axes(mesh, rules), build_array, stored.array(p + ("q",)),
                                              stored.array(p + ("scale",)))
             setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
-            continue
-        if ".".join(p) in fp8_leaves:  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
-            fp8_item = orbax_layout.ItemReader(path, orbax_layout.FP8)
+        elif ".".join(p) in fp8_leaves:  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
             raw = _fp8_item_raw(fp8_item, p) if quantization.fmt == "fp8" else None
             src = quantized.hf_2d(_fp8_item_window(fp8_item, p, np.dtype(np.float32)))
-        else:
-            arr = stored.array(p)
-            st = model_quant.stack_dims(logical_axes(var))
-            src, raw = quantized.ours_2d(lambda index, arr=arr: arr[index].read().result(), tuple(var.shape[st:]),
-                                         contract), None
-        quantization.build(entry, var, p, mesh, rules, src, raw)
+            quantization.build(entry, var, p, mesh, rules, src, raw)
     return model
-
-
-def _check_windowed(path: str, manifest: dict, plan: dict, int_leaves: set[str], fp8_leaves: set[str]) -> None:
-    """Checks the arrays that are read window by window (quantized as they load, not restored by
-    Orbax) against the checksums, block by block as stored (`integrity.check_stored`)."""
-    names = [".".join(p + part) for p in plan if ".".join(p) not in fp8_leaves
-             for part in ((("q",), ("scale",)) if ".".join(p) in int_leaves else ((),))]
-    integrity.check_stored(None, paths.join(path, orbax_layout.PARAMS), manifest[orbax_layout.PARAMS], names)
-    if fp8_leaves:
-        integrity.check_stored(None, paths.join(path, orbax_layout.FP8), manifest.get(orbax_layout.FP8, {}))
 
 
 def _stored_quantization(path: str, meta: dict, model, quantization: Quantization | None):
@@ -304,21 +302,23 @@ def _fp8_item_window(reader: orbax_layout.ItemReader, p: tuple[str, ...], target
     return window
 
 
-def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, **config_overrides) -> DeepSeekV3:
+def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
+             **config_overrides) -> DeepSeekV3:
     """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
-    step's train state (`params/...`, `router_bias/...`) like a converted checkpoint's `params`."""
+    step's train state (`run_folder.StateParams`) like a converted checkpoint's `params`, the
+    projections `quantization` covers built quantized per shard."""
     _, model = _abstract_model(run.model_config(), dtype, config_overrides)
     variables = _variables(model)
-    keys = {p: ("router_bias" if isinstance(var, RouterBias) else "params",) + p for p, var in variables.items()}
-    restore_variables(paths.join(run.step_dir, "state"), variables, keys, placement(mesh, rules), run.step,
-                      integrity.read_manifest(run.step_dir))
+    state = run_folder.StateParams(run)
+    plan = quantization.plan(model) if quantization is not None else {}
+    _restore_item(state.reader, variables, {p: state.key(p) for p in variables}, plan, quantization, mesh, rules,
+                  run.step, integrity.read_manifest(run.step_dir), as_restored=True)
     return model
 
 
-def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], place) -> None:
+def _restore_fp8(reader: orbax_layout.ItemReader, cfg: ModelConfig, variables, fp8_leaves: set[str], place) -> None:
     """Each parameter of the `fp8` item built shard by shard: e4m3 windows and the scale blocks that
     cover them, read with tensorstore and dequantised into the parameter's dtype."""
-    reader = orbax_layout.ItemReader(path, orbax_layout.FP8)
     for leaf in hf_names.leaves(cfg):
         if ".".join(leaf.path) not in fp8_leaves:
             continue
@@ -329,9 +329,17 @@ def _restore_fp8(path: str, cfg: ModelConfig, variables, fp8_leaves: set[str], p
                                   lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
 
 
-def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, **overrides) -> DeepSeekV3:
+def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=None,
+                  quantization: Quantization | None = None, **overrides) -> DeepSeekV3:
     """A LoRA run's model with its adapters unmerged (the model training ran): the base as
     `load_run` reads it, the run's adapters (`section`: its lora config) put on and filled from the step."""
+    ckpt = run.run_dir
+    if mesh is not None:
+        raise CheckpointError(f"{ckpt} is a LoRA run, which loads on one device; for a mesh export it "
+                              f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={ckpt} --out=DIR)")
+    if quantization is not None:
+        raise CheckpointError(f"{ckpt} is a LoRA run; to load it with weights={quantization.fmt!r} export it merged "
+                              f"first (python -m dsv3_jax.convert --to-hf --ckpt={ckpt} --out=DIR)")
     fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts", "base_weights", "base_quantize")
               if k in section}
     cfg = lora.LoRAConfig(**fields)
@@ -383,17 +391,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
         if (section := lora_export.lora_section(run.run_dir)) is not None:  # a LoRA run: its base with its adapters
-            if mesh is not None:
-                raise CheckpointError(f"{path} is a LoRA run, which loads on one device; for a mesh export it "
-                                      f"merged first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
-            if quantization is not None:
-                raise CheckpointError(f"{path} is a LoRA run; to load it with weights={weights!r} export it merged "
-                                      f"first (python -m dsv3_jax.convert --to-hf --ckpt={path} --out=DIR)")
-            return load_lora_run(run, section, dtype, **config_overrides)
-        model = load_run(run, dtype, mesh=mesh, rules=rules, **config_overrides)
-        if quantization is not None:  # a run's state restores whole leaves (sharded); quantized one leaf at a time
-            model_quant.quantize_model(model, quantization.fmt, quantization.targets, quantization.group)
-        return model
+            return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization, **config_overrides)
+        return load_run(run, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
         return load_orbax(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):

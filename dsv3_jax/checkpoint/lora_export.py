@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 from dsv3_jax.checkpoint import hf_names
-from dsv3_jax.checkpoint.run_folder import StateParams, check_step
+from dsv3_jax.checkpoint.run_folder import StateParams
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.model.lora import low_rank_delta
 
@@ -153,8 +153,8 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
         raise CheckpointError(f"{run.run_dir} is not a LoRA run (its config.json has no lora section)")
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; remove it or pass --overwrite")
-    check_step(run)
     params = StateParams(run)
+    params.check()
     tensors = peft_tensors(run.model_config(), params, params.keys)
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
     os.makedirs(out, exist_ok=True)

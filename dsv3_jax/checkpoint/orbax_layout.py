@@ -16,7 +16,9 @@ folder per array), so
 `ocp.StandardCheckpointer().restore(CKPT / "params", abstract)` and an Orbax `Composite` restore
 read them, with any target sharding. We write them ourselves because Orbax saves whole arrays and
 one stacked expert tensor of the real model is 436 GB: tensorstore lets us write each zarr array one
-[layer, expert] slice (one chunk file) at a time.
+[layer, expert] slice (one chunk file) at a time. Everything read back goes through Orbax's public
+API: the items' JSON and array metadata through its handlers, an array's TensorStore spec (in a
+zarr folder or an OCDBT database, e.g. a training step's `state`) through `ocp.type_handlers`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import math
 import time
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from dsv3_jax import paths
@@ -37,27 +41,20 @@ from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 PARAMS, FP8, CONFIG = "params", "fp8", "config"
 FORMAT, VERSION = "dsv3_jax", 1
 CHUNK_BYTES = 64 << 20
-_HANDLERS = {
-    PARAMS: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
-    FP8: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
-    CONFIG: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
-}
-_HANDLERS[integrity.ITEM] = _HANDLERS[CONFIG]
+# An item's handler as Orbax records it in _CHECKPOINT_METADATA: the class's module and name.
+_ARRAYS, _JSON = ocp.StandardCheckpointHandler, ocp.JsonCheckpointHandler
+_HANDLERS = {PARAMS: _ARRAYS, FP8: _ARRAYS, CONFIG: _JSON, integrity.ITEM: _JSON}
 _TS_DTYPES = {np.dtype(ml_dtypes.bfloat16): ts.bfloat16, np.dtype(ml_dtypes.float8_e4m3fn): ts.float8_e4m3fn}
 
 
 def _context() -> ts.Context:
     # No tensorstore cache: written chunks must not accumulate in memory.
     # No fsync per chunk file: the converter syncs once before it renames the folder into place.
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 16},
-                       "file_io_sync": False})
+    # The OCDBT b-tree cache is Orbax's (the spec it gives for an array in a database names it).
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+                       "file_io_concurrency": {"limit": 16}, "file_io_sync": False})
 
 
-def _kvstore(item_dir: str, name: str) -> dict:
-    # Orbax's non-OCDBT layout: one zarr folder per array, one file per chunk. (Writing into one
-    # OCDBT database commits its manifest on every slice write: 50x slower here.) A local folder
-    # or a URL (dsv3_jax/paths.py): `file` or the URL's driver, e.g. `gcs`.
-    return paths.kvstore(paths.join(item_dir, name))
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, stacked: int = 0, target: int = CHUNK_BYTES) -> list[int]:
@@ -97,7 +94,9 @@ class ItemWriter:
         self._keys.append(tuple(path))
         self._shapes[".".join(path)], self.checksums[".".join(path)] = tuple(shape), 0
         chunks = chunks or chunk_shape(shape, dtype.itemsize, stacked)
-        spec = {"driver": "zarr", "kvstore": _kvstore(self.dir, ".".join(path)),
+        # Orbax's non-OCDBT layout: one zarr folder per array, one file per chunk. (Writing into one
+        # OCDBT database commits its manifest on every slice write: 50x slower here.)
+        spec = {"driver": "zarr", "kvstore": paths.kvstore(paths.join(self.dir, ".".join(path))),
                 "metadata": {"compressor": None, "chunks": [max(1, c) for c in chunks]}}
         return ts.open(spec, create=True, dtype=_TS_DTYPES.get(dtype, ts.dtype(dtype.name)),
                        shape=list(shape), context=self._ctx).result()
@@ -132,14 +131,11 @@ def _write_json(path: str, obj) -> None:
     paths.write_text(path, json.dumps(obj))
 
 
-def _read_json(path: str):
-    return json.loads(paths.at(path).read_text())
-
-
 def write_config(root: str, meta: dict[str, Any], items: list[str],
                  checksums: dict[str, dict[str, int]] | None = None) -> None:
     """Written last: a folder without these files is not a checkpoint (see `is_orbax_checkpoint`).
-    `checksums`: {item: `ItemWriter.checksums`}, the `integrity` item."""
+    `checksums`: {item: `ItemWriter.checksums`}, the `integrity` item. The JSON items are what
+    Orbax's JsonCheckpointHandler writes (and reads back: `read_meta`, `integrity.read_manifest`)."""
     paths.makedirs(paths.join(root, CONFIG))
     _write_json(paths.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
     if checksums is not None:
@@ -148,7 +144,8 @@ def write_config(root: str, meta: dict[str, Any], items: list[str],
         _write_json(paths.join(root, integrity.ITEM, "metadata"), {"checksums": checksums})
     now = time.time_ns()
     _write_json(paths.join(root, "_CHECKPOINT_METADATA"),
-                {"item_handlers": {k: _HANDLERS[k] for k in [*items, CONFIG]}, "metrics": {},
+                {"item_handlers": {k: f"{_HANDLERS[k].__module__}.{_HANDLERS[k].__qualname__}"
+                                   for k in [*items, CONFIG]}, "metrics": {},
                  "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
                  "custom_metadata": {}})
 
@@ -161,49 +158,42 @@ def is_orbax_checkpoint(path: str) -> bool:
 def read_meta(root: str) -> dict[str, Any]:
     path = paths.join(root, CONFIG, "metadata")
     try:
-        meta = _read_json(path)
-    except (OSError, json.JSONDecodeError) as e:
+        meta = ocp.JsonCheckpointHandler().restore(paths.at(paths.join(root, CONFIG)))
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise CheckpointError(f"{root} is not a dsv3_jax Orbax checkpoint: cannot read {path} ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
 
 
-def item_keys(root: str, item: str) -> set[tuple[str, ...]]:
-    path = paths.join(root, item, "_METADATA")
-    if not paths.at(path).exists():
-        return set()
-    tree = _read_json(path)["tree_metadata"]
-    return {tuple(k["key"] for k in v["key_metadata"]) for v in tree.values()}
-
-
 class ItemReader:
-    """Reads slices of the arrays of one item without restoring whole arrays: ours (a zarr folder
-    per array) or any item Orbax's Standard/PyTree handlers wrote, in the layout its `_METADATA`
-    names (an OCDBT database, zarr or zarr3), e.g. the `state` item of a training step."""
+    """Reads slices of the arrays of one item that Orbax's Standard/PyTree handlers wrote (or
+    `ItemWriter`), without restoring whole arrays: `keys` and each array's TensorStore spec come
+    from Orbax's public API, so any layout Orbax writes (a zarr folder per array, an OCDBT
+    database) reads, e.g. the `state` item of a training step."""
 
     def __init__(self, root: str, item: str):
         self.dir = paths.join(root, item)
         self._ctx = _context()
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
+        self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(paths.at(self.dir))
         try:
-            layout = _read_json(paths.join(self.dir, "_METADATA"))
-        except (OSError, json.JSONDecodeError):
-            layout = {}
-        self._ocdbt = bool(layout.get("use_ocdbt", False))
-        self._driver = "zarr3" if layout.get("use_zarr3") else "zarr"
+            tree = ocp.StandardCheckpointHandler().metadata(paths.at(self.dir)).tree
+        except (OSError, ValueError, KeyError):
+            tree = {}
+        # {key path: Orbax's ArrayMetadata (shape, dtype)} of every array in the item
+        self.arrays = {tuple(str(k) for k in key): m for key, m in ocp.tree.to_flat_dict(tree).items()}
 
-    def _spec(self, name: str) -> dict:
-        if self._ocdbt:  # one database for the item; an array is a key prefix in it
-            base = paths.kvstore(self.dir)
-            return {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name + "/"}}
-        return {"driver": self._driver, "kvstore": _kvstore(self.dir, name)}
+    def _ts_open(self, name: str) -> ts.TensorStore:
+        info = ocp.type_handlers.ParamInfo(name=name, parent_dir=paths.at(self.dir),
+                                           is_ocdbt_checkpoint=self._ocdbt, ts_context=self._ctx)
+        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
+        return ts.open(spec, open=True, context=self._ctx).result()
 
     def array(self, path: tuple[str, ...]) -> ts.TensorStore:
         if path not in self._open:
-            spec = self._spec(".".join(path))
             try:
-                self._open[path] = ts.open(spec, open=True, context=self._ctx).result()
+                self._open[path] = self._ts_open(".".join(path))
             except ValueError as e:
                 raise CheckpointError(f"{self.dir}: cannot open array {'.'.join(path)} ({e})") from None
         return self._open[path]
@@ -211,3 +201,27 @@ class ItemReader:
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
         arr = self.array(path)
         return np.asarray(arr[index].read().result() if index != () else arr.read().result())
+
+    def check(self, step: int | None, manifest: dict[str, int], names=None) -> None:
+        """Reads the arrays `names` (default: all the manifest lists) block by block and checks
+        each against the manifest's checksum; this process's share when there are several."""
+        names = sorted(manifest if names is None else set(names) & set(manifest))
+        for name in names[jax.process_index()::jax.process_count()]:
+            try:
+                arr = self._ts_open(name)
+                shape = tuple(arr.shape)
+                total = sum(integrity.checksum_block(arr[index].read().result(), shape, index)
+                            for index in _blocks(shape, arr.dtype.numpy_dtype.itemsize)) % 2**32
+            except Exception as e:  # TensorStore's read errors on a damaged or truncated file
+                raise integrity.damaged(step, self.dir, name, integrity.first_line(e)) from None
+            if total != manifest[name]:
+                raise integrity.damaged(step, self.dir, name,
+                                        f"checksum {total:#010x}, recorded {manifest[name]:#010x}")
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int = 256 << 20):
+    """Leading indices of C-contiguous blocks of at most `block_bytes`."""
+    lead = 0
+    while lead < len(shape) and math.prod(shape[lead:]) * itemsize > block_bytes:
+        lead += 1
+    yield from np.ndindex(*shape[:lead])

@@ -9,7 +9,10 @@ FP8 folder, a `--keep-fp8` checkpoint) loaded as `fp8` is copied as it is: e4m3 
 scale blocks, never widened.
 
 Sources give one stack element's matrix in our orientation [K, N] (`src`, float32) and, where the
-source holds FP8, its e4m3 [N, K] and scale windows (`raw`).
+source holds FP8, its e4m3 [N, K] and scale windows (`raw`). The windows are quantized with numpy
+(`xp=np`: the converter's arithmetic, also for HF folders and converted checkpoints) or with the
+jnp quantizers (`xp=jnp`: a training run's weights, quantized as `quantize_model` quantizes the
+trained model in memory, which XLA rounds its scales' divisions differently from numpy).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import math
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.checkpoint import fp8
@@ -41,33 +45,39 @@ def _widen(s: slice, unit: int, limit: int) -> slice:
     return slice(s.start // unit * unit, min(limit, -(-s.stop // unit) * unit))
 
 
-def _int_window(part: str, fmt: str, g: int, k: int, rows: slice, cols: slice, stack, src: Source) -> np.ndarray:
+def _int_window(part: str, fmt: str, g: int, rows: slice, cols: slice, stack, src: Source, xp) -> np.ndarray:
     """Rows `rows` x cols of q (int8 [K, N] or packed [K/2, N]) or of the scales [K/g, N]."""
     per_group = g // 2 if (part == "q" and fmt == "int4") else (g if part == "q" else 1)
     groups = slice(rows.start // per_group, -(-rows.stop // per_group))
-    q, s = quant.quantize_int(src(stack, slice(groups.start * g, groups.stop * g), cols), fmt, g, xp=np)
-    out = q if part == "q" else s
+    w_KxN = xp.asarray(src(stack, slice(groups.start * g, groups.stop * g), cols))
+    q, s = quant.quantize_int(w_KxN, fmt, g, xp=xp)
+    out = np.asarray(q if part == "q" else s)
     first = groups.start * per_group
     return out[rows.start - first:rows.stop - first]
 
 
-def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8) -> np.ndarray:
+def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8,
+                xp) -> np.ndarray:
     """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`)."""
     if raw is not None:
         return raw(stack, part, rows, cols)
     b = fp8.BLOCK
     nr, kc = (_widen(rows, b, n), _widen(cols, b, k)) if part == "q" else (
         slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
-    q, s = fp8.quantize(np.ascontiguousarray(src(stack, kc, nr).T))
+    w_NxK = np.ascontiguousarray(src(stack, kc, nr).T)
+    if xp is np:
+        q, s = fp8.quantize(w_NxK)
+    else:
+        q, s = (np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), min_amax=quant.FP8_MIN_AMAX))
     if part == "q":
         return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
     return s
 
 
 def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source,
-                    raw: RawFp8 = None) -> QArray:
+                    raw: RawFp8 = None, xp=np) -> QArray:
     """The QArray of parameter `var` (abstract: shape and logical axes), its q and scale each built
-    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`."""
+    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized with `xp`."""
     axes = logical_axes(var)
     st = stack_dims(axes)
     stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
@@ -84,9 +94,9 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
             stacks = list(itertools.product(*(range(b.start, b.stop) for b in bounds[:st])))
             for stack in stacks:
                 if fmt == "fp8":
-                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw)
+                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp)
                 else:
-                    w = _int_window(part, fmt, g, k, rows, cols, stack, src)
+                    w = _int_window(part, fmt, g, rows, cols, stack, src, xp)
                 if out is None:
                     out = np.empty([b.stop - b.start for b in bounds[:st]] + list(w.shape), w.dtype)
                 out[tuple(i - b.start for i, b in zip(stack, bounds))] = w

@@ -5,10 +5,10 @@ Layout written by `python -m experiments.train --workdir=RUN`:
   RUN/model_config.json        the architecture (ModelConfig.to_dict)
   RUN/config.json              the run's config (data.tokenizer: None = the bundled tokenizer)
   RUN/checkpoints/<step>/state the TrainState (params, router_bias, optimizer state, ...)
-`RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. `load.load_run`
-restores its parameters and router biases (the one restore path, `load.restore_variables`), each
-straight into its target sharding; `StateParams` reads slices for the HF export, after
-`check_step` has checked them. RUN may be a URL
+`RUN` resolves to its latest complete step; `RUN/checkpoints/<step>` to that step. `StateParams`
+is where every consumer finds a step's weights: `load.load_run` restores them through it (Orbax,
+each straight into its target sharding, or quantized per shard from its slices), the HF export
+reads its slices. RUN may be a URL
 (`gs://bucket/run`, dsv3_jax/paths.py), as the trainer writes it.
 """
 
@@ -85,27 +85,31 @@ def find(path: str | os.PathLike) -> RunStep | None:
 
 
 class StateParams:
-    """A step's train state read like our checkpoint's `params` item (`orbax_layout.ItemReader`
-    over the `state` item Orbax wrote): `read(path, index)` is one slice of a parameter or router
-    bias, read with tensorstore, nothing else restored."""
+    """The one reader of a step's model weights: the parameters and router biases in the train
+    state Orbax wrote (`state/params/...`, `state/router_bias/...`). `key(path)` is where parameter
+    `path` lives in the item; `read(path, index)` one slice of it (`orbax_layout.ItemReader`),
+    nothing else restored; `check()` reads them back against the step's checksums."""
 
     def __init__(self, run: RunStep):
-        self.dir = paths.join(run.step_dir, "state")
+        self.run = run
         self.reader = orbax_layout.ItemReader(run.step_dir, "state")
-        self.keys = orbax_layout.item_keys(run.step_dir, "state")
+        self.dir = self.reader.dir
+        self.keys = set(self.reader.arrays)
 
-    def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
+    def key(self, path: tuple[str, ...]) -> tuple[str, ...]:
         for kind in ("params", "router_bias"):  # the TrainState fields that hold the model
             if (kind, *path) in self.keys:
-                return self.reader.read((kind, *path), index)
+                return (kind, *path)
         raise CheckpointError(f"{self.dir} has no parameter {'.'.join(path)} (params/ or router_bias/); "
                               "does model_config.json belong to this run?")
 
+    def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
+        return self.reader.read(self.key(path), index)
 
-def check_step(run: RunStep) -> None:
-    """Reads the step's parameters and router biases back against its checksums (`integrity`);
-    a step saved before they were recorded is used as it is."""
-    manifest = integrity.read_manifest(run.step_dir)
-    if manifest is not None:
-        integrity.check_stored(run.step, paths.join(run.step_dir, "state"), manifest,
-                               [n for n in manifest if n.split(".")[0] in ("params", "router_bias")])
+    def check(self, names=None) -> None:
+        """Reads the parameters and router biases (or the arrays `names`) back against the step's
+        checksums (`integrity`); a step saved before they were recorded is used as it is."""
+        manifest = integrity.read_manifest(self.run.step_dir)
+        if manifest is not None:
+            model = [n for n in manifest if n.split(".")[0] in ("params", "router_bias")]
+            self.reader.check(self.run.step, manifest, model if names is None else names)

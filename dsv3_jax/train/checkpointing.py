@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dsv3_jax import paths
-from dsv3_jax.checkpoint import integrity
+from dsv3_jax.checkpoint import integrity, orbax_layout
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from sharding import multihost
 from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
@@ -133,7 +133,7 @@ class Checkpointer:
         if manifest is None:
             return False
         try:
-            integrity.check_stored(step, paths.join(step_dir, "state"), manifest)
+            orbax_layout.ItemReader(step_dir, "state").check(step, manifest)
         except CheckpointError as e:
             logging.warning("%s; keeping the older steps", e)
             return False
