@@ -29,6 +29,11 @@ class Leaf:
     hf_shapes: Callable[[], list[tuple[int, ...]]]  # expected HF shapes of one slice
     layout: "Layout"  # how one HF tensor's dims become ours: for reading a shard of a slice alone
 
+    def hf_name(self, stack: tuple[int, ...]) -> str:
+        """The HF tensor of stack element `stack` ((), (layer,) or (layer, expert) in our stacked dims)."""
+        names = self.hf(self.hf_layers[stack[0]] if stack else None)
+        return names[stack[1] if len(stack) == 2 else 0]
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

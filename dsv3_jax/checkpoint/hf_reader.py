@@ -171,8 +171,7 @@ class HFReader:
     def leaf_window(self, leaf: hf_names.Leaf, dtype) -> Callable:
         """`window` for `read_shard`: (stack index, rows, cols) -> that HF tensor's window."""
         def window(stack: tuple[int, ...], rows: slice, cols: slice | None = None) -> np.ndarray:
-            names = leaf.hf(leaf.hf_layers[stack[0]] if stack else None)
-            return self.window(names[stack[1] if len(stack) == 2 else 0], rows, cols, dtype)
+            return self.window(leaf.hf_name(stack), rows, cols, dtype)
 
         return window
 
@@ -180,6 +179,11 @@ class HFReader:
 def _bounded(s: slice | None, n: int) -> slice:
     start, stop, _ = (s or slice(None)).indices(n)
     return slice(start, stop)
+
+
+def index_bounds(index: tuple, shape: tuple[int, ...]) -> list[slice]:
+    """`index` (a device's shard index, trailing dims left out) as one slice per dim, start and stop set."""
+    return [_bounded(s, n) for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
 
 
 def row_blocks(rows: int, row_bytes: int, block_bytes: int = ROW_BLOCK_BYTES):
@@ -195,7 +199,7 @@ def read_shard(leaf: hf_names.Leaf, shape: tuple[int, ...], index: tuple, window
     `window(stack, rows, cols)` gives HF tensor `stack` ((), (layer,) or (layer, expert) in our
     stacked dims) restricted to rows x cols, as `dtype`. Nothing outside the shard is read except,
     when a split dimension's inner part is itself cut, the rest of its outer rows."""
-    bounds = [_bounded(s, n) for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
+    bounds = index_bounds(index, shape)
     k = hf_names.stacked_dims(leaf)
     out = np.empty([b.stop - b.start for b in bounds], dtype)
     for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:k])):

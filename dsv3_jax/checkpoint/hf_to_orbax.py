@@ -219,8 +219,7 @@ def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
 def _raw_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
     """The stored e4m3 rows of one block and their scale rows, as stored (HF orientation)."""
     stack = tuple(s.start for s in index[:p.stacked])
-    names = p.leaf.hf(p.leaf.hf_layers[stack[0]] if stack else None)
-    name = names[stack[1] if len(stack) == 2 else 0]
+    name = p.leaf.hf_name(stack)
     rows = index[-2]
     q = np.array(reader.ckpt.read_rows(name, rows.start, rows.stop))
     sr = _scale_index(index)[-2]

@@ -1,21 +1,24 @@
-"""`load_pretrained`: our Orbax checkpoint or an HF DeepSeek-V3 folder (bf16, fp32 or the released
-FP8) -> `DeepSeekV3`, each parameter built shard by shard where it will live.
+"""`load_pretrained`: a thin dispatcher over the sources -> `DeepSeekV3`, each parameter built shard
+by shard where it will live: an HF DeepSeek-V3 folder (bf16, fp32 or the released FP8, `load_hf`),
+our Orbax checkpoint (`load_orbax`), a training run's step (`load_run`; a LoRA run with its
+adapters, `load_lora_run`; a PEFT folder through its base).
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated). Each parameter's sharding
 comes from `sharding/rules.py`, the table training uses (`NamedSharding(mesh, spec)` from its
 logical axes; one device without a mesh). From an HF folder every parameter is made with
 `build_array` (`jax.make_array_from_callback`, one block at a time): a block reads, from the
 memory-mapped safetensors, only the rows and columns of the index a device holds (FP8
-dequantised window by window), so a process reads and holds only its own devices' shards, never a whole stacked leaf. From an Orbax checkpoint
-(`python -m dsv3_jax.convert`) Orbax restores each array into its sharding (again per shard);
-parameters kept in FP8 (`--keep-fp8`) are dequantised shard by shard from the `fp8` item.
+dequantised window by window), so a process reads and holds only its own devices' shards, never
+a whole stacked leaf. From an Orbax item (a converted checkpoint's `params`, a run's `state`)
+Orbax restores each array into its sharding (again per shard); parameters kept in FP8
+(`--keep-fp8`) are dequantised shard by shard from the `fp8` item. With `weights=...` the
+projections are built quantized per shard from windows of any source (`quantized`).
 Every missing, extra, misshaped or wrongly typed tensor is an error naming the tensor and its file,
 raised from the headers before anything is read.
 """
-
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 
@@ -36,6 +39,7 @@ from dsv3_jax.model import DeepSeekV3, lora
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.ops import quant
+
 
 def _variables(model: nnx.Module) -> dict[tuple[str, ...], nnx.Variable]:
     return {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)
@@ -111,36 +115,39 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
     reader.check_all(cfg)
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
     variables = _variables(model)
-    place = placement(mesh, rules)
-    table = hf_names.leaves(cfg)
     show = progress if progress is not None else len(reader.ckpt.names()) > 2000
     plan = quantization.plan(model) if quantization is not None else {}
-    for leaf in tqdm(table, desc=f"loading {os.path.basename(reader.folder)}", unit="param", disable=not show):
-        var = variables[leaf.path]
-        if leaf.path in plan:
-            raw = _hf_raw_fp8(reader, leaf) if quantization.fmt == "fp8" else None
-            quantization.build(plan[leaf.path], var, leaf.path, mesh, rules,
-                               quantized.hf_2d(reader.leaf_window(leaf, np.float32)), raw)
-            continue
-        target = np.dtype(jnp.dtype(var.dtype))
-        window = reader.leaf_window(leaf, target)
-        var.set_value(build_array(var.shape, target, place(leaf.path, var),
-                                  lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
+    for leaf in tqdm(hf_names.leaves(cfg), desc=f"loading {os.path.basename(reader.folder)}", unit="param",
+                     disable=not show):
+        raw = _hf_raw_fp8(reader, leaf) if leaf.path in plan and quantization.fmt == "fp8" else None
+        _build_leaf(leaf, variables[leaf.path], functools.partial(reader.leaf_window, leaf), raw, quantization, plan,
+                    mesh, rules)
     reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
     return model
 
 
+def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantization | None, plan: dict, mesh,
+                rules) -> None:
+    """Parameter `leaf` built per shard from windows of its HF-oriented tensors (`window_of(dtype)`:
+    an HF folder's, or a `--keep-fp8` checkpoint's `fp8` item): quantized where `plan` covers it
+    (`raw`: the stored e4m3 windows to keep as they are), else in its dtype through `read_shard`."""
+    if leaf.path in plan:
+        src = quantized.hf_2d(window_of(np.dtype(np.float32)))
+        quantization.build(plan[leaf.path], var, leaf.path, mesh, rules, src, raw)
+        return
+    target = np.dtype(jnp.dtype(var.dtype))
+    window = window_of(target)
+    var.set_value(build_array(var.shape, target, placement(mesh, rules)(leaf.path, var),
+                              lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
+
+
 def _hf_raw_fp8(reader: HFReader, leaf: hf_names.Leaf):
     """`RawFp8` windows of a leaf whose HF tensors are all stored in e4m3, else None."""
-    def name_of(stack):
-        names = leaf.hf(leaf.hf_layers[stack[0]] if stack else None)
-        return names[stack[1] if len(stack) == 2 else 0]
-
     if any(reader.ckpt.header(n)[1] != fp8.E4M3 for _, names in hf_names.leaf_slices(leaf) for n in names):
         return None
 
     def raw(stack, part, rows, cols):
-        name = name_of(stack) if part == "q" else scale_name(name_of(stack))
+        name = leaf.hf_name(stack) if part == "q" else scale_name(leaf.hf_name(stack))
         return np.array(reader.ckpt.read_rows(name, rows.start, rows.stop)[:, cols])
 
     return raw
@@ -244,20 +251,17 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
                                                            if ".".join(p) in int_leaves for part in ("q", "scale")])
         if fp8_leaves:
             fp8_item.check(None, manifest.get(orbax_layout.FP8, {}))
-    quantized_keys = {".".join(p) for p in plan}
-    if fp8_leaves - quantized_keys:
-        _restore_fp8(fp8_item, cfg, variables, fp8_leaves - quantized_keys, placement(mesh, rules))
-    for p, entry in plan.items():
-        var, (module, name, contract) = variables[p], entry
+    for p, (module, name, contract) in plan.items():
         if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
-            qa = quantized.restore_quantized(var, contract, quantization.fmt, quantization.group, ".".join(p),
+            qa = quantized.restore_quantized(variables[p], contract, quantization.fmt, quantization.group, ".".join(p),
                                              placement_of_axes(mesh, rules), build_array, stored.array(p + ("q",)),
                                              stored.array(p + ("scale",)))
-            setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
-        elif ".".join(p) in fp8_leaves:  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
-            raw = _fp8_item_raw(fp8_item, p) if quantization.fmt == "fp8" else None
-            src = quantized.hf_2d(_fp8_item_window(fp8_item, p, np.dtype(np.float32)))
-            quantization.build(entry, var, p, mesh, rules, src, raw)
+            setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(variables[p])))
+    for leaf in hf_names.leaves(cfg):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
+        if ".".join(leaf.path) in fp8_leaves:
+            keep = leaf.path in plan and quantization.fmt == "fp8"
+            _build_leaf(leaf, variables[leaf.path], functools.partial(_fp8_item_window, fp8_item, leaf.path),
+                        _fp8_item_raw(fp8_item, leaf.path) if keep else None, quantization, plan, mesh, rules)
     return model
 
 
@@ -316,19 +320,6 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quan
     return model
 
 
-def _restore_fp8(reader: orbax_layout.ItemReader, cfg: ModelConfig, variables, fp8_leaves: set[str], place) -> None:
-    """Each parameter of the `fp8` item built shard by shard: e4m3 windows and the scale blocks that
-    cover them, read with tensorstore and dequantised into the parameter's dtype."""
-    for leaf in hf_names.leaves(cfg):
-        if ".".join(leaf.path) not in fp8_leaves:
-            continue
-        var = variables[leaf.path]
-        target = np.dtype(jnp.dtype(var.dtype))
-        window = _fp8_item_window(reader, leaf.path, target)
-        var.set_value(build_array(var.shape, target, place(leaf.path, var),
-                                  lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
-
-
 def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=None,
                   quantization: Quantization | None = None, **overrides) -> DeepSeekV3:
     """A LoRA run's model with its adapters unmerged (the model training ran): the base as
@@ -355,8 +346,7 @@ def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=No
 def _quantized_base(run, cfg, dtype, overrides):
     """A QLoRA run's base, quantized as the run held it: the run's --init_from loaded with its
     `base_weights` (the same quantization as the stored q and scales: deterministic)."""
-    with open(os.path.join(run.run_dir, "config.json")) as f:
-        init_from = json.load(f).get("train", {}).get("init_from")
+    init_from = run.config().get("train", {}).get("init_from")
     if init_from and lora_export.is_peft_folder(init_from):  # started from a PEFT folder: its base
         init_from = lora_export.peft_lora_config(init_from)["base"]
     if not init_from or not os.path.exists(init_from):
@@ -390,7 +380,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     if quantization is None and quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
-        if (section := lora_export.lora_section(run.run_dir)) is not None:  # a LoRA run: its base with its adapters
+        if (section := run.config().get("lora")) is not None:  # a LoRA run: its base with its adapters
             return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization, **config_overrides)
         return load_run(run, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):

@@ -29,15 +29,6 @@ from dsv3_jax.model.lora import low_rank_delta
 ADAPTER = "_lora"
 
 
-def lora_section(run_dir: str) -> dict | None:
-    """The run's `lora` config section, or None for a run without adapters."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            return json.load(f).get("lora")
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def _adapter_path(path: tuple[str, ...]) -> tuple[str, ...]:
     return (*path[:-1], path[-1] + ADAPTER)
 
@@ -75,7 +66,7 @@ class MergedParams:
 
 def merged_params(run, params):
     """`params` (a `run_folder.StateParams`) merged with the run's adapters; as is without LoRA."""
-    section = lora_section(run.run_dir)
+    section = run.config().get("lora")
     if section is None:
         return params
     return MergedParams(params, params.keys, section["alpha"] / section["rank"], quantized_layout(run, section))
@@ -148,7 +139,7 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
     """PEFT folder `out` (adapter_config.json, adapter_model.safetensors) with the run's adapters."""
     from safetensors.numpy import save_file
 
-    section = lora_section(run.run_dir)
+    section = run.config().get("lora")
     if section is None:
         raise CheckpointError(f"{run.run_dir} is not a LoRA run (its config.json has no lora section)")
     if os.path.exists(out) and not overwrite:

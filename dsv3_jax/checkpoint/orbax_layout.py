@@ -23,7 +23,9 @@ zarr folder or an OCDBT database, e.g. a training step's `state`) through `ocp.t
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import time
 from typing import Any
@@ -53,8 +55,6 @@ def _context() -> ts.Context:
     # The OCDBT b-tree cache is Orbax's (the spec it gives for an array in a database names it).
     return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
                        "file_io_concurrency": {"limit": 16}, "file_io_sync": False})
-
-
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, stacked: int = 0, target: int = CHUNK_BYTES) -> list[int]:
@@ -166,9 +166,22 @@ def read_meta(root: str) -> dict[str, Any]:
     return meta
 
 
+@functools.cache
+def _arrays_handler() -> ocp.StandardCheckpointHandler:
+    """The handler that reads items' array metadata; made quietly (Orbax logs its settings at INFO
+    on creation: noise in the output of a CLI that logs at INFO)."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.WARNING)
+    try:
+        return ocp.StandardCheckpointHandler()
+    finally:
+        absl_logger.setLevel(level)
+
+
 class ItemReader:
     """Reads slices of the arrays of one item that Orbax's Standard/PyTree handlers wrote (or
-    `ItemWriter`), without restoring whole arrays: `keys` and each array's TensorStore spec come
+    `ItemWriter`), without restoring whole arrays: `arrays` and each array's TensorStore spec come
     from Orbax's public API, so any layout Orbax writes (a zarr folder per array, an OCDBT
     database) reads, e.g. the `state` item of a training step."""
 
@@ -178,7 +191,7 @@ class ItemReader:
         self._open: dict[tuple[str, ...], ts.TensorStore] = {}
         self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(paths.at(self.dir))
         try:
-            tree = ocp.StandardCheckpointHandler().metadata(paths.at(self.dir)).tree
+            tree = _arrays_handler().metadata(paths.at(self.dir)).tree
         except (OSError, ValueError, KeyError):
             tree = {}
         # {key path: Orbax's ArrayMetadata (shape, dtype)} of every array in the item

@@ -234,7 +234,7 @@ def export_run(run: run_folder.RunStep, out: str, **convert_kw) -> dict:
     state = run_folder.StateParams(run)
     state.check()
     meta = {"model": run.model_config().to_dict(), "fp8_leaves": [], "source": {"run": run.run_dir, "step": run.step}}
-    template = run_folder.data_field(run.run_dir, "chat_template")  # an SFT run's own template, when it set one
+    template = run.config().get("data", {}).get("chat_template")  # an SFT run's own template, when it set one
     params = lora_export.merged_params(run, state)  # LoRA runs: merged
     summary = write_hf(meta, params, out, tokenizer=run.tokenizer or BUNDLED_PATH, chat_template_file=template,
                        **convert_kw)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.checkpoint import fp8
+from dsv3_jax.checkpoint.hf_reader import index_bounds
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.model.quant import physical_axes, stack_dims
 from dsv3_jax.ops import quant
@@ -34,11 +35,6 @@ from dsv3_jax.ops.quant import QArray
 Source = Callable[[tuple[int, ...], slice, slice], np.ndarray]
 # (stack index, "q" | "scale", rows, cols) -> that window of the stored e4m3 [N, K] or its scale_inv; None: not FP8
 RawFp8 = Callable[[tuple[int, ...], str, slice, slice], np.ndarray] | None
-
-
-def _bounds(index: tuple, shape: tuple[int, ...]) -> list[slice]:
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
 
 
 def _widen(s: slice, unit: int, limit: int) -> slice:
@@ -88,7 +84,7 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
 
     def shard(part: str, shape):
         def block(index):
-            bounds = _bounds(index, shape)
+            bounds = index_bounds(index, shape)
             rows, cols = bounds[st:]
             out = None
             stacks = list(itertools.product(*(range(b.start, b.stop) for b in bounds[:st])))

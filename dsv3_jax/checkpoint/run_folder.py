@@ -35,6 +35,10 @@ class RunStep(NamedTuple):
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(json.loads(paths.at(paths.join(self.run_dir, "model_config.json")).read_text()))
 
+    def config(self) -> dict:
+        """The run's config.json: its `data`, `train` and (a LoRA run) `lora` sections."""
+        return _config(self.run_dir)
+
 
 def _is_run(path: str) -> bool:
     return (paths.at(paths.join(path, "model_config.json")).is_file()
@@ -48,16 +52,12 @@ def _complete_steps(checkpoints: str) -> list[int]:
     return sorted(int(d.name) for d in paths.at(checkpoints).iterdir() if d.name.isdigit() and (d / marker).exists())
 
 
-def data_field(run_dir: str, field: str) -> str | None:
-    """`data.<field>` of the run's config.json (None when absent or unreadable)."""
+def _config(run_dir: str) -> dict:
+    """The run's config.json ({} when absent or unreadable)."""
     try:
-        return json.loads(paths.at(paths.join(run_dir, "config.json")).read_text()).get("data", {}).get(field)
+        return json.loads(paths.at(paths.join(run_dir, "config.json")).read_text())
     except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _tokenizer(run_dir: str) -> str | None:
-    return data_field(run_dir, "tokenizer")
+        return {}
 
 
 def find(path: str | os.PathLike) -> RunStep | None:
@@ -81,7 +81,7 @@ def find(path: str | os.PathLike) -> RunStep | None:
     if step is not None and step not in steps:
         raise CheckpointError(f"{path} is not a complete checkpoint; the run {run_dir} has steps {steps}")
     step = steps[-1] if step is None else step
-    return RunStep(run_dir, step, paths.join(run_dir, "checkpoints", str(step)), _tokenizer(run_dir))
+    return RunStep(run_dir, step, paths.join(run_dir, "checkpoints", str(step)), _config(run_dir).get("data", {}).get("tokenizer"))
 
 
 class StateParams:

@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from dsv3_jax.checkpoint import fp8, load_pretrained
@@ -45,6 +46,15 @@ def test_fp8_keep_round_trip_reproduces_bytes_and_scales(hf_folders, tmp_path):
     assert_same_tensors(src, tmp_path / "hf")
     a = HFCheckpoint(src)
     assert any(n.endswith("weight_scale_inv") for n in a.names())
+    # Orbax alone reads every item back (its handlers named by the step metadata): the kept e4m3 bytes
+    # and scales of the source, the config's format.
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as orbax:
+        items = orbax.restore(tmp_path / "ckpt")
+    expert = items["fp8"]["moe_layers"]["ffn"]["w2"]
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # moe_layers.ffn.w2[0, 3]
+    assert np.asarray(expert["qvalue"][0, 3]).tobytes() == a.read(name).tobytes()
+    np.testing.assert_array_equal(expert["scale_inv"][0, 3], a.read(name + "_scale_inv"))
+    assert items["config"]["format"] == "dsv3_jax" and set(items["integrity"]["checksums"]) == {"params", "fp8"}
     # Kept FP8 and dequantised-at-conversion give the same model.
     assert convert("--hf-dir", src, "--out", tmp_path / "deq", "--dtype", "float32") == 0
     kept, deq = load_pretrained(tmp_path / "ckpt", dtype="float32"), load_pretrained(tmp_path / "deq")
