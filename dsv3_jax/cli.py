@@ -79,9 +79,17 @@ def fail(e: Exception, path: str | None = None) -> int:
     returns the exit code 2."""
     text = f"{path}: {e.strerror or e}" if isinstance(e, OSError) and e.filename is None and path else str(e)
     print(f"error: {_TS_SPEC.sub('', text)}".replace("\n", " "), file=sys.stderr, flush=True)
-    # The reads abandoned with the failed one (Orbax's other coroutines over a damaged file) would
-    # print their own tracebacks at exit, as "Exception ignored" (unraisable) or as asyncio's "Task
-    # exception was never retrieved" (its logger): the error above already says it.
-    sys.unraisablehook = lambda unraisable: None
-    logging.getLogger("asyncio").disabled = True
     return 2
+
+
+def exit_with(code: int) -> NoReturn:
+    """Ends a command's process with `code` (`python -m x` runs `cli.exit_with(main())`).
+
+    After an error, the reads abandoned with the failed one (Orbax's other coroutines over a
+    damaged file) would print their own tracebacks at exit, as "Exception ignored" (unraisable) or
+    as asyncio's "Task exception was never retrieved" (its logger): the one-line error already says
+    it. Done here, at exit, so that a test calling `main` in-process keeps its hooks."""
+    if code:
+        sys.unraisablehook = lambda unraisable: None
+        logging.getLogger("asyncio").disabled = True
+    sys.exit(code)

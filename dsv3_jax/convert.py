@@ -18,7 +18,6 @@ anything else.
 from __future__ import annotations
 
 import logging
-import sys
 
 from absl import flags
 
@@ -131,4 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import time
 from typing import NamedTuple
 
@@ -329,4 +328,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

@@ -10,7 +10,6 @@ logged steps; a balanced layer is a flat row at 1/E). WORKDIR and DIR may be URL
 from __future__ import annotations
 
 import json
-import sys
 
 import matplotlib
 
@@ -121,4 +120,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 from absl import flags
@@ -137,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

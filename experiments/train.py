@@ -41,7 +41,6 @@ if __name__ == "__main__":  # before jax allocates anything: huge pages for the 
     host.reexec()
 
 import os  # noqa: E402 (after the restart above)
-import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -102,4 +101,4 @@ def next_steps(workdir: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())
