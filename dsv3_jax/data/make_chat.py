@@ -1,7 +1,7 @@
 """Writes the bundled chat set (`assets/chat.jsonl`): short multi-turn conversations of arithmetic
 and word tasks whose answers are computed here, so a fine-tuned model has something exact to learn.
 
-    python -m dsv3_jax.data.make_chat [--out PATH] [--conversations 480] [--seed 0]
+    python -m dsv3_jax.data.make_chat [--out=PATH] [--conversations=480] [--seed=0]
 
 Deterministic: the same seed writes the same bytes. About a third of the conversations open with a
 system or developer message (a style the answers then follow); arithmetic conversations continue
@@ -9,11 +9,14 @@ with one or two follow-up questions about the previous answer. Every conversatio
 most 128 tokens with the bundled template and tokenizer, so it fits the tiny config's rows.
 """
 
-import argparse
 import json
 import pathlib
 import random
+import sys
 
+from absl import flags
+
+from dsv3_jax import cli
 from dsv3_jax.data.chat import BUNDLED_CHAT_PATH
 
 WORDS = ("apple", "river", "stone", "garden", "window", "planet", "silver", "candle", "forest", "bridge", "pencil",
@@ -71,16 +74,19 @@ def make_conversations(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=BUNDLED_CHAT_PATH)
-    parser.add_argument("--conversations", type=int, default=480)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("out", str(BUNDLED_CHAT_PATH), "where to write the .jsonl", flag_values=fv)
+    flags.DEFINE_integer("conversations", 480, "how many conversations", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "the same seed writes the same bytes", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
     lines = [json.dumps(c, ensure_ascii=False) for c in make_conversations(args.conversations, args.seed)]
-    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pathlib.Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.out}: {len(lines)} conversations")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

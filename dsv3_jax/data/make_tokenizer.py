@@ -1,17 +1,19 @@
 """Trains the bundled byte-level BPE tokenizer on the fortune corpus and writes it to assets/.
 
-    python -m dsv3_jax.data.make_tokenizer [--out PATH] [--vocab_size 2048]
+    python -m dsv3_jax.data.make_tokenizer [--out=PATH] [--vocab_size=2048]
 
 Vocab size counts everything: 3 special tokens (`<|pad|>` = 0, `<|bos|>` = 1, `<|eos|>` = 2),
 the 256 byte symbols, and the learned merges. Training is offline and takes about a second.
 """
 
-import argparse
 import pathlib
+import sys
 
 import tokenizers
+from absl import flags
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from dsv3_jax import cli
 from dsv3_jax.data import corpus
 from dsv3_jax.data import tokenizer as tokenizer_lib
 
@@ -37,17 +39,21 @@ def train_bpe(documents, vocab_size: int = 2048) -> tokenizers.Tokenizer:
     return tok
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=tokenizer_lib.BUNDLED_PATH)
-    parser.add_argument("--vocab_size", type=int, default=2048)
-    args = parser.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("out", str(tokenizer_lib.BUNDLED_PATH), "where to write tokenizer.json", flag_values=fv)
+    flags.DEFINE_integer("vocab_size", 2048, "ids in total: specials, the 256 bytes and the merges", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
     tok = train_bpe(corpus.fortune_documents(), args.vocab_size)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(args.out))
-    print(f"wrote {args.out}: vocab {tok.get_vocab_size()}, "
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    print(f"wrote {out}: vocab {tok.get_vocab_size()}, "
           f"pad/bos/eos = {[tok.token_to_id(t) for t in tokenizer_lib.SPECIAL_TOKENS]}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
