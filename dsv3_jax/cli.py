@@ -21,6 +21,8 @@ from typing import Callable, NoReturn, Sequence
 from absl import flags
 from absl import logging as absl_logging
 
+import sharding
+
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)  # TensorStore appends its whole spec as JSON
 
 
@@ -50,6 +52,43 @@ def parse(define_flags: Callable[[flags.FlagValues], None], argv: Sequence[str] 
         usage(f"unexpected arguments {unparsed}; every value is a --flag")
     values = {name.replace("-", "_"): value for name, value in fv.flag_values_dict().items() if "." not in name}
     return types.SimpleNamespace(**values, **({"rest": unparsed} if rest else {}))
+
+
+def define_mesh_flags(fv: flags.FlagValues, what: str) -> None:
+    """--mesh / --rules, for the commands that load a model onto a mesh; `with_mesh` reads --mesh."""
+    flags.DEFINE_string("mesh", None, f"{what}, e.g. fsdp=2,expert=4 (axes: {', '.join(sharding.AXES)})",
+                        flag_values=fv)
+    flags.DEFINE_string("rules", "default", "sharding/rules.py preset for --mesh", flag_values=fv)
+
+
+def define_weight_flags(fv: flags.FlagValues) -> None:
+    """--weights / --quantize / --quant_group: load_pretrained's arguments."""
+    flags.DEFINE_enum("weights", None, ["fp8", "int8", "int4"],
+                      "hold the projections quantized (default: dense, in --dtype)", flag_values=fv)
+    flags.DEFINE_enum("quantize", None, ["experts", "all"], "with --weights: the routed experts or every projection "
+                      "(default: all for fp8, else experts)", flag_values=fv)
+    flags.DEFINE_integer("quant_group", 128, "with --weights=int8|int4: rows per scale", flag_values=fv)
+
+
+def with_mesh(args):
+    """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
+    try:
+        args.mesh = mesh_sizes(args.mesh) if args.mesh else None
+    except ValueError as e:
+        usage(str(e))
+    return args
+
+
+def mesh_sizes(text: str) -> dict[str, int]:
+    """--mesh's AXIS=N,... -> {axis: size}."""
+    try:
+        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
+    unknown = sorted(set(sizes) - set(sharding.AXES))
+    if unknown:
+        raise ValueError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
+    return sizes
 
 
 def log_info() -> None:

@@ -65,49 +65,12 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
     flags.DEFINE_boolean("no_bos", False, "do not prepend the tokenizer's BOS", flag_values=fv)
     flags.DEFINE_boolean("stats", False, "print expert activation frequencies of the prompts", flag_values=fv)
-    define_mesh_flags(fv, "device mesh to load onto")
-    define_weight_flags(fv)
+    cli.define_mesh_flags(fv, "device mesh to load onto")
+    cli.define_weight_flags(fv)
 
 
 def parse_args(argv=None):
-    return with_mesh(cli.parse(define_flags, argv, __doc__))
-
-
-def define_mesh_flags(fv: flags.FlagValues, what: str) -> None:
-    """--mesh / --rules (experiments.serve's too); `with_mesh` reads --mesh."""
-    flags.DEFINE_string("mesh", None, f"{what}, e.g. fsdp=2,expert=4 (axes: {', '.join(sharding.AXES)})",
-                        flag_values=fv)
-    flags.DEFINE_string("rules", "default", "sharding/rules.py preset for --mesh", flag_values=fv)
-
-
-def define_weight_flags(fv: flags.FlagValues) -> None:
-    """--weights / --quantize / --quant_group (experiments.serve's too): load_pretrained's arguments."""
-    flags.DEFINE_enum("weights", None, ["fp8", "int8", "int4"],
-                      "hold the projections quantized (default: dense, in --dtype)", flag_values=fv)
-    flags.DEFINE_enum("quantize", None, ["experts", "all"], "with --weights: the routed experts or every projection "
-                      "(default: all for fp8, else experts)", flag_values=fv)
-    flags.DEFINE_integer("quant_group", 128, "with --weights=int8|int4: rows per scale", flag_values=fv)
-
-
-def with_mesh(args):
-    """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
-    try:
-        args.mesh = mesh_sizes(args.mesh) if args.mesh else None
-    except ValueError as e:
-        cli.usage(str(e))
-    return args
-
-
-def mesh_sizes(text: str) -> dict[str, int]:
-    """--mesh's AXIS=N,... -> {axis: size} (experiments.serve's too)."""
-    try:
-        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
-    except ValueError:
-        raise ValueError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
-    unknown = sorted(set(sizes) - set(sharding.AXES))
-    if unknown:
-        raise ValueError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
-    return sizes
+    return cli.with_mesh(cli.parse(define_flags, argv, __doc__))
 
 
 def encode_prompts(tokenizer, prompts: list[str], bos: bool) -> tuple[np.ndarray, np.ndarray]:

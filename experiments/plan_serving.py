@@ -390,9 +390,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def parse_args(argv=None):
-    from experiments.generate import with_mesh
-
-    return with_mesh(cli.parse(define_flags, argv, __doc__))
+    return cli.with_mesh(cli.parse(define_flags, argv, __doc__))
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,6 @@ from absl import flags
 
 import sharding
 from dsv3_jax import cli
-from experiments.generate import define_mesh_flags, define_weight_flags, with_mesh
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -57,12 +56,12 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
     flags.DEFINE_string("served_model_name", None, "model id clients send (default: checkpoint folder name)",
                         flag_values=fv)
-    define_mesh_flags(fv, "device mesh to serve on")
-    define_weight_flags(fv)
+    cli.define_mesh_flags(fv, "device mesh to serve on")
+    cli.define_weight_flags(fv)
 
 
 def parse_args(argv=None):
-    return with_mesh(cli.parse(define_flags, argv, __doc__))
+    return cli.with_mesh(cli.parse(define_flags, argv, __doc__))
 
 
 def build(args):
