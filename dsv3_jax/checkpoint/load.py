@@ -1,7 +1,9 @@
 """`load_pretrained`: a thin dispatcher over the sources -> `DeepSeekV3`, each parameter built shard
 by shard where it will live: an HF DeepSeek-V3 folder (bf16, fp32 or the released FP8, `load_hf`),
 our Orbax checkpoint (`load_orbax`), a training run's step (`load_run`; a LoRA run with its
-adapters, `load_lora_run`; a PEFT folder through its base).
+adapters, `load_lora_run`, whose QLoRA base is its `--init_from`: a folder above, or a PEFT
+folder's base model). A PEFT folder itself is not a source here: training reads it through
+`--init_from` (dsv3_jax/train/finetune.py).
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated). Each parameter's sharding
 comes from `sharding/rules.py`, the table training uses (`NamedSharding(mesh, spec)` from its
