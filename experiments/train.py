@@ -45,6 +45,7 @@ import os  # noqa: E402 (after the restart above)
 from absl import flags
 from ml_collections import config_flags
 
+import sharding
 from sharding import multihost
 from dsv3_jax import CheckpointError, ConfigError, cli, paths
 from dsv3_jax.data import DataError
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     try:
         train(config)
     except (CheckpointError, ConfigError, DataError, ChatTemplateError, run_config.ModelChanged, TrainingError,
-            OSError) as e:
+            sharding.MeshError, sharding.ShardingRuleError, OSError) as e:
         return cli.fail(e)
     print(next_steps(paths.display(paths.resolve(config.train.workdir))), flush=True)
     return 0

@@ -88,6 +88,16 @@ def test_bad_data_fails_early_naming_the_file(tmp_path, compile_cache):
     assert str(empty) in result.stderr
 
 
+def test_a_mesh_that_does_not_fit_the_devices_is_one_line(tmp_path, capsys):
+    from experiments.train import main
+
+    assert main([f"--workdir={tmp_path / 'run'}", "--steps=1", "--config.mesh.data=2"]) == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert printed[-1] == ("error: mesh (data=2) needs 2 devices but 1 are available; change a size or set one "
+                           "axis to -1"), printed[-3:]
+    assert not any(line.startswith("Traceback") for line in printed)
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, compile_cache, uninterrupted):
     proc = subprocess.Popen(train_command(tmp_path, *RESUME_FLAGS, cache_dir=compile_cache), cwd=REPO,
                             env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
