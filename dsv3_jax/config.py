@@ -18,6 +18,8 @@ EXPERT_EXCHANGES = ("auto", "ragged", "padded")
 ATTENTION_IMPLS = ("xla", "pallas")
 HEAD_LOSS_IMPLS = ("chunked", "full")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
+SCALE_FMTS = (None, "ue8m0")
+INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
 class ConfigError(ValueError):
@@ -86,6 +88,15 @@ class ModelConfig:
     )
     # Multi-token prediction.
     num_mtp_layers: int = 1
+    # DeepSeek Sparse Attention's lightning indexer (V3.2): heads, head dim and the keys each query
+    # keeps. All 0: no indexer, dense MLA (V3, V3.1). dsv3-jax reads and writes these fields but
+    # has no sparse attention yet, so no model is built from a config that sets them.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # FP8 block scales (HF `quantization_config.scale_fmt`): None, any fp32 scale (V3); "ue8m0", powers
+    # of two (V3.1, V3.2), for the stored weights and the activations quantised against them.
+    scale_fmt: str | None = None
     # Initialisation and numerics policy.
     initializer_range: float = 0.006
     param_dtype: str = "float32"  # master weights
@@ -128,8 +139,18 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def deepseek_v3(cls, **overrides) -> "ModelConfig":
-        """The released DeepSeek-V3 / V3.1 (671B) architecture."""
+        """The released DeepSeek-V3 (671B) architecture."""
         return cls().replace(**overrides)
+
+    @classmethod
+    def deepseek_v3_1(cls, **overrides) -> "ModelConfig":
+        """DeepSeek-V3.1: V3's architecture, its FP8 weights with power-of-two (UE8M0) block scales."""
+        return cls(scale_fmt="ue8m0").replace(**overrides)
+
+    @classmethod
+    def deepseek_v3_2(cls, **overrides) -> "ModelConfig":
+        """DeepSeek-V3.2: V3.1 plus the lightning indexer (64 heads of 128, top 2048 keys per query)."""
+        return cls.deepseek_v3_1(index_n_heads=64, index_head_dim=128, index_topk=2048).replace(**overrides)
 
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":
@@ -173,7 +194,7 @@ class ModelConfig:
             "num_routed_experts", "num_experts_per_token", "num_expert_groups", "num_groups_per_token",
             "max_position_embeddings", "moe_tile_size", "pipeline_repeats"), 1)
         lowest |= dict.fromkeys(("num_dense_layers", "num_shared_experts", "num_mtp_layers", "pipeline_microbatches",
-                                 "outer_microbatches"), 0)
+                                 "outer_microbatches", *INDEXER_FIELDS), 0)
         for name, low in lowest.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -209,6 +230,9 @@ class ModelConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.scale_fmt not in SCALE_FMTS:
+            raise ConfigError(f"scale_fmt must be one of {SCALE_FMTS}, got {self.scale_fmt!r}")
+        self._validate_indexer()
         cf = self.expert_capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ConfigError(f"expert_capacity_factor must be None (dropless) or a number > 0, got {cf!r}")
@@ -216,6 +240,30 @@ class ModelConfig:
             raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r} takes "
                               + ("pipeline_repeats >= 2" if self.pipeline_schedule == "circular" else "pipeline_repeats=1")
                               + f", got pipeline_repeats={self.pipeline_repeats}")
+
+    def _validate_indexer(self):
+        values = {name: getattr(self, name) for name in INDEXER_FIELDS}
+        if not any(values.values()):
+            return
+        if not all(values.values()):
+            raise ConfigError(f"the lightning indexer needs all of {INDEXER_FIELDS} > 0 (or all 0: none), got {values}")
+        if self.q_lora_rank is None:
+            raise ConfigError("the lightning indexer projects the query LoRA latent: index_n_heads > 0 needs q_lora_rank")
+        if self.index_head_dim <= self.qk_rope_head_dim:
+            raise ConfigError(f"index_head_dim ({self.index_head_dim}) must exceed qk_rope_head_dim "
+                              f"({self.qk_rope_head_dim}): the indexer ropes that many of its dims")
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_n_heads > 0
+
+    def check_buildable(self) -> None:
+        """Raises for a config no model of ours implements: V3.2's indexer without sparse attention
+        would be a dense model under V3.2's name."""
+        if self.has_indexer:
+            raise ConfigError(f"index_n_heads={self.index_n_heads}, index_topk={self.index_topk}: DeepSeek Sparse "
+                              "Attention (V3.2's lightning indexer) is not implemented in dsv3-jax yet, so no model "
+                              "is built from this config; set the index_* fields to 0 for dense MLA")
 
     # ---------------------------------------------------------- derived sizes
     @property
@@ -253,12 +301,19 @@ class ModelConfig:
         d, f = self.hidden_size, self.moe_intermediate_size
         return self.num_routed_experts * d + (routed_experts + self.num_shared_experts) * 3 * d * f
 
+    def indexer_params(self) -> int:
+        """One layer's lightning indexer: wq_b on the query latent, wk, k_norm (LayerNorm: gain and
+        bias) and weights_proj (one weight per head); 0 without an indexer."""
+        n, k, d = self.index_n_heads, self.index_head_dim, self.hidden_size
+        return (self.q_lora_rank or 0) * n * k + d * k + 2 * k + d * n
+
     def _layer_params(self, moe: bool, activated: bool = False) -> int:
-        """Matmul weights, norm gains (attention, ffn, q and kv latents) and the router's correction bias."""
+        """Matmul weights, norm gains (attention, ffn, q and kv latents), the router's correction bias
+        and the indexer."""
         experts = self.num_experts_per_token if activated else self.num_routed_experts
         ffn = self.moe_weights(experts) + self.num_routed_experts if moe else 3 * self.hidden_size * self.intermediate_size
         norms = 2 * self.hidden_size + (self.q_lora_rank or 0) + self.kv_lora_rank
-        return self.attention_weights() + ffn + norms
+        return self.attention_weights() + ffn + norms + self.indexer_params()
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts from the config alone.
@@ -280,8 +335,9 @@ class ModelConfig:
     def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
         """Reads an HF DeepSeek-V3 `config.json` (a path, its folder, or the parsed dict).
 
-        Accepts the released `rope_scaling` and the transformers-5 `rope_parameters` spellings.
-        Unknown keys are ignored (HF configs carry many); unsupported architecture values raise.
+        Accepts the released `rope_scaling` and the transformers-5 `rope_parameters` spellings, V3.2's
+        indexer keys and `quantization_config.scale_fmt` (V3.1). Unknown keys are ignored (HF configs
+        carry many); unsupported architecture values raise.
         """
         source = "config dict"
         if isinstance(path_or_dict, Mapping):
@@ -310,9 +366,19 @@ class ModelConfig:
             if attention_factor is not None:
                 rope["attention_factor"] = attention_factor
         fixed = {**_HF_FIXED, "rope_parameters": rope}
-        out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        out = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"} if self.has_indexer else {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
         out |= {key: fixed[key] if field is None else getattr(self, field) for key, field in _HF_FIELDS.items()}
+        if self.has_indexer:
+            out |= {name: getattr(self, name) for name in INDEXER_FIELDS}
         out["torch_dtype"] = "bfloat16" if self.param_dtype == "bfloat16" else "float32"
+        return out
+
+    def hf_quantization_config(self) -> dict[str, Any]:
+        """config.json's `quantization_config` for a folder of FP8 weights (e4m3, 128x128 block scales)."""
+        out = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+        if self.scale_fmt is not None:
+            out["scale_fmt"] = self.scale_fmt
         return out
 
 
@@ -373,6 +439,10 @@ def _hf_to_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     fields = {field: optional[key] if key in optional else need(key)
               for key, field in _HF_FIELDS.items() if field is not None and key != "num_key_value_heads"}
     fields["yarn"] = yarn
+    if hf.get("model_type") == "deepseek_v32" or any(key in hf for key in INDEXER_FIELDS):
+        fields |= {key: need(key) for key in INDEXER_FIELDS}
+    scale_fmt = (hf.get("quantization_config") or {}).get("scale_fmt")
+    fields["scale_fmt"] = None if scale_fmt == "float" else scale_fmt  # transformers' name for plain fp32 scales
     if hf.get("num_key_value_heads", fields["num_heads"]) != fields["num_heads"]:
         raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads in MLA")
     return fields

@@ -1,7 +1,9 @@
 """FP8 (e4m3) 128x128 block scales as the released DeepSeek-V3 weights store them (numpy, host side).
 
 `weight_scale_inv` is fp32 [ceil(out/128), ceil(in/128)] and multiplies: w = fp32(q) * s[i//128, j//128],
-rounded once to the target dtype. Edge blocks may be partial (576 rows -> 5 blocks).
+rounded once to the target dtype. Edge blocks may be partial (576 rows -> 5 blocks). V3.1's
+checkpoints (`scale_fmt: "ue8m0"`) hold powers of two in those fp32 scales; an export may store them
+as float8_e8m0fnu (exponent only), which reads back as the same fp32 values.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ BLOCK = 128
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 MIN_AMAX = 1e-4
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+SCALE_DTYPES = (np.dtype(np.float32), E8M0)
 _E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
 
 
@@ -62,18 +66,33 @@ def dequantize_window(read_q, read_s, rows: slice, cols: slice, dtype, scratch_b
     return out
 
 
-def quantize(w: np.ndarray, *, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, *, block: int = BLOCK, pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] -> (e4m3 [out, in], fp32 scale_inv [ceil(out/128), ceil(in/128)]), DeepSeek recipe:
-    scale = max(amax over the block's valid elements, 1e-4) / 448."""
+    scale = max(amax over the block's valid elements, 1e-4) / 448; `pow2` (UE8M0) rounds it up to a
+    power of two, so |w / scale| <= 448 still holds."""
     rows, cols = w.shape
     rb, cb = scale_shape(w.shape, block)
     padded = np.zeros((rb * block, cb * block), np.float32)
     padded[:rows, :cols] = w
     amax = np.abs(padded.reshape(rb, block, cb, block)).max(axis=(1, 3))
     scale = (np.maximum(amax, MIN_AMAX) / E4M3_MAX).astype(np.float32)
+    if pow2:
+        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
     s = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:rows, :cols]
     q = np.clip(w.astype(np.float32) / s, -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return q, scale
+
+
+def float_scales(s: np.ndarray) -> np.ndarray:
+    """Stored block scales (fp32 or float8_e8m0fnu) as a new fp32 array."""
+    return np.array(s, np.float32)
+
+
+def not_pow2(s: np.ndarray) -> tuple[int, ...] | None:
+    """The index of the first fp32 scale that is not a positive finite power of two, else None."""
+    mantissa = np.frexp(s)[0]
+    bad = np.argwhere(~((mantissa == 0.5) & np.isfinite(s)))
+    return tuple(int(i) for i in bad[0]) if len(bad) else None
 
 
 def quantizable(hf_name: str) -> bool:

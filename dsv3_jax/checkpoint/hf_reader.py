@@ -5,11 +5,13 @@ loader (`load`).
   with a warning (transformers' re-saves omit them).
 - `stored_dtype`: the embedding's dtype, bfloat16 for FP8 sources.
 - `check_all`: header-only checks of every tensor the config needs (shape; dtype; for e4m3 the
-  `weight_scale_inv` beside it, its block shape and float32 dtype), of the MTP copies of the
-  embedding and head, and that nothing else is in the folder. Errors name the tensor, its file
-  and config.json.
+  `weight_scale_inv` beside it, its block shape and float32 or float8_e8m0fnu dtype), of the MTP
+  copies of the embedding and head, and that nothing else is in the folder. Errors name the
+  tensor, its file and config.json. A V3.2 folder (lightning indexer) is refused: dsv3-jax has no
+  sparse attention yet, and the model without it would not be V3.2.
 - `window`: rows x columns of one tensor read through a memory map of those rows only; FP8 is
-  dequantised with just the scale blocks that cover the window.
+  dequantised with just the scale blocks that cover the window (`scales`: as fp32, each checked
+  to be a power of two when config.json says `scale_fmt: "ue8m0"`).
 - `read_shard`: any shard of one of our parameters (the index a device holds) from windows of
   the HF-oriented tensors, so a process never builds more than the shards it places.
 """
@@ -58,6 +60,7 @@ class HFReader:
         index = os.path.join(self.folder, "model.safetensors.index.json")
         self.listing = index if os.path.exists(index) else os.path.join(self.folder, "model.safetensors")
         self.bytes_read = 0
+        self.scale_fmt = None  # config.json's, once `config` has read it
 
     def config(self, **overrides) -> ModelConfig:
         cfg = ModelConfig.from_hf_config(self.config_path)
@@ -65,6 +68,7 @@ class HFReader:
             logging.warning("%s has %d MTP layer(s) but %s has no MTP tensors; using it without MTP",
                             self.config_path, cfg.num_mtp_layers, self.folder)
             overrides["num_mtp_layers"] = 0
+        self.scale_fmt = cfg.scale_fmt
         return cfg.replace(**overrides)
 
     def _has_mtp(self, cfg: ModelConfig) -> bool:
@@ -94,9 +98,9 @@ class HFReader:
             if tuple(s_shape) != fp8.scale_shape(shape):
                 raise CheckpointError(f"tensor {scale} in {self.ckpt.where(scale)} has shape {tuple(s_shape)}, "
                                       f"expected {fp8.scale_shape(shape)} for {name} {tuple(shape)}")
-            if s_dtype != np.float32:
+            if s_dtype not in fp8.SCALE_DTYPES:
                 raise CheckpointError(f"tensor {scale} in {self.ckpt.where(scale)} has dtype {s_dtype}, "
-                                      "expected float32 block scales")
+                                      "expected float32 or float8_e8m0fnu block scales")
             return TensorInfo(dtype, True, nbytes + s_bytes)
         if dtype not in FLOATS:
             raise CheckpointError(f"tensor {name} in {where} has dtype {dtype}; expected float32, bfloat16, "
@@ -106,6 +110,13 @@ class HFReader:
     def check_all(self, cfg: ModelConfig) -> dict[str, TensorInfo]:
         """{HF name: info} of every tensor of `cfg`; raises on the first mismatch, then on any
         tensor the config does not use. MTP copies of the embedding and head are checked too."""
+        indexer = next((n for n in self.ckpt.names() if ".self_attn.indexer." in n), None)
+        if cfg.has_indexer or indexer:
+            raise CheckpointError(
+                f"{self.folder} is a DeepSeek-V3.2 checkpoint (index_n_heads={cfg.index_n_heads}, index_topk="
+                f"{cfg.index_topk} in {self.config_path}; indexer tensors such as {indexer}): its DeepSeek Sparse "
+                "Attention (the lightning indexer) is not implemented in dsv3-jax yet, and dense MLA without it "
+                "would be another model. V3 and V3.1 checkpoints load.")
         infos = {}
         for leaf in hf_names.leaves(cfg):
             shape = leaf.hf_shapes()[0]  # experts: E equal shapes
@@ -158,8 +169,20 @@ class HFReader:
         cols = _bounded(cols, shape[1]) if len(shape) == 2 else None
         if stored != fp8.E4M3:
             return self._read(name, rows, cols).astype(dtype)
-        return fp8.dequantize_window(lambda r, c: self._read(name, r, c),
-                                     lambda r, c: self._read(scale_name(name), r, c), rows, cols, dtype)
+        return fp8.dequantize_window(lambda r, c: self._read(name, r, c), lambda r, c: self.scales(name, r, c),
+                                     rows, cols, dtype)
+
+    def scales(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
+        """Block rows x columns of the scales of FP8 tensor `name` as fp32 (stored fp32 or e8m0);
+        with `scale_fmt: "ue8m0"` in config.json each must be a power of two."""
+        s = fp8.float_scales(self._read(scale_name(name), rows, cols))
+        bad = fp8.not_pow2(s) if self.scale_fmt == "ue8m0" else None
+        if bad is not None:
+            where = (rows.start + bad[0], bad[1] + ((cols.start or 0) if cols is not None else 0))
+            raise CheckpointError(f"tensor {scale_name(name)} in {self.ckpt.where(scale_name(name))}: block scale "
+                                  f"{s[bad]} at block {where} is not a power of two, but {self.config_path} says "
+                                  "scale_fmt 'ue8m0'")
+        return s
 
     def _read(self, name: str, rows: slice, cols: slice | None) -> np.ndarray:
         """A memory-mapped view of tensor[rows, cols] (nothing copied yet), counted in `bytes_read`."""

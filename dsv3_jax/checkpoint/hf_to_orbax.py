@@ -40,7 +40,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
-from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
+from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.hf_names import leaf_slices
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
@@ -223,8 +223,8 @@ def _raw_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[n
     rows = index[-2]
     q = np.array(reader.ckpt.read_rows(name, rows.start, rows.stop))
     sr = _scale_index(index)[-2]
-    s = np.array(reader.ckpt.read_rows(scale_name(name), sr.start, sr.stop))
-    reader.bytes_read += q.nbytes + s.nbytes
+    s = reader.scales(name, sr)  # fp32, counted in bytes_read
+    reader.bytes_read += q.nbytes
     lead = (1,) * p.stacked
     return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
 
@@ -234,7 +234,7 @@ def _quantized_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> t
     128x128 scales (the released recipe, `fp8.quantize`), HF orientation."""
     stack = tuple(s.start for s in index[:p.stacked])
     w = reader.leaf_window(p.leaf, np.float32)(stack, index[-2], None)
-    q, s = fp8.quantize(w)
+    q, s = fp8.quantize(w, pow2=reader.scale_fmt == "ue8m0")
     lead = (1,) * p.stacked
     return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
 

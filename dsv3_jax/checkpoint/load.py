@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 import sharding
 from dsv3_jax import paths
 from dsv3_jax.checkpoint import fp8, hf_names, integrity, lora_export, orbax_layout, quantized, run_folder
-from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard, scale_name
+from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3, lora
@@ -76,15 +76,17 @@ class Quantization:
         if group <= 0:
             raise ValueError(f"quant_group={group} must be positive")
         self.group = group
+        self.scale_fmt = None  # the model's FP8 scale format (V3.1: "ue8m0"), set by `plan`
 
     def plan(self, model) -> dict:
+        self.scale_fmt = model.config.scale_fmt
         return {path: (module, name, contract) for path, module, name, contract in
                 model_quant.targets(model, self.targets)}
 
     def build(self, plan_entry, var, path, mesh, rules, src, raw=None, xp=np) -> None:
         module, name, contract = plan_entry
         qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
-                                       placement_of_axes(mesh, rules), build_array, src, raw, xp)
+                                       placement_of_axes(mesh, rules), build_array, src, raw, xp, self.scale_fmt)
         setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
 
 
@@ -149,8 +151,9 @@ def _hf_raw_fp8(reader: HFReader, leaf: hf_names.Leaf):
         return None
 
     def raw(stack, part, rows, cols):
-        name = leaf.hf_name(stack) if part == "q" else scale_name(leaf.hf_name(stack))
-        return np.array(reader.ckpt.read_rows(name, rows.start, rows.stop)[:, cols])
+        if part == "scale":
+            return reader.scales(leaf.hf_name(stack), rows, cols)
+        return np.array(reader.ckpt.read_rows(leaf.hf_name(stack), rows.start, rows.stop)[:, cols])
 
     return raw
 

@@ -60,6 +60,7 @@ class _Source:
         self.params = params
         self.fp8 = fp8_reader
         self.fp8_leaves = set(meta.get("fp8_leaves", []))
+        self.pow2 = meta["model"].get("scale_fmt") == "ue8m0"  # V3.1: power-of-two (UE8M0) block scales
         self._last: tuple = (None, None)
 
     def raw_fp8(self, leaf: hf_names.Leaf, index) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +70,7 @@ class _Source:
         """Block-quantised HF tensor; the last one is cached since its scale is written right after."""
         key = (leaf.path, index, k)
         if self._last[0] != key:
-            self._last = (key, fp8.quantize(self.hf_float(leaf, index, k)))
+            self._last = (key, fp8.quantize(self.hf_float(leaf, index, k), pow2=self.pow2))
         return self._last[1]
 
     def hf_float(self, leaf: hf_names.Leaf, index, k: int) -> np.ndarray:
@@ -150,8 +151,7 @@ def hf_config(cfg: ModelConfig, dtype: np.dtype, fp8_out: bool) -> dict:
     out = cfg.to_hf_config()
     out["torch_dtype"] = out["dtype"] = {"float32": "float32", "float16": "float16"}.get(dtype.name, "bfloat16")
     if fp8_out:
-        out["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                      "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+        out["quantization_config"] = cfg.hf_quantization_config()
     return out
 
 

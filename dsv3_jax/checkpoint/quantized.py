@@ -53,8 +53,8 @@ def _int_window(part: str, fmt: str, g: int, rows: slice, cols: slice, stack, sr
 
 
 def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8,
-                xp) -> np.ndarray:
-    """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`)."""
+                xp, pow2: bool = False) -> np.ndarray:
+    """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`; `pow2`: UE8M0)."""
     if raw is not None:
         return raw(stack, part, rows, cols)
     b = fp8.BLOCK
@@ -62,18 +62,20 @@ def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src:
         slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
     w_NxK = np.ascontiguousarray(src(stack, kc, nr).T)
     if xp is np:
-        q, s = fp8.quantize(w_NxK)
+        q, s = fp8.quantize(w_NxK, pow2=pow2)
     else:
-        q, s = (np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), min_amax=quant.FP8_MIN_AMAX))
+        q, s = (np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), pow2_scale=pow2,
+                                                               min_amax=quant.FP8_MIN_AMAX))
     if part == "q":
         return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
     return s
 
 
 def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source,
-                    raw: RawFp8 = None, xp=np) -> QArray:
+                    raw: RawFp8 = None, xp=np, scale_fmt: str | None = None) -> QArray:
     """The QArray of parameter `var` (abstract: shape and logical axes), its q and scale each built
-    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized with `xp`."""
+    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized with `xp`
+    (fp8 with `scale_fmt`: "ue8m0" makes power-of-two scales; `raw` ones are kept as stored)."""
     axes = logical_axes(var)
     st = stack_dims(axes)
     stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
@@ -90,7 +92,7 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
             stacks = list(itertools.product(*(range(b.start, b.stop) for b in bounds[:st])))
             for stack in stacks:
                 if fmt == "fp8":
-                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp)
+                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp, scale_fmt == "ue8m0")
                 else:
                     w = _int_window(part, fmt, g, rows, cols, stack, src, xp)
                 if out is None:
@@ -101,7 +103,7 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
 
     q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"), shard("q", q_shape))
     s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"), shard("scale", s_shape))
-    return QArray(q, s, fmt, slice_shape, contract, g)
+    return QArray(q, s, fmt, slice_shape, contract, g, scale_fmt if fmt == "fp8" else None)
 
 
 def restore_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, q_store,

@@ -76,7 +76,7 @@ def quantize_model(model: nnx.Module, fmt: str, which: str | None = None, group:
             continue
         axes = params.logical_axes(var)
         qa = quant.quantize(var[...], fmt, contract=contract, stack=stack_dims(axes), group=group,
-                            name=".".join(path))
+                            name=".".join(path), scale_fmt=model.config.scale_fmt)
         setattr(module, name, QuantizedWeight(qa, logical_axes=axes))
     return model
 

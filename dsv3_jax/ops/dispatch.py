@@ -63,7 +63,7 @@ def kernel_ready(weights) -> bool:
 def _grouped_mm(lhs_MxK, w, sizes_E, fp8: bool = False):
     """lhs_m w_{e(m)} in lhs's dtype, fp32 accumulation, by the weights' type (module docstring)."""
     if isinstance(w, QArray) and w.fmt == "fp8":
-        return linear.fp8_matmul_stored(lhs_MxK, w.q, w.scale, sizes_E, lhs_MxK.dtype)
+        return linear.fp8_matmul_stored(lhs_MxK, w.q, w.scale, sizes_E, lhs_MxK.dtype, w.scale_fmt)
     if isinstance(w, QArray):
         return quant_grouped_matmul(lhs_MxK, w.q, w.scale, sizes_E, fmt=w.fmt, group=w.group, out_dtype=lhs_MxK.dtype)
     if fp8:

@@ -47,8 +47,11 @@ _grouped_matmul = _on_platform(pk.fp8_grouped_matmul, pk.fp8_grouped_matmul_refe
 _grouped_wgrad = _on_platform(pk.fp8_grouped_wgrad, pk.fp8_grouped_wgrad_reference)
 
 
-def _quantize_tokens(a_MxK):
-    """1x128 tiles along the feature axis: ([M,K] e4m3, [M,KB] scales)."""
+def _quantize_tokens(a_MxK, scale_fmt: str | None = None):
+    """1x128 tiles along the feature axis: ([M,K] e4m3, [M,KB] scales). "ue8m0": DeepSeek's V3.1
+    activation recipe, max(amax, 1e-4) / 448 rounded up to a power of two."""
+    if scale_fmt == "ue8m0":
+        return pk.quantize_1x128(a_MxK.astype(jnp.float32), pow2_scale=True, min_amax=quant.FP8_MIN_AMAX)
     return pk.quantize_1x128(a_MxK.astype(jnp.float32), min_amax=MIN_AMAX)
 
 
@@ -161,7 +164,7 @@ def _quant_matmul(x_MxK: jax.Array, qa: QArray, compute_dtype) -> jax.Array:
     """x [M, K] . w for one quantized matrix (no stack axes) -> [M, N] in `compute_dtype`: FP8 through
     the block-scaled kernel, int formats dequantised once (ops/quant.py's numerics)."""
     if qa.fmt == "fp8":
-        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, None, compute_dtype)
+        return fp8_matmul_stored(x_MxK, qa.q, qa.scale, None, compute_dtype, qa.scale_fmt)
     w_KxN = quant.dequantize_2d(qa, compute_dtype)
     return jnp.einsum("MK,KN->MN", x_MxK.astype(compute_dtype), w_KxN,
                       preferred_element_type=jnp.float32).astype(compute_dtype)
@@ -197,24 +200,25 @@ def _fp8_matmul(x_q, x_s, w_q, w_s, sizes_G=None, *, out_dtype):
     return _grouped_matmul(x_q, x_s, w_q, w_s, sizes_G, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fp8_matmul_stored(x_MxK: jax.Array, w_q_NxK: jax.Array, w_scale: jax.Array, group_sizes_G: jax.Array | None,
-                      out_dtype) -> jax.Array:
+                      out_dtype, scale_fmt: str | None = None) -> jax.Array:
     """x . w for a weight stored in FP8 (e4m3 [N, K] with 128x128 `scale_inv` blocks, as released):
-    the activations quantised in 1x128 tiles, the block-scaled kernel, no dequantised copy of w.
+    the activations quantised in 1x128 tiles (power-of-two scales for `scale_fmt="ue8m0"`, the
+    weight's own format), the block-scaled kernel, no dequantised copy of w.
     With `group_sizes_G`, rows sorted by group (experts), each through its group's weight
     (w_q [G, N, K]). Returns [M, N] in `out_dtype`. The weight is frozen (inference, QLoRA): the
     backward is Dgrad alone, dy in 1x128 tiles against the stored blocks transposed (as
     `fp8_matmul`'s); w gets none."""
-    return _stored_fwd(x_MxK, w_q_NxK, w_scale, group_sizes_G, out_dtype)[0]
+    return _stored_fwd(x_MxK, w_q_NxK, w_scale, group_sizes_G, out_dtype, scale_fmt)[0]
 
 
-def _stored_fwd(x_MxK, w_q_NxK, w_scale, sizes_G, out_dtype):
-    y_MxN = _fp8_matmul(*_quantize_tokens(x_MxK), w_q_NxK, w_scale, sizes_G, out_dtype=out_dtype)
+def _stored_fwd(x_MxK, w_q_NxK, w_scale, sizes_G, out_dtype, scale_fmt=None):
+    y_MxN = _fp8_matmul(*_quantize_tokens(x_MxK, scale_fmt), w_q_NxK, w_scale, sizes_G, out_dtype=out_dtype)
     return y_MxN, (w_q_NxK, w_scale, sizes_G, jnp.zeros((0,), x_MxK.dtype))
 
 
-def _stored_bwd(out_dtype, res, dy_MxN):
+def _stored_bwd(out_dtype, scale_fmt, res, dy_MxN):
     w_q, w_scale, sizes_G, x_like = res
     return _dgrad(dy_MxN, w_q, w_scale, sizes_G).astype(x_like.dtype), None, None, None
 

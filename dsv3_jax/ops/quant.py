@@ -11,7 +11,9 @@ a 2-D matrix over K = prod(contraction axes) and N = prod(output axes):
   each group of g rows, packed row i holds row i (low nibble) and row i + g/2 (high nibble), two's
   complement, so q uint8 [*stack, K/2, N]. Unpacking a group is one concatenation, no interleave.
 - `fp8`: q e4m3 [*stack, N, K] and scale_inv f32 [*stack, ceil(N/128), ceil(K/128)]: the HF
-  orientation ([out, in]) the released weights and `pallas_kernels.fp8_matmul` use.
+  orientation ([out, in]) the released weights and `pallas_kernels.fp8_matmul` use. With
+  `scale_fmt="ue8m0"` (V3.1's checkpoints) every scale is a power of two, rounded up, and so are
+  the scales of the activations quantised against the weight (DeepSeek's V3.1 inference recipe).
 
 The group g is `group` (128 by default) or K when K is smaller; K must be a multiple of it.
 Numerics of every int path (the dense reference, the tile loop, the Pallas kernel): w = fp32(q) * scale rounded once to the
@@ -71,6 +73,7 @@ class QArray:
     slice_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # one stack element's logical shape
     contract: int = dataclasses.field(metadata=dict(static=True))  # contraction axes at the front of slice_shape
     group: int = dataclasses.field(metadata=dict(static=True))  # int formats: rows of K per scale
+    scale_fmt: str | None = dataclasses.field(default=None, metadata=dict(static=True))  # fp8: None or "ue8m0"
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -164,17 +167,20 @@ def as_dense(w, dtype) -> jax.Array:
     return dequantize(w, dtype) if isinstance(w, QArray) else w.astype(dtype)
 
 
-def quantize(w, fmt: str, *, contract: int, stack: int = 0, group: int = 128, name: str = "weight") -> QArray:
-    """A weight [*stack, *slice] (jnp) -> QArray; `stack` leading axes are kept as they are."""
+def quantize(w, fmt: str, *, contract: int, stack: int = 0, group: int = 128, name: str = "weight",
+             scale_fmt: str | None = None) -> QArray:
+    """A weight [*stack, *slice] (jnp) -> QArray; `stack` leading axes are kept as they are.
+    `scale_fmt` ("ue8m0": power-of-two block scales) applies to fp8 only."""
     check_format(fmt)
     slice_shape = tuple(w.shape[stack:])
     k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
     w_KxN = jnp.asarray(w, jnp.float32).reshape(*w.shape[:stack], k, n)
     if fmt == "fp8":
         flat = jnp.swapaxes(w_KxN, -1, -2).reshape(-1, n, k)
-        q, s = jax.vmap(lambda a: quantize_128x128(a, min_amax=FP8_MIN_AMAX))(flat)
+        pow2 = scale_fmt == "ue8m0"
+        q, s = jax.vmap(lambda a: quantize_128x128(a, pow2_scale=pow2, min_amax=FP8_MIN_AMAX))(flat)
         q, s = q.reshape(*w.shape[:stack], *q.shape[1:]), s.reshape(*w.shape[:stack], *s.shape[1:])
-        return QArray(q, s, fmt, slice_shape, contract, FP8_BLOCK)
+        return QArray(q, s, fmt, slice_shape, contract, FP8_BLOCK, scale_fmt)
     g = group_for(k, group, fmt, name)
     q, s = quantize_int(w_KxN, fmt, g)
     return QArray(q, s, fmt, slice_shape, contract, g)

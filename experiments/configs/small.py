@@ -37,6 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
         max_position_embeddings=4096,  # longest context the run uses
         yarn=None,  # pretraining runs at the native context (the paper adds YaRN afterwards)
         num_mtp_layers=1,  # one multi-token-prediction depth
+        index_n_heads=0,  # V3.2's lightning indexer heads; 0: none (sparse attention is not implemented)
+        index_head_dim=0,  # its head dim (V3.2: 128)
+        index_topk=0,  # keys each query keeps (V3.2: 2048)
+        scale_fmt=ml_collections.config_dict.placeholder(str),  # FP8 block scales: None (fp32) or "ue8m0" (V3.1)
         initializer_range=0.006,  # init std of the 671B model
         param_dtype="float32",  # fp32 master weights
         compute_dtype="bfloat16",  # bf16 matmuls; router, softmax and norms stay fp32

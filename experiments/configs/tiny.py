@@ -39,6 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
         max_position_embeddings=1024,  # well beyond seq_len
         yarn=None,  # no context extension at this length
         num_mtp_layers=1,  # one multi-token-prediction depth
+        index_n_heads=0,  # V3.2's lightning indexer heads; 0: none (sparse attention is not implemented)
+        index_head_dim=0,  # its head dim (V3.2: 128)
+        index_topk=0,  # keys each query keeps (V3.2: 2048)
+        scale_fmt=ml_collections.config_dict.placeholder(str),  # FP8 block scales: None (fp32) or "ue8m0" (V3.1)
         initializer_range=0.02,  # init std
         param_dtype="float32",  # master weights
         compute_dtype="float32",  # matmul dtype; "bfloat16" for mixed precision
