@@ -75,6 +75,11 @@ def test_counts_equal_leaf_count_of_the_model(overrides):
     (dict(moe_impl="loop"), "moe_impl"),
     (dict(hidden_size=0), "hidden_size"),
     (dict(q_lora_rank=0), "q_lora_rank"),
+    (dict(index_n_heads=4), "index_head_dim"),
+    (dict(index_n_heads=4, index_head_dim=8, index_topk=16), "index_head_dim"),
+    (dict(index_n_heads=4, index_head_dim=32, index_topk=16, q_lora_rank=None), "q_lora_rank"),
+    (dict(index_topk=-1), "index_topk"),
+    (dict(scale_fmt="e8m0"), "scale_fmt"),
 ])
 def test_validation_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
@@ -148,3 +153,44 @@ def test_a_run_saved_with_the_old_capacity_impl_name_still_loads():
     assert ModelConfig.from_dict(saved) == ModelConfig.tiny().replace(moe_impl="padded")
     with pytest.raises(ConfigError, match="moe_impl"):
         ModelConfig.tiny().replace(moe_impl="capacity")
+
+
+# What DeepSeek-V3.1 and V3.2 add to V3's config.json (their release's inference configs:
+# scale_fmt "ue8m0"; V3.2: 64 index heads of 128, top 2048).
+V3_1_CONFIG = {**RELEASED_CONFIG, "quantization_config": {**RELEASED_CONFIG["quantization_config"], "scale_fmt": "ue8m0"}}
+V3_2_CONFIG = {**V3_1_CONFIG, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
+
+def test_v3_1_and_v3_2_config_json_read_as_the_presets_and_write_back():
+    for hf, preset in ((V3_1_CONFIG, ModelConfig.deepseek_v3_1()), (V3_2_CONFIG, ModelConfig.deepseek_v3_2())):
+        cfg = ModelConfig.from_hf_config(hf)
+        assert cfg.replace(initializer_range=preset.initializer_range) == preset
+        out = {**preset.to_hf_config(), "quantization_config": preset.hf_quantization_config()}
+        assert {k: out[k] for k in ("architectures", "model_type")} == {k: hf[k] for k in ("architectures", "model_type")}
+        assert out["quantization_config"] == hf["quantization_config"]
+        assert all(out[k] == hf[k] for k in ("index_n_heads", "index_head_dim", "index_topk") if k in hf)
+        assert ModelConfig.from_hf_config(json.loads(json.dumps(out))) == preset.replace(param_dtype="float32")
+    assert "index_topk" not in ModelConfig.deepseek_v3_1().to_hf_config()
+    with pytest.raises(ConfigError, match="index_topk"):  # a V3.2 config.json that lacks one of its keys
+        ModelConfig.from_hf_config({k: v for k, v in V3_2_CONFIG.items() if k != "index_topk"})
+
+
+def test_no_model_is_built_from_an_indexer_config():
+    cfg = ModelConfig.tiny(index_n_heads=2, index_head_dim=16, index_topk=8)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # the config itself reads and writes
+    with pytest.raises(ConfigError, match="DeepSeek Sparse Attention .* not implemented"):
+        DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+
+
+def test_indexer_parameter_count_matches_transformers_v32():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.tiny(index_n_heads=3, index_head_dim=24, index_topk=8, num_mtp_layers=0)
+    with torch.device("meta"):
+        hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**cfg.to_hf_config()))
+    n = sum(p.numel() for p in hf.parameters())
+    n += sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert n == cfg.param_counts()["total"]
+    assert cfg.param_counts()["total"] - cfg.replace(index_n_heads=0, index_head_dim=0, index_topk=0).param_counts()[
+        "total"] == cfg.num_layers * cfg.indexer_params() > 0

@@ -49,6 +49,9 @@ BUNDLED_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
 
+# The variables the renderer itself sets; a caller's extra variables may not reuse them.
+RENDERER_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token")
+
 # One user and one assistant turn: a template that marks assistant text marks this one.
 PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
 
@@ -142,8 +145,13 @@ class ChatTokenizer:
 
     def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False, **extra
                           ) -> tuple[str, list[tuple[int, int]]]:
-        """(text, [start, end) character spans of its `{% generation %}` blocks, in order)."""
+        """(text, [start, end) character spans of its `{% generation %}` blocks, in order). `extra`:
+        more template variables, as HF's `apply_chat_template(**kwargs)` and the server's
+        `chat_template_kwargs` pass them (DeepSeek-V3.1's `thinking`)."""
         self._need_template(": use /v1/completions")
+        taken = sorted(set(extra) & set(RENDERER_VARIABLES))
+        if taken:
+            raise ChatTemplateError(f"chat template variable(s) {taken} are set by the renderer, not by the caller")
         _TRACK.blocks, _TRACK.spans = [], []
         try:
             for block in compile_template(self.template).generate(

@@ -13,17 +13,29 @@ them rather than silently ignored. Response bodies are built in `responses`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, Field
 
+from dsv3_jax.data.chat_template import RENDERER_VARIABLES
 from dsv3_jax.inference.sampling import MAX_LOGPROBS
 from dsv3_jax.serving.penalties import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 MAX_N = 16  # choices (n, best_of) one request may ask for: each takes a decode slot
 KeyId = Annotated[int, pydantic.Strict(False)]  # a token id as a JSON object's key: a string of digits
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _own_variables(kwargs: dict | None) -> dict | None:
+    taken = sorted(set(kwargs or {}) & set(RENDERER_VARIABLES))
+    if taken:
+        raise ValueError(f"{taken} are set by the chat template's renderer, not by the request")
+    return kwargs
+
+
+# More chat template variables (vLLM's chat_template_kwargs), e.g. {"thinking": true} for DeepSeek-V3.1.
+TemplateKwargs = Annotated[dict[str, Any] | None, pydantic.AfterValidator(_own_variables)]
 
 
 def lone_surrogate(v, where: str) -> str | None:
@@ -156,6 +168,7 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
@@ -175,6 +188,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
     return_token_strs: bool = False
 
 

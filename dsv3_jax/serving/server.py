@@ -151,10 +151,11 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         """The texts' ids (no special tokens), from a worker thread."""
         return await asyncio.to_thread(tok.encode_batch, texts)
 
-    async def encode_chat(messages: list[schemas.ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def encode_chat(messages: list[schemas.ChatMessage], add_generation_prompt: bool,
+                          template_kwargs: dict | None = None) -> list[int]:
         try:
             text = await asyncio.to_thread(chat.render, [m.for_template() for m in messages],
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except (ChatTemplateError, ValueError) as e:
             raise BadRequest(400, str(e), "messages") from e
         return (await encode([text]))[0]
@@ -271,7 +272,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):
-        ids = await encode_chat(body.messages, body.add_generation_prompt)
+        ids = await encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -297,7 +298,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         if body.prompt is not None and body.messages is not None:
             raise BadRequest(400, "messages: give a prompt or messages, not both", "messages")
         if body.messages is not None:
-            ids = await encode_chat(body.messages, body.add_generation_prompt)
+            ids = await encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         else:
             ids = ([tok.bos_id] if body.add_special_tokens else []) + (await encode([body.prompt]))[0]
         strs = [tok.hf.id_to_token(i) for i in ids] if body.return_token_strs else None
