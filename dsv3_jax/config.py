@@ -226,12 +226,10 @@ class ModelConfig:
             raise ConfigError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
         choices = {"param_dtype": _DTYPES, "compute_dtype": _DTYPES, "moe_impl": MOE_IMPLS,
                    "expert_exchange": EXPERT_EXCHANGES, "attention_impl": ATTENTION_IMPLS,
-                   "head_loss_impl": HEAD_LOSS_IMPLS, "pipeline_schedule": PIPELINE_SCHEDULES}
+                   "head_loss_impl": HEAD_LOSS_IMPLS, "pipeline_schedule": PIPELINE_SCHEDULES, "scale_fmt": SCALE_FMTS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.scale_fmt not in SCALE_FMTS:
-            raise ConfigError(f"scale_fmt must be one of {SCALE_FMTS}, got {self.scale_fmt!r}")
         self._validate_indexer()
         cf = self.expert_capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
