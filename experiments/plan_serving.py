@@ -278,7 +278,8 @@ def decode_step_args(cfg: ModelConfig, model, mesh, dep: Deployment, rules=None)
                                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     sampling = jax.tree.map(host, RowSampling.greedy(b, table_width(dep.context - drafts)))
     args = (state_sds, cache_sds, host(np.arange(b, dtype=np.int32)), host(np.zeros((b, 1 + drafts), np.int32)),
-            host(np.zeros(b, np.int32)), host(np.zeros(b, bool)), sampling, None, None)
+            host(np.zeros(b, np.int32)), host(np.zeros(b, bool)), sampling, None, None,
+            host(np.zeros((b, 1 + drafts, -(-cfg.vocab_size // 32)), np.int32)))  # the grammar bitmask
     opts = runner_lib.steps.StepOptions(dep.use_mtp, logprobs=True)  # the runner's own step
     return runner_lib.steps.compiled(graphdef, opts, cache_sh).decode, args
 

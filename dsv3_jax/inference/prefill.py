@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.inference.decode import model_step, mtp_draft
-from dsv3_jax.inference.sampling import Draw, TokenLogprobs, draw, penalized_logits, token_logprobs
+from dsv3_jax.inference.sampling import Draw, TokenLogprobs, constrained_logits, draw, penalized_logits, token_logprobs
 from dsv3_jax.model import ModelCache
 
 DEFAULT_CHUNK = 512  # tokens per prefill chunk (a power of two): a short prompt pays one chunk
@@ -68,11 +68,12 @@ def init_carry(cfg, batch: int, depths: int) -> PrefillCarry:
 
 
 def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Array, lengths_B: jax.Array,
-                  carry: PrefillCarry, d: Draw, *, logprobs: bool = False
+                  carry: PrefillCarry, d: Draw, *, logprobs: bool = False, bitmask_BxG: jax.Array | None = None
                   ) -> tuple[tuple[PrefillCarry, TokenLogprobs | None], ModelCache]:
     """One chunk of W tokens at positions start .. start + W - 1 (a `window`, W = N - 1 - M) of
-    prompts `lengths_B` long. With `logprobs`, also the log-probabilities [B, W] of each position's
-    next token (the prompt's, or at a row's last prompt token the sampled one)."""
+    prompts `lengths_B` long; the first token is drawn among those `bitmask_BxG` allows (a grammar,
+    `sampling.constrained_logits`). With `logprobs`, also the log-probabilities [B, W] of each
+    position's next token (the prompt's, or at a row's last prompt token the sampled one)."""
     b, n = window_BxN.shape
     depths = 0 if cache.mtp is None else cache.mtp.latent.shape[0]
     width, slots = n - 1 - depths, jax.tree.leaves(cache)[0].shape[2]
@@ -87,7 +88,7 @@ def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Ar
     # read, and with them unused the compiled step drops the [B, W, V] head.
     logits_BxV = penalized_logits(out.logits[rows, last] if logprobs else model.logits(out.hidden[rows, last]),
                                   d.rows)
-    first = jnp.where(here, draw(logits_BxV, d), carry.first)
+    first = jnp.where(here, draw(constrained_logits(logits_BxV, bitmask_BxG), d), carry.first)
     next_BxN = window_BxN[:, 1:].at[rows, last].set(jnp.where(here, first, window_BxN[rows, last + 1]))
     counts = carry.expert_counts
     if counts is not None:

@@ -13,11 +13,14 @@ Per row (every row its own parameters, [B] arrays in `RowSampling`; `generate()`
 2. HF's order: logits / temperature, keep the top-k, then the smallest most-likely set whose mass
    reaches top_p (ties at a threshold kept). Temperature 0 is greedy (argmax of the penalized
    logits); top_k 0 and top_p 1 switch those filters off.
-3. A draw with the row's key: in the engine fold_in(key(seed), position), so a request's draws do
+3. A grammar (serving's structured outputs, `dsv3_jax.serving.grammar`): tokens the row's bitmask
+   forbids get -inf; a free row's bitmask allows every token, so free and constrained rows share
+   one compiled step.
+4. A draw with the row's key: in the engine fold_in(key(seed), position), so a request's draws do
    not depend on which other requests share the batch; in `generate()` a split of the step's key.
 
 Log-probabilities (`token_logprobs`) are of step 1's logits / temperature, fp32, as vLLM reports
-them. Letters: B batch (rows, slots), V vocab.
+them (before the grammar). Letters: B batch (rows, slots), V vocab, G = ceil(V / 32) grammar bitmask words.
 """
 
 from __future__ import annotations
@@ -110,6 +113,19 @@ def penalized_logits(logits_BxxV: jax.Array, s: RowSampling) -> jax.Array:
     if x.ndim == 3:
         scale, add = scale[:, None], add[:, None]
     return jnp.where(x > 0, x / scale, x * scale) + add
+
+
+def allowed_tokens(bitmask_xG: jax.Array, vocab: int) -> jax.Array:
+    """bool [.., V]: token v is allowed when bit v % 32 of int32 word v // 32 is set (llguidance's layout)."""
+    bits = (bitmask_xG[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(*bitmask_xG.shape[:-1], -1)[..., :vocab].astype(bool)
+
+
+def constrained_logits(logits_xV: jax.Array, bitmask_xG: jax.Array | None) -> jax.Array:
+    """The logits with the tokens a grammar forbids at -inf (step 3); None: no grammar in this step."""
+    if bitmask_xG is None:
+        return logits_xV
+    return jnp.where(allowed_tokens(bitmask_xG, logits_xV.shape[-1]), logits_xV, -jnp.inf)
 
 
 def filtered_logits(logits_BxV: jax.Array, s: RowSampling, *, top_k: bool = True, top_p: bool = True

@@ -9,6 +9,10 @@ drafts, 0 without speculation), W chunk width, V vocab.
 - `decode_step`: every row feeds its last token (and its M drafts) at its own position; without
   MTP one token is sampled, with MTP the drafts are verified (`speculative.accept`) and drafted again.
 
+Both take an optional grammar bitmask (int32, [B, G] for a prefill's sampled token, [B, K, G] for a
+decode step's K outputs, G = ceil(V / 32); `sampling.constrained_logits`): the serving runner
+always passes one (all bits set for free rows), `generate()` none.
+
 Options of the one step (`StepOptions`, fixed when tracing): MTP, how rows sample (generate()'s
 one `SamplingConfig` with keys split from the step's key, or the engine's per-row `RowSampling`
 with penalties and keys from each request's seed and position), and log-probabilities.
@@ -33,8 +37,8 @@ from flax import nnx
 
 from dsv3_jax.inference import prefill, speculative
 from dsv3_jax.inference.decode import model_step, mtp_draft
-from dsv3_jax.inference.sampling import (Draw, RowSampling, SamplingConfig, TokenLogprobs, draw, penalized_logits,
-                                         token_logprobs)
+from dsv3_jax.inference.sampling import (Draw, RowSampling, SamplingConfig, TokenLogprobs, constrained_logits, draw,
+                                         penalized_logits, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,30 +71,34 @@ def _draw(opts: StepOptions, sampling: RowSampling | None, key, positions_B: jax
 
 
 def decode_step(model, cache, tokens_BxK: jax.Array, positions_B: jax.Array, active_B: jax.Array, d: Draw, *,
-                use_mtp: bool, logprobs: bool):
-    """Row b feeds tokens[b] at positions[b] ..; inactive rows count in no router statistics.
-    Returns (StepOut, cache)."""
+                use_mtp: bool, logprobs: bool, bitmask_BxKxG: jax.Array | None = None):
+    """Row b feeds tokens[b] at positions[b] ..; inactive rows count in no router statistics. Output i
+    of row b draws (or verifies draft i + 1) among the tokens bitmask[b, i] allows: a draft the
+    grammar forbids is rejected. Returns (StepOut, cache)."""
     b, k = tokens_BxK.shape
     positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
     out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))
     counts = None if out.router_stats is None else out.router_stats.expert_counts
     logits = penalized_logits(out.logits, d.rows)
+    allowed = constrained_logits(logits, bitmask_BxKxG)
     if use_mtp:
-        emitted, accepted = speculative.accept(logits, tokens_BxK[:, 1:], d)
+        emitted, accepted = speculative.accept(allowed, tokens_BxK[:, 1:], d)
         # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
         drafts, cache = mtp_draft(model, out.cache, out.hidden, jnp.pad(emitted, ((0, 0), (0, k - 1))),
                                   positions_BxK, accepted)
         nxt = jnp.concatenate([emitted[jnp.arange(b), accepted][:, None], drafts], axis=1)
     else:
-        emitted = nxt = draw(logits[:, 0], d)[:, None]
+        emitted = nxt = draw(allowed[:, 0], d)[:, None]
         accepted, cache = jnp.zeros_like(positions_B), out.cache
     lp = token_logprobs(logits, emitted, jnp.broadcast_to(d.rows.temperature[:, None], (b, k))) if logprobs else None
     return StepOut(emitted, accepted, nxt, counts, lp), cache
 
 
 class Steps(NamedTuple):
-    prefill: object  # jitted (state, cache, rows, window, start, lengths, carry, sampling, key) -> ((carry, logprobs), cache)
-    decode: object  # jitted (state, cache, rows, tokens, positions, active, sampling, key, step) -> (StepOut, cache)
+    prefill: object  # jitted (state, cache, rows, window, start, lengths, carry, sampling, key[, bitmask])
+    # -> ((carry, logprobs), cache)
+    decode: object  # jitted (state, cache, rows, tokens, positions, active, sampling, key, step[, bitmask])
+    # -> (StepOut, cache)
     traces: collections.Counter  # "prefill" / "decode": times each was traced, for this bundle only
 
 
@@ -109,21 +117,21 @@ def compiled(graphdef, opts: StepOptions, cache_sharding=None) -> Steps:
     `key` (and `step`) only with `opts.shared`, `sampling` only without."""
     traces = collections.Counter()
 
-    def prefill_step(state, cache, rows_N, window_BxN, start, lengths_B, carry, sampling, key):
+    def prefill_step(state, cache, rows_N, window_BxN, start, lengths_B, carry, sampling, key, bitmask_BxG=None):
         traces["prefill"] += 1
         d = _draw(opts, sampling, key, lengths_B)
         whole, picked = _take(cache, rows_N)
         out, picked = prefill.prefill_chunk(nnx.merge(graphdef, state), picked, window_BxN, start, lengths_B, carry,
-                                            d, logprobs=opts.logprobs)
+                                            d, logprobs=opts.logprobs, bitmask_BxG=bitmask_BxG)
         return out, _constrain(_put(cache, rows_N, whole, picked), cache_sharding)
 
-    def decode(state, cache, rows_N, tokens_BxK, positions_B, active_B, sampling, key, step):
+    def decode(state, cache, rows_N, tokens_BxK, positions_B, active_B, sampling, key, step, bitmask_BxKxG=None):
         traces["decode"] += 1
         key = None if key is None else jax.random.fold_in(key, step)  # in the step: no host dispatch per token
         d = _draw(opts, sampling, key, positions_B + 1)
         whole, picked = _take(cache, rows_N)
         out, picked = decode_step(nnx.merge(graphdef, state), picked, tokens_BxK, positions_B, active_B, d,
-                                  use_mtp=opts.use_mtp, logprobs=opts.logprobs)
+                                  use_mtp=opts.use_mtp, logprobs=opts.logprobs, bitmask_BxKxG=bitmask_BxKxG)
         return out, _constrain(_put(cache, rows_N, whole, picked), cache_sharding)
 
     return Steps(jax.jit(prefill_step, donate_argnums=1), jax.jit(decode, donate_argnums=1), traces)

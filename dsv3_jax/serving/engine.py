@@ -8,6 +8,10 @@ stop token ids or stop strings ("stop"), or at max_tokens ("length"); `cancel` e
 frees its slot for the next admission. Requests never see each other: a slot's cache rows, position
 and sampling parameters are its own (see `runner` and `sampling`).
 
+A request with a grammar (`SamplingParams.grammar`, structured outputs) gets its own matcher
+(`grammar.Matcher`), which gives its slot's bitmask rows before each step (along the MTP drafts, then
+rolled back) and takes each kept token; it ends the request ("stop") when the grammar is complete.
+
 A step that raises may have consumed the donated cache, so the engine resets: the requests in
 slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
 With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
@@ -28,6 +32,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
+from dsv3_jax.serving.grammar import Grammars, Matcher
 from dsv3_jax.serving.metrics import Metrics
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
 from dsv3_jax.serving.prefix_cache import PrefixCache
@@ -59,6 +64,7 @@ class SamplingParams:
     echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
     penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
     prefix_cache: bool = True  # False: the prompt neither reuses nor stores cached prefix rows (echo never reuses)
+    grammar: str | None = None  # llguidance grammar string (`grammar.request_grammar`): the output follows it
 
 
 # One token's log-probability and the most likely alternatives: (logprob, [(token id, logprob), ...]).
@@ -88,6 +94,7 @@ class Request:
     chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # echo: gathered chunk by chunk
     restore: list = dataclasses.field(default_factory=list)  # cached prefix blocks to write into its slot
+    matcher: Matcher | None = None  # its place in params.grammar
     done: bool = False
 
 
@@ -104,6 +111,7 @@ class Engine:
         # checkpoint's generation_config.json adds
         self.eos_ids = tuple(dict.fromkeys((tokenizer.eos_id, *eos_ids)))
         self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache else None
+        self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
         self.positions = np.zeros(b, np.int32)  # decoding: position of next_tokens[:, 0]; else the frontier
@@ -120,6 +128,9 @@ class Engine:
     # --- called from any thread ---------------------------------------------------------------
 
     def submit(self, request: Request) -> Request:
+        """Queues the request; a grammar that does not compile raises `grammar.GrammarError`."""
+        if request.params.grammar is not None:
+            request.matcher = self.grammars.matcher(request.params.grammar)
         with self.cond:
             if self.state == "failed":
                 raise EngineFailed(f"the engine failed and could not recover: {self.last_error}")
@@ -222,9 +233,14 @@ class Engine:
             active = np.array([r is not None and not r.chunks for r in self.slots])
             positions, tokens = self.positions.copy(), self.next_tokens.copy()
             sampling = RowSampling(*(a.copy() for a in self.sampling))
+            constrained = {slot: r.matcher for slot, r in enumerate(self.slots) if active[slot] and r.matcher}
         if active.any():
             start = time.perf_counter()
-            result = self.runner.decode(tokens, positions, active, sampling)
+            bitmask = self.runner.free_bitmask.copy() if constrained else None
+            drafted = {slot: m.fill_drafts(tokens[slot, 1:], bitmask[slot]) for slot, m in constrained.items()}
+            result = self.runner.decode(tokens, positions, active, sampling, bitmask)
+            for slot, m in constrained.items():  # the kept tokens advance it in _detokenize
+                m.rollback(drafted[slot])
             self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
                                      drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
             with self.cond:
@@ -260,7 +276,12 @@ class Engine:
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, _ = request.chunks[0]
-        out = self.runner.prefill_chunk(slot, request.prompt, start, sampling)
+        bitmask_1xG = None
+        if request.matcher is not None:  # its first token follows the grammar
+            bitmask_1xG = self.runner.free_bitmask[0, :1].copy()
+            request.matcher.fill(bitmask_1xG)
+        out = self.runner.prefill_chunk(slot, request.prompt, start, sampling,
+                                        None if bitmask_1xG is None else bitmask_1xG[0])
         if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
             key = self.prefix.wants(request.prompt, start // self.runner.chunk)
             if key is not None:
@@ -314,6 +335,8 @@ class Engine:
                 text += request.stream.push([token])
                 if request.stream.stopped:
                     reason = "stop"
+            if reason is None and request.matcher is not None and request.matcher.advance(token):
+                reason = "stop"  # the grammar is complete
             if reason is None and len(request.generated) >= p.max_tokens:
                 reason = "length"
             if reason is not None:

@@ -19,6 +19,10 @@ decoding slots, so a lone request costs a batch-1 step, not a max_batch one. The
 slots' rows of the cache (the decoding slots, padded with distinct idle ones), runs them and
 scatters them back; at N = max_batch it runs the whole cache in place.
 
+Grammars (structured outputs): every step takes a token bitmask per row (`steps`; int32 [B, K, G],
+G = ceil(V / 32)), all bits set for a free slot, so a constrained request joining the batch compiles
+nothing; the engine fills the constrained slots' rows (`grammar.Matcher`).
+
 Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chunk once (`prefill.plan`:
 every chunk `chunk` wide, the last one padded). Every function is pure in
 (state, cache, ...) and donates the cache.
@@ -112,6 +116,7 @@ class Runner:
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
         self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
         self.penalty_width = table_width(self.context)  # columns of RowSampling's penalty tables
+        self.free_bitmask = np.full((max_batch, 1 + self.drafts, -(-cfg.vocab_size // 32)), -1, np.int32)
         graphdef, self.state = nnx.split(model)
         self.reset()
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, logprobs=True), self.cache_sharding)
@@ -131,10 +136,12 @@ class Runner:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
         return [(start, min(width, length - start), width) for start, width in prefill.plan(length, self.chunk)]
 
-    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int, sampling: RowSampling) -> PrefillResult:
+    def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int, sampling: RowSampling,
+                      bitmask_G: np.ndarray | None = None) -> PrefillResult:
         """Writes the prompt's chunk at `start` into the slot's rows. Returns the sampled next token
-        (kept by the caller only after the last chunk) with its MTP drafts, and the chunk's
-        next-token log-probabilities."""
+        (kept by the caller only after the last chunk; drawn among those bitmask_G allows, None: any)
+        with its MTP drafts, and the chunk's next-token log-probabilities."""
+        bitmask_G = self.free_bitmask[0, 0] if bitmask_G is None else bitmask_G
         prompt = np.asarray(prompt, np.int32)[None]
         window = prefill.window(prompt, start, self.chunk, self.drafts)
         row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
@@ -142,7 +149,7 @@ class Runner:
         with self._on_mesh():
             out, self.cache = self.steps.prefill(self.state, self.cache, np.array([slot], np.int32), window,
                                                  np.int32(start), np.array([prompt.shape[1]], np.int32), carry, row,
-                                                 None)
+                                                 None, bitmask_G[None])
         (carry, logprobs) = jax.device_get(out)
         return PrefillResult(np.concatenate([carry.first, carry.drafts[0]]), TokenLogprobs(*(a[0] for a in logprobs)))
 
@@ -157,23 +164,25 @@ class Runner:
             self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start), sharding=self.cache_sharding)
 
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
-               sampling: RowSampling) -> steps.StepOut:
-        """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b].
-        Numpy results, the rows of inactive slots zeros."""
+               sampling: RowSampling, bitmask_BxKxG: np.ndarray | None = None) -> steps.StepOut:
+        """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b],
+        output i drawn among the tokens bitmask[b, i] allows (None: any). Numpy results, the rows of
+        inactive slots zeros."""
         rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets)
         picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
+        bitmask = self.free_bitmask if bitmask_BxKxG is None else bitmask_BxKxG
         out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
-                         np.asarray(active_B, bool)[rows_N], picked)
+                         np.asarray(active_B, bool)[rows_N], picked, bitmask[rows_N])
         emitted_N, accepted_N, nxt_N, counts, logprobs_N = jax.device_get(tuple(out))
         emitted, accepted, nxt, *logprobs = (_scatter_rows(a, rows_N, self.max_batch)
                                              for a in (emitted_N, accepted_N, nxt_N, *logprobs_N))
         return steps.StepOut(emitted, accepted, nxt, counts, TokenLogprobs(*logprobs))
 
-    def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling):
+    def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling, bitmask_NxKxG):
         """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
         with self._on_mesh():
             out, self.cache = self.steps.decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N,
-                                                sampling, None, None)
+                                                sampling, None, None, bitmask_NxKxG)
         return out
 
     def warm_up(self) -> None:
@@ -183,7 +192,8 @@ class Runner:
         self.prefill_chunk(0, np.zeros(self.chunk, np.int32), 0, greedy)
         for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
             self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
-                       np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width))
+                       np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width),
+                       self.free_bitmask[:n])
         if self.chunk <= self.max_seq_len:  # prefix-cache blocks: the cache rows of a full chunk
             self.write_block(0, 0, self.read_block(0, 0))
 

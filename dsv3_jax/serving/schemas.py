@@ -4,10 +4,11 @@ Parsing is strict: an integer field takes integers only (not `true` or `5.0`), a
 only (not NaN or Infinity, which Python's JSON reader lets through), and every string must be valid Unicode
 (a lone surrogate, which a JSON `\\ud800` escape or raw CESU-8 bytes carry, is refused, naming where it sits).
 Requests follow the OpenAI API (`/v1/completions`, `/v1/chat/completions`) with vLLM's extensions
-`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`,
-and vLLM's `/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values this
-server does not implement (tools, `suffix`, a JSON `response_format`), are refused with a 400 naming
-them rather than silently ignored. Response bodies are built in `responses`.
+`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`, the structured-output
+fields `guided_json`, `guided_regex`, `guided_choice` (and OpenAI's `response_format`; `grammar` makes
+the grammar), and vLLM's `/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values
+this server does not implement (tools, `suffix`), are refused with a 400 naming them rather than
+silently ignored. Response bodies are built in `responses`.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class _Sampling(_Request):
     logit_bias: dict[KeyId, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids banned until this many tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by text
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    guided_json: dict | str | None = None  # vLLM's: a JSON schema the output follows
+    guided_regex: str | None = None  # vLLM's: a regular expression the output matches
+    guided_choice: list[str] | None = None  # vLLM's: the output is one of these texts
     user: str | None = None
 
     @pydantic.field_validator("top_k", mode="before")
@@ -105,7 +110,7 @@ class _Sampling(_Request):
     def unsupported(self) -> list[str]:
         """Names of fields set to values this server does not implement."""
         known_off = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-                     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+                     "parallel_tool_calls": (None,),
                      "metadata": None, "store": None, "service_tier": None}
         extra = self.model_extra or {}
         return [k for k, v in extra.items()

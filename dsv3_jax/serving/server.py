@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 from dsv3_jax.serving import responses, schemas
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
 from dsv3_jax.serving.engine import Engine, EngineFailed, QueueFull, Request, SamplingParams
+from dsv3_jax.serving.grammar import GRAMMAR_FIELDS, GrammarError, request_grammar
 from dsv3_jax.serving.penalties import Penalties
 from dsv3_jax.serving.responses import Choice
 
@@ -179,7 +180,19 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
                               stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                              logprobs=logprobs, echo=echo, penalties=penalties, prefix_cache=req.prefix_cache)
+                              logprobs=logprobs, echo=echo, penalties=penalties, prefix_cache=req.prefix_cache,
+                              grammar=grammar(req))
+
+    def grammar(req: schemas._Sampling) -> str | None:
+        """The request's structured-output grammar, compiled once here (a 400 naming the field if it fails)."""
+        given = {k: getattr(req, k) for k in GRAMMAR_FIELDS if getattr(req, k) is not None}
+        try:
+            g = request_grammar(**given)
+            if g is not None:
+                engine.grammars.check(g, next(iter(given)))
+        except GrammarError as e:
+            raise BadRequest(400, str(e), e.field) from None
+        return g
 
     def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
         loop, requests = asyncio.get_running_loop(), []

@@ -1,0 +1,155 @@
+"""Structured outputs: response_format / guided_* through llguidance, the grammar's bitmask applied in the
+one compiled step. Constrained and free requests share a batch and each answers as it does alone
+(greedy, with and without MTP drafts, which the grammar may reject); through the openai client, 50
+json_schema requests at temperature 1 validate with jsonschema."""
+
+import concurrent.futures
+import json
+import re
+import threading
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+
+from dsv3_jax import DeepSeekV3
+from dsv3_jax.data import load_tokenizer
+from dsv3_jax.inference.sampling import allowed_tokens
+from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
+from dsv3_jax.serving.grammar import GrammarError, request_grammar
+from tests.serving.checkpoint import serve_config
+
+PERSON = {  # nested objects, enums, arrays, booleans, integers with bounds: every value short
+    "type": "object",
+    "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "maxItems": 3},
+        "home": {"type": "object", "properties": {"floor": {"type": "integer", "minimum": 1, "maximum": 9},
+                                                  "lift": {"type": "boolean"}},
+                 "required": ["floor", "lift"], "additionalProperties": False},
+    },
+    "required": ["age", "role", "active", "scores", "home"],
+    "additionalProperties": False,
+}
+
+
+def test_bitmask_layout_is_llguidance_s():
+    """Bit v % 32 of word v // 32 (little-endian bits of int32 words), as numpy's unpackbits reads them."""
+    words = np.random.RandomState(0).randint(-2**31, 2**31, (3, 4), dtype=np.int64).astype(np.int32)
+    want = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(3, 128)[:, :100].astype(bool)
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(words, 100)), want)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
+])
+def test_malformed_fields_are_named(fields, field):
+    with pytest.raises(GrammarError) as e:
+        request_grammar(**fields)
+    assert e.value.field == field
+
+
+@pytest.fixture(scope="module")
+def net():
+    """The served checkpoint's architecture (the bundled tokenizer's vocabulary, one MTP depth)."""
+    return DeepSeekV3(serve_config(), rngs=nnx.Rngs(3))
+
+
+def _run(engine, jobs):
+    """Submits (prompt, grammar) jobs at once, greedy; -> (tokens, finish reason) of each."""
+    out, done = [None] * len(jobs), [threading.Event() for _ in jobs]
+    for i, (prompt, grammar) in enumerate(jobs):
+        tokens = []
+
+        def sink(ev, i=i, tokens=tokens):
+            tokens.extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                out[i] = (tokens, ev.finish_reason)
+                done[i].set()
+        engine.submit(Request(prompt, SamplingParams(max_tokens=80, ignore_eos=True, grammar=grammar), sink))
+    assert all(d.wait(300) for d in done), "a request never finished"
+    return out
+
+
+def _batch_and_alone(net, tok, use_mtp):
+    """(constrained, free) answers in one batch, and each alone."""
+    engine = Engine(Runner(net, max_batch=2, max_seq_len=128, chunk=16, use_mtp=use_mtp), tok)
+    engine.start()
+    try:
+        jobs = [(tok.encode("<|bos|>a person:"), request_grammar(guided_json=PERSON)),
+                (tok.encode("<|bos|>the fox"), None)]
+        return _run(engine, jobs), [_run(engine, [job])[0] for job in jobs], engine.metrics
+    finally:
+        engine.shutdown()
+
+
+def test_constrained_and_free_requests_share_a_batch(net):
+    """Each answers in a shared batch as alone; the JSON one validates and ends ("stop") when its
+    grammar is complete. With MTP every answer equals the one without (greedy): the drafts the
+    grammar forbids were rejected."""
+    tok = load_tokenizer()
+    together, alone, _ = _batch_and_alone(net, tok, use_mtp=False)
+    assert together == alone
+    (json_tokens, reason), (free_tokens, free_reason) = together
+    assert reason == "stop" and free_reason == "length" and len(free_tokens) == 80
+    jsonschema.validate(json.loads(tok.decode(json_tokens)), PERSON)
+    mtp_together, mtp_alone, metrics = _batch_and_alone(net, tok, use_mtp=True)
+    assert mtp_together == mtp_alone == together
+    assert metrics.proposed_drafts > 0
+
+
+def test_fifty_json_schema_requests_validate(client, model):
+    """Temperature 1, concurrently, through the official client (chat and completions)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    def ask(i):
+        if i % 2:
+            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"person {i}"}],
+                                                 response_format=fmt, temperature=1, seed=i, max_tokens=80)
+            return out.choices[0].message.content, out.choices[0].finish_reason
+        out = client.completions.create(model=model, prompt=f"person {i}:", temperature=1, seed=i,
+                                        max_tokens=80, extra_body={"response_format": fmt})
+        return out.choices[0].text, out.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(50)))
+    for text, reason in answers:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len({text for text, _ in answers}) > 1  # sampled, not one forced answer
+
+
+def test_json_object_regex_and_choice(client, model):
+    for seed in range(3):
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "json"}],
+                                             response_format={"type": "json_object"}, temperature=1, seed=seed,
+                                             max_tokens=100)
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    regex = r"[a-z]{2,5}-[0-9]{3}"
+    out = client.completions.create(model=model, prompt="code:", temperature=1, seed=1, max_tokens=20, n=3,
+                                    extra_body={"guided_regex": regex})
+    assert all(re.fullmatch(regex, c.text) for c in out.choices), [c.text for c in out.choices]
+    choices = ["red", "green", "dark blue"]
+    out = client.completions.create(model=model, prompt="colour:", temperature=1, seed=2, max_tokens=20, n=4,
+                                    extra_body={"guided_choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices), [c.text for c in out.choices]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+])
+def test_invalid_grammar_is_a_400_naming_the_field(client, model, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
