@@ -39,12 +39,13 @@ setup(
         # (gcp-storage-emulator, pinned: the test adds one header it lacks) stands in for gs://.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.12", "torch==2.13.0", "transformers>=5.0,<6",
                  "jupytext>=1.16", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
-                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9",
+                 "openai>=1.0", "fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9", "llguidance>=1.9,<2",
+                 "jsonschema>=4.20",  # structured outputs: the answers validate against their schema
                  "lm_eval[api]==0.4.13", "gcsfs>=2025.3", "google-cloud-storage>=2.14",
                  "gcp-storage-emulator==2026.7.19",
                  "peft==0.21.2"],  # LoRA export: PeftModel loads our adapter-only folders (Python >= 3.9)
-        # python -m experiments.serve: HTTP server, process RSS metric
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9"],
+        # python -m experiments.serve: HTTP server, process RSS metric, structured outputs' grammar engine
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "psutil>=5.9", "llguidance>=1.9,<2"],
         # gs:// work directories (dsv3_jax/paths.py): epath's gcsfs backend; TensorBoard's GCS writer
         "gcs": ["gcsfs>=2025.3", "google-cloud-storage>=2.14"],
         "parity": ["torch==2.13.0", "transformers>=5.0,<6"],

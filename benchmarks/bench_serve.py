@@ -3,6 +3,7 @@
     python -m benchmarks.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
         [--concurrency=1,4,16]
     python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
+    python -m benchmarks.bench_serve --mode=grammar [--requests=16] [--max_tokens=64] [--concurrency=1,4,16]
 
 Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
 the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
@@ -17,6 +18,11 @@ compared with sequential generate() (target: within 1.3x).
 suffix, sent one after another (greedy, 8 tokens each) with the server's prefix cache off (the
 request field `prefix_cache: false`) and then on; prints TTFT p50 of each, their ratio (target
 >= 3x) and whether the outputs are identical.
+
+--mode=grammar: structured outputs' cost per token. At each concurrency the same prompts run free
+and under a JSON schema (`guided_json`: an array of at least --max_tokens integers, so every request
+runs its --max_tokens tokens either way), alternating free / constrained twice on one server; prints
+ms per output token and the decode step of each, and their ratio constrained / free.
 """
 
 from __future__ import annotations
@@ -133,7 +139,7 @@ class Server:
         self.proc.wait(30)
 
 
-def bench_server(server: Server, prompts, max_tokens: int, concurrency: int) -> dict:
+def bench_server(server: Server, prompts, max_tokens: int, concurrency: int, **extra) -> dict:
     results, lock, todo = [], threading.Lock(), list(prompts)
 
     def client():
@@ -142,7 +148,7 @@ def bench_server(server: Server, prompts, max_tokens: int, concurrency: int) -> 
                 if not todo:
                     return
                 prompt = todo.pop()
-            r = server.stream(prompt, max_tokens)
+            r = server.stream(prompt, max_tokens, **extra)
             with lock:
                 results.append(r)
 
@@ -186,6 +192,33 @@ def bench_prefix(checkpoint: str, args) -> None:
           f"{same}")
 
 
+def bench_grammar(checkpoint: str, args) -> None:
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+              "minItems": args.max_tokens}
+    prompts = prompts_for(args.requests)
+    server = Server(checkpoint, args.port, args.max_batch, 256)
+    rows = []
+    try:
+        server.stream(prompts[0], 4, guided_json=schema)  # first request through the HTTP stack, schema compiled
+        for c in sorted(int(c) for c in args.concurrency.split(",")):
+            print(f"concurrency {c} ...", flush=True)
+            runs = {"free": [], "json_schema": []}
+            for _ in range(2):
+                runs["free"].append(bench_server(server, prompts, args.max_tokens, c))
+                runs["json_schema"].append(bench_server(server, prompts, args.max_tokens, c, guided_json=schema))
+            rows.append((c, {k: (1e3 * sum(r["wall"] for r in v) / sum(r["tokens"] for r in v),
+                                 np.mean([r["step_ms"] for r in v])) for k, v in runs.items()}))
+    finally:
+        server.close()
+    print(f"
+{'conc':>4s} {'free ms/tok':>11s} {'json ms/tok':>11s} {'ratio':>6s} {'free step':>10s} "
+          f"{'json step':>10s} {'ratio':>6s}")
+    for c, r in rows:
+        (free, free_step), (json_tok, json_step) = r["free"], r["json_schema"]
+        print(f"{c:4d} {free:11.2f} {json_tok:11.2f} {json_tok / free:6.2f} {free_step:8.1f}ms {json_step:8.1f}ms "
+              f"{json_step / free_step:6.2f}")
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("checkpoint", None, "checkpoint to serve (default: a small random model, converted)",
                         flag_values=fv)
@@ -194,7 +227,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_batch", 16, "the server's decode slots", flag_values=fv)
     flags.DEFINE_integer("port", 18765, "the server's port", flag_values=fv)
     flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
-    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix"], "what to measure", flag_values=fv)
+    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar"], "what to measure", flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
 
 
@@ -204,6 +237,8 @@ def main(argv=None) -> int:
     checkpoint = args.checkpoint or make_model(tmp.name)
     if args.mode == "prefix":
         return bench_prefix(checkpoint, args)
+    if args.mode == "grammar":
+        return bench_grammar(checkpoint, args)
     prompts = prompts_for(2 * args.requests)
     print("sequential generate() ...", flush=True)
     rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens))]

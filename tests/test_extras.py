@@ -9,7 +9,8 @@ from tests.helpers import REPO, repo_env
 
 # Top-level modules of the packages only the extras bring (setup.py extras_require), and theirs.
 OPTIONAL = ("fastapi", "starlette", "pydantic", "uvicorn", "psutil", "gcsfs", "google.cloud", "torch",
-            "transformers", "peft", "openai", "lm_eval", "jupytext", "nbclient", "gcp_storage_emulator")
+            "transformers", "peft", "openai", "lm_eval", "jupytext", "nbclient", "gcp_storage_emulator",
+            "llguidance", "jsonschema")
 
 SCRIPT = f"""
 import sys

@@ -6,7 +6,7 @@ server (FastAPI). See docs/serving.md and `python -m experiments.serve`.
 
 from dsv3_jax import require_extra
 
-require_extra("serve", "fastapi", "psutil", "uvicorn", needed_by="dsv3_jax.serving")
+require_extra("serve", "fastapi", "psutil", "uvicorn", "llguidance", needed_by="dsv3_jax.serving")
 
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer, tokenizer_file
 from dsv3_jax.serving.engine import Engine, Event, QueueFull, Request, SamplingParams

@@ -12,14 +12,11 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from flax import nnx
 
-from dsv3_jax import DeepSeekV3
-from dsv3_jax.data import load_tokenizer
+from dsv3_jax import load_pretrained
 from dsv3_jax.inference.sampling import allowed_tokens
 from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
 from dsv3_jax.serving.grammar import GrammarError, request_grammar
-from tests.serving.checkpoint import serve_config
 
 PERSON = {  # nested objects, enums, arrays, booleans, integers with bounds: every value short
     "type": "object",
@@ -57,53 +54,56 @@ def test_malformed_fields_are_named(fields, field):
     assert e.value.field == field
 
 
-@pytest.fixture(scope="module")
-def net():
-    """The served checkpoint's architecture (the bundled tokenizer's vocabulary, one MTP depth)."""
-    return DeepSeekV3(serve_config(), rngs=nnx.Rngs(3))
+PAIR = ([1, 400, 77, 1200, 9], [1, 31, 1500])  # prompts (token ids) of a constrained and a free request
 
 
-def _run(engine, jobs):
-    """Submits (prompt, grammar) jobs at once, greedy; -> (tokens, finish reason) of each."""
-    out, done = [None] * len(jobs), [threading.Event() for _ in jobs]
-    for i, (prompt, grammar) in enumerate(jobs):
-        tokens = []
+def pair_answers(url: str, model: str, together: bool = True) -> list[list[int]]:
+    """Greedy token ids of PAIR[0] under PERSON and of PAIR[1] free, sent at once (or one after the other)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
-        def sink(ev, i=i, tokens=tokens):
-            tokens.extend(ev.token_ids)
+    def ask(i):
+        extra = {"guided_json": PERSON} if i == 0 else {"ignore_eos": True}
+        out = client.completions.create(model=model, prompt=PAIR[i], max_tokens=80 if i == 0 else 24, temperature=0,
+                                        logprobs=0, extra_body={**extra, "return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+    if not together:
+        return [ask(0), ask(1)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(ask, range(2)))
+
+
+def _engine_answers(engine, jobs):
+    """Submits (prompt, params) jobs at once; -> the tokens of each."""
+    out, done = [[] for _ in jobs], [threading.Event() for _ in jobs]
+    for i, (prompt, params) in enumerate(jobs):
+        def sink(ev, i=i):
+            out[i].extend(ev.token_ids)
             if ev.finish_reason is not None:
-                out[i] = (tokens, ev.finish_reason)
                 done[i].set()
-        engine.submit(Request(prompt, SamplingParams(max_tokens=80, ignore_eos=True, grammar=grammar), sink))
+        engine.submit(Request(prompt, params, sink))
     assert all(d.wait(300) for d in done), "a request never finished"
     return out
 
 
-def _batch_and_alone(net, tok, use_mtp):
-    """(constrained, free) answers in one batch, and each alone."""
-    engine = Engine(Runner(net, max_batch=2, max_seq_len=128, chunk=16, use_mtp=use_mtp), tok)
+def test_constrained_and_free_requests_share_a_batch(server, model, tok, served_checkpoint):
+    """Each answers in a shared batch as alone (greedy); the JSON one validates. An engine with MTP
+    drafts gives the same tokens as the server without (the drafts the grammar forbids are rejected)."""
+    together = pair_answers(*server)
+    assert together == pair_answers(*server, together=False)
+    jsonschema.validate(json.loads(tok.decode(together[0])), PERSON)
+    assert len(together[1]) == 24
+    engine = Engine(Runner(load_pretrained(served_checkpoint), max_batch=2, max_seq_len=128, chunk=16, use_mtp=True),
+                    tok)
     engine.start()
     try:
-        jobs = [(tok.encode("<|bos|>a person:"), request_grammar(guided_json=PERSON)),
-                (tok.encode("<|bos|>the fox"), None)]
-        return _run(engine, jobs), [_run(engine, [job])[0] for job in jobs], engine.metrics
+        jobs = [(PAIR[0], SamplingParams(80, grammar=request_grammar(guided_json=PERSON))),
+                (PAIR[1], SamplingParams(24, ignore_eos=True))]
+        assert _engine_answers(engine, jobs) == together
+        assert [_engine_answers(engine, [job])[0] for job in jobs] == together
     finally:
         engine.shutdown()
-
-
-def test_constrained_and_free_requests_share_a_batch(net):
-    """Each answers in a shared batch as alone; the JSON one validates and ends ("stop") when its
-    grammar is complete. With MTP every answer equals the one without (greedy): the drafts the
-    grammar forbids were rejected."""
-    tok = load_tokenizer()
-    together, alone, _ = _batch_and_alone(net, tok, use_mtp=False)
-    assert together == alone
-    (json_tokens, reason), (free_tokens, free_reason) = together
-    assert reason == "stop" and free_reason == "length" and len(free_tokens) == 80
-    jsonschema.validate(json.loads(tok.decode(json_tokens)), PERSON)
-    mtp_together, mtp_alone, metrics = _batch_and_alone(net, tok, use_mtp=True)
-    assert mtp_together == mtp_alone == together
-    assert metrics.proposed_drafts > 0
+    assert engine.metrics.proposed_drafts > 0
 
 
 def test_fifty_json_schema_requests_validate(client, model):
@@ -127,12 +127,15 @@ def test_fifty_json_schema_requests_validate(client, model):
     assert len({text for text, _ in answers}) > 1  # sampled, not one forced answer
 
 
-def test_json_object_regex_and_choice(client, model):
-    for seed in range(3):
+def test_json_object_regex_and_choice(client, model, tok):
+    """json_object: the served model is untrained and would write one endless string, so a logit_bias
+    on `"` and `}` (which the grammar allows only where JSON does) lets its objects close."""
+    bias = {tok.encode(c)[-1]: 10 for c in '"}'}
+    for seed in range(4):
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "json"}],
                                              response_format={"type": "json_object"}, temperature=1, seed=seed,
-                                             max_tokens=100)
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+                                             max_tokens=100, logit_bias=bias)
+        assert isinstance(json.loads(out.choices[0].message.content), dict), out.choices[0].message.content
     regex = r"[a-z]{2,5}-[0-9]{3}"
     out = client.completions.create(model=model, prompt="code:", temperature=1, seed=1, max_tokens=20, n=3,
                                     extra_body={"guided_regex": regex})

@@ -2,7 +2,8 @@
 `tensor`, experts on `expert`, run expert-parallel) answers 8 concurrent greedy requests with the
 tokens of the single-device server (the shared one), with and without MTP speculation, and compiles
 nothing after its warm-up; with `--weights=fp8` / `--weights=int4` (every projection quantized, each
-shard built where it lives) as the single-device server holding the same quantized weights.
+shard built where it lives) as the single-device server holding the same quantized weights; a
+grammar-constrained and a free request sharing a batch answer as on one device.
 `experiments.generate --mesh` likewise."""
 
 import concurrent.futures
@@ -13,6 +14,7 @@ import pytest
 
 from tests import helpers
 from tests.serving.conftest import serve_process
+from tests.serving.test_grammar import pair_answers
 
 MESH = "--mesh=tensor=2,expert=4"
 WEIGHTS = {"fp8": ["--weights=fp8"], "int4": ["--weights=int4", "--quantize=all", "--quant_group=16"]}
@@ -36,14 +38,16 @@ def _prompts() -> list[list[int]]:
     return [rng.randint(3, 2000, n).tolist() for n in (3, 9, 17, 30, 5, 12, 21, 8)]
 
 
-def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--use_mtp",))):
+def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--use_mtp",)), want_pair=None):
     """The mesh server, in each of `modes` (default: with and without --use_mtp), gives `want` for
-    `_prompts()`."""
+    `_prompts()` (and `want_pair` for `pair_answers`, when given)."""
     env = helpers.fake_device_env(8)
     for flags in ([MESH, *weights, *mode] for mode in modes):
         log = tmp_path / "mesh.log"
         with serve_process(checkpoint, log, *flags, "--max_batch=8", env=env) as url:
             got = _answers(url, checkpoint.name, _prompts())
+            if want_pair is not None:
+                assert pair_answers(url, checkpoint.name) == want_pair, flags
         text = log.read_text()
         assert got == want, (flags, text[-3000:])
         assert "on the mesh {'pipeline': 1, 'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}" in text, text[-3000:]
@@ -51,7 +55,8 @@ def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--us
 
 
 def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
-    _mesh_servers_answer(served_checkpoint, tmp_path, _answers(server[0], server[1], _prompts()))
+    _mesh_servers_answer(served_checkpoint, tmp_path, _answers(server[0], server[1], _prompts()),
+                         want_pair=pair_answers(*server))
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
