@@ -210,8 +210,7 @@ def bench_grammar(checkpoint: str, args) -> None:
                                  np.mean([r["step_ms"] for r in v])) for k, v in runs.items()}))
     finally:
         server.close()
-    print(f"
-{'conc':>4s} {'free ms/tok':>11s} {'json ms/tok':>11s} {'ratio':>6s} {'free step':>10s} "
+    print(f"\n{'conc':>4s} {'free ms/tok':>11s} {'json ms/tok':>11s} {'ratio':>6s} {'free step':>10s} "
           f"{'json step':>10s} {'ratio':>6s}")
     for c, r in rows:
         (free, free_step), (json_tok, json_step) = r["free"], r["json_schema"]

@@ -41,13 +41,26 @@ class GrammarError(ValueError):
 
 
 def request_grammar(response_format: dict | None = None, guided_json: dict | str | None = None,
-                    guided_regex: str | None = None, guided_choice: list[str] | None = None) -> str | None:
+                    guided_regex: str | None = None, guided_choice: list[str] | None = None, *,
+                    grammars: Grammars | None = None) -> str | None:
     """The grammar string of a request's structured-output fields, or None (free text). Raises
-    GrammarError naming the field when one is malformed or more than one is set."""
+    GrammarError naming the field when one is malformed, more than one is set, or (with `grammars`,
+    which then keeps it compiled) its grammar does not compile."""
     given = {k: v for k, v in zip(GRAMMAR_FIELDS, (response_format, guided_json, guided_regex, guided_choice))
              if v is not None}
     if len(given) > 1:
         raise GrammarError(list(given)[1], f"give one of {', '.join(given)}, not several")
+    made = _grammar(response_format, guided_json, guided_regex, guided_choice)
+    if made is None:
+        return None
+    grammar, field = made
+    if grammars is not None:
+        grammars.check(grammar, field)
+    return grammar
+
+
+def _grammar(response_format, guided_json, guided_regex, guided_choice) -> tuple[str, str] | None:
+    """(grammar, the field it comes from) of the one field given, or None."""
     if response_format is not None:
         return _response_format(response_format)
     if guided_json is not None:
@@ -56,27 +69,29 @@ def request_grammar(response_format: dict | None = None, guided_json: dict | str
                 guided_json = json.loads(guided_json)
             except json.JSONDecodeError as e:
                 raise GrammarError("guided_json", f"not JSON: {e}") from None
-        return _schema_grammar(guided_json, "guided_json")
+        return _schema_grammar(guided_json, "guided_json"), "guided_json"
     if guided_regex is not None:
-        return llguidance.LLMatcher.grammar_from_regex(guided_regex)
+        return llguidance.LLMatcher.grammar_from_regex(guided_regex), "guided_regex"
     if guided_choice is not None:
         if not guided_choice:
             raise GrammarError("guided_choice", "give at least one choice")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in guided_choice))
+        choices = " | ".join(json.dumps(c) for c in guided_choice)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + choices), "guided_choice"
     return None
 
 
-def _response_format(fmt: dict) -> str | None:
+def _response_format(fmt: dict) -> tuple[str, str] | None:
     kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _schema_grammar(ANY_JSON_OBJECT, "response_format")
+        return _schema_grammar(ANY_JSON_OBJECT, "response_format"), "response_format"
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise GrammarError("response_format.json_schema", 'give {"name": ..., "schema": {a JSON schema}}')
-        return _schema_grammar(spec["schema"], "response_format.json_schema.schema")
+        field = "response_format.json_schema.schema"
+        return _schema_grammar(spec["schema"], field), field
     raise GrammarError("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -123,9 +138,6 @@ class Grammars:
     """The grammars of one tokenizer and vocabulary, each compiled once (`cache` most recent kept)."""
 
     def __init__(self, tokenizer, vocab_size: int, cache: int = 64):
-        if tokenizer.vocab_size > vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                             f"vocab_size={vocab_size}")
         self._tokenizer, self.vocab_size, self._cache = tokenizer, vocab_size, cache
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()  # the server's request threads check, the engine thread makes matchers
@@ -133,6 +145,9 @@ class Grammars:
     @functools.cached_property
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         # the tokenizer's JSON (HF `tokenizers`), with the model's vocabulary size and EOS
+        if self._tokenizer.vocab_size > self.vocab_size:
+            raise GrammarError("grammar", f"the tokenizer has {self._tokenizer.vocab_size} tokens, more than the "
+                                          f"model's vocab_size={self.vocab_size}")
         return llguidance.LLTokenizer(self._tokenizer.hf.to_str(), n_vocab=self.vocab_size,
                                       eos_token=self._tokenizer.eos_id)
 

@@ -185,14 +185,10 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     def grammar(req: schemas._Sampling) -> str | None:
         """The request's structured-output grammar, compiled once here (a 400 naming the field if it fails)."""
-        given = {k: getattr(req, k) for k in GRAMMAR_FIELDS if getattr(req, k) is not None}
         try:
-            g = request_grammar(**given)
-            if g is not None:
-                engine.grammars.check(g, next(iter(given)))
+            return request_grammar(*(getattr(req, k) for k in GRAMMAR_FIELDS), grammars=engine.grammars)
         except GrammarError as e:
             raise BadRequest(400, str(e), e.field) from None
-        return g
 
     def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
         loop, requests = asyncio.get_running_loop(), []
