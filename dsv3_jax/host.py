@@ -21,6 +21,10 @@ them, model code never does (it takes the choices as config fields).
   top; on CPU, where device memory is the heap.
 - `tune_model(cfg)`: the training layer scan unrolled for short stacks on one CPU device (XLA:CPU
   otherwise copies each layer's residuals into and out of the loop's stacked buffers).
+- `order_cpu_collectives()`: for a run of several processes on XLA:CPU, whose collectives (gloo) pair up
+  by the order each process issues them: XLA:CPU's concurrency-optimised scheduler can issue a step's
+  independent all-reduces in a different order on each process (seen with one device per process:
+  gloo aborts on a size mismatch), so it is turned off there and the step's order is the program's.
 - `init_compiler_options()`: XLA:CPU's cheapest code generation for the one-off initialisation
   (random draws and elementwise maths, which XLA:CPU optimises slowly).
 
@@ -153,6 +157,17 @@ def tune_model(cfg):
     if not cfg.unroll_max_layers and on_cpu() and jax.device_count() == 1:
         return dataclasses.replace(cfg, unroll_max_layers=UNROLL_MAX_LAYERS)
     return cfg
+
+
+SERIAL_COLLECTIVES_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def order_cpu_collectives() -> None:
+    """On the CPU backend, XLA_FLAGS gains SERIAL_COLLECTIVES_FLAG (the module docstring). Call it in
+    a process of a multi-process run, before jax starts its backend; a no-op elsewhere."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if runs_on_cpu() and "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SERIAL_COLLECTIVES_FLAG}".strip()
 
 
 def init_compiler_options() -> dict | None:

@@ -47,7 +47,7 @@ from ml_collections import config_flags
 
 import sharding
 from sharding import multihost
-from dsv3_jax import CheckpointError, ConfigError, cli, paths
+from dsv3_jax import CheckpointError, ConfigError, cli, host, paths
 from dsv3_jax.data import DataError
 from dsv3_jax.data.chat_template import ChatTemplateError
 from dsv3_jax.train import run_config
@@ -70,7 +70,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.log_info()
-    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id):
+        host.order_cpu_collectives()  # before the backend starts: gloo pairs collectives by order
     config = args.config
     with config.unlocked():
         if args.workdir is not None:
