@@ -21,6 +21,15 @@ The bundled tokenizer has no template file; it uses `BUNDLED_TEMPLATE` (docs/ser
 with `Developer:` for the developer role (the blank line after an assistant turn is written as an
 expression, which jinja's trim_blocks leaves alone). Its generation block holds " {assistant}<|eos|>": the
 space the generation prompt `Assistant:` leaves to the model, the answer, and the EOS that ends it.
+
+Tools use DeepSeek-V3's tool-call format (`dsv3_jax/serving/tools.py`), its markers written as text (the
+bundled tokenizer has no tokens for them): `tools` (HF's argument) are listed first, one function's JSON a
+line, after `Tools:`; an assistant turn's `tool_calls` follow its content inside the generation block, and
+a run of `tool` messages is one `<｜tool▁outputs▁begin｜>...<｜tool▁outputs▁end｜>` block of its own:
+
+    Tools:\n{function}\n\nUser: ...\n\nAssistant: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json\nARGS\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><|eos|>\n\n<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>
+    RESULT<｜tool▁output▁end｜><｜tool▁outputs▁end｜>\n\nAssistant:
 """
 
 from __future__ import annotations
@@ -39,12 +48,24 @@ from dsv3_jax.data.tokenizer import BUNDLED_PATH, load_tokenizer, read_tokenizer
 
 BUNDLED_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}Tools:{% for tool in tools %}{{ '\n' }}{{ tool['function'] | default(tool) | tojson }}{% endfor %}"
+    "{{ '\n\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}System: {{ message['content'] }}\n\n"
     "{% elif message['role'] == 'developer' %}Developer: {{ message['content'] }}\n\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n\n"
     "{% elif message['role'] == 'assistant' %}"
-    "Assistant:{% generation %} {{ message['content'] }}{{ eos_token }}{% endgeneration %}{{ '\n\n' }}"
+    "Assistant:{% generation %} {{ message['content'] or '' }}"
+    "{% if message['tool_calls'] %}<｜tool▁calls▁begin｜>{% for call in message['tool_calls'] %}"
+    "{% set args = call['function']['arguments'] %}{{ '' if loop.first else '\n' }}"
+    "<｜tool▁call▁begin｜>{{ call['type'] | default('function') }}<｜tool▁sep｜>{{ call['function']['name'] }}"
+    "{{ '\n```json\n' }}{{ args if args is string else args | tojson }}{{ '\n```' }}<｜tool▁call▁end｜>"
+    "{% endfor %}<｜tool▁calls▁end｜>{% endif %}"
+    "{{ eos_token }}{% endgeneration %}{{ '\n\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}<｜tool▁outputs▁begin｜>{% else %}{{ '\n' }}{% endif %}"
+    "<｜tool▁output▁begin｜>{{ message['content'] }}<｜tool▁output▁end｜>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<｜tool▁outputs▁end｜>{{ '\n\n' }}{% endif %}"
     "{% else %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")

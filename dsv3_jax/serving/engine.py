@@ -64,6 +64,8 @@ class SamplingParams:
     echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
     penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
     prefix_cache: bool = True  # False: the prompt neither reuses nor stores cached prefix rows (echo never reuses)
+    include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, ends the text
+    skip_special_tokens: bool = True  # special tokens are left out of the text
     grammar: str | None = None  # llguidance grammar string (`grammar.request_grammar`): the output follows it
 
 
@@ -136,7 +138,9 @@ class Engine:
                 raise EngineFailed(f"the engine failed and could not recover: {self.last_error}")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
-            request.stream = TextStream(self.tokenizer, list(request.params.stop))
+            p = request.params
+            request.stream = TextStream(self.tokenizer, list(p.stop), p.include_stop_str_in_output,
+                                        p.skip_special_tokens)
             self.waiting.append(request)
             self.metrics.requests_received += 1
             self.cond.notify()
@@ -331,6 +335,8 @@ class Engine:
             request.generated.append(token)
             if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
                 reason = "stop"
+                if p.include_stop_str_in_output:
+                    text += request.stream.push([token])
             else:
                 text += request.stream.push([token])
                 if request.stream.stopped:

@@ -10,6 +10,15 @@ with echo the prompt's). Log-probabilities come out in OpenAI's two shapes:
   `text_offset` is each token's character offset in the choice's text (the echoed prompt first).
 - chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 
+vLLM's `prompt_logprobs` (k) come in vLLM's shape: one entry per prompt token, the first null, each
+`{token id: {"logprob", "rank", "decoded_token"}}` for the prompt token and the k most likely, in a
+completions choice or, for chat, beside the choices. A rank is 1 + the number of tokens more likely;
+the step returns the 20 most likely, so the rank of a prompt token outside them is null.
+
+A chat answer read for tool calls (`tools.ToolCallStream`) holds the text before the calls as its
+content and the calls as OpenAI `tool_calls` (deltas when streamed); it ends with `finish_reason`
+"tool_calls" when it stopped after calling.
+
 A token is named by its text, or `token_id:N` when the request sets vLLM's `return_tokens_as_token_ids`
 (texts of byte pieces and equal texts of different ids are ambiguous; ids are not).
 """
@@ -22,6 +31,7 @@ import time
 from typing import Callable
 
 from dsv3_jax.data.tokenizer import Tokenizer
+from dsv3_jax.serving import tools
 from dsv3_jax.serving.engine import Event, Logprob
 
 
@@ -38,6 +48,7 @@ class Choice:
     prompt_logprobs: list[Logprob | None] | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+    tool_calls: tools.ToolCallStream | None = None  # chat with tools: reads calls out of the text (one per sequence)
 
     def add(self, ev: Event) -> None:
         self.text += ev.text
@@ -94,14 +105,41 @@ def completion_choice(name: Callable[[int], str], c: Choice, top: int | None, *,
     return {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
+def prompt_logprobs(tok: Tokenizer, prompt: list[int], entries: list[Logprob | None], k: int) -> list[dict | None]:
+    """vLLM's shape of the prompt tokens' log-probabilities (the module docstring)."""
+
+    def item(lp: float, rank: int | None, token: int) -> dict:
+        return {"logprob": lp, "rank": rank, "decoded_token": tok.decode([token])}
+
+    out = [None]
+    for token, (lp, top) in zip(prompt[1:], entries[1:]):
+        rank = sum(v >= lp for _, v in top) if top and lp >= top[-1][1] else None
+        ranked = {token: item(lp, rank, token)}
+        for r, (t, v) in enumerate(top[:k]):
+            ranked.setdefault(t, item(v, r + 1, t))
+        out.append({str(t): v for t, v in ranked.items()})
+    return out
+
+
 def chat_choice(name: Callable[[int], str], c: Choice, top: int | None, *, chunk: bool, first: bool = False) -> dict:
-    """A chat choice (of a stream chunk: `c` holds the chunk's share of text, ids and logprobs)."""
+    """A chat choice (of a stream chunk: `c` holds the chunk's share of text, ids and logprobs; its tool-call
+    reader, shared by the chunks of a sequence, reads each share once)."""
     logprobs = None if top is None else chat_logprobs(name, c.token_ids, c.logprobs, top)
+    content, calls, finish = c.text, [], c.finish_reason
+    if c.tool_calls is not None:
+        content, calls = c.tool_calls.push(c.text, final=finish is not None)
+        finish = "tool_calls" if finish == "stop" and c.tool_calls.calls else finish
+    if first or not chunk:
+        content = c.echo_text + content
     if chunk:
-        delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
-        return {"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": logprobs}
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-            "logprobs": logprobs}
+        delta = {"role": "assistant", "content": content} if first else {"content": content}
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message |= {"content": content or None, "tool_calls": tools.merged(calls)}
+    return {"index": c.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -3,12 +3,13 @@
 Parsing is strict: an integer field takes integers only (not `true` or `5.0`), a float field finite numbers
 only (not NaN or Infinity, which Python's JSON reader lets through), and every string must be valid Unicode
 (a lone surrogate, which a JSON `\\ud800` escape or raw CESU-8 bytes carry, is refused, naming where it sits).
-Requests follow the OpenAI API (`/v1/completions`, `/v1/chat/completions`) with vLLM's extensions
-`top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`, the structured-output
-fields `guided_json`, `guided_regex`, `guided_choice` (and OpenAI's `response_format`; `grammar` makes
-the grammar), and vLLM's `/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values
-this server does not implement (tools, `suffix`), are refused with a 400 naming them rather than
-silently ignored. Response bodies are built in `responses`.
+Requests follow the OpenAI API (`/v1/completions`, `/v1/chat/completions`, chat with `tools`) with vLLM's
+extensions `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_tokens`, `prompt_logprobs`,
+`include_stop_str_in_output`, `skip_special_tokens`, chat `echo`, the structured-output fields `guided_json`,
+`guided_regex`, `guided_choice` (and OpenAI's `response_format`; `grammar` makes the grammar), and vLLM's
+`/tokenize`, `/detokenize` bodies. Unknown fields, and known ones set to values this server does not
+implement (tools in completions, `suffix`), are refused with a 400 naming them rather than silently
+ignored. Response bodies are built in `responses`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class _Sampling(_Request):
     logit_bias: dict[KeyId, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids banned until this many tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by text
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: every prompt token's + this many
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     guided_json: dict | str | None = None  # vLLM's: a JSON schema the output follows
     guided_regex: str | None = None  # vLLM's: a regular expression the output matches
@@ -147,11 +151,47 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict  # a JSON text (OpenAI's), or the object itself (HF templates take either)
+
+
+class ToolCall(_Strict):
+    """A call of an earlier assistant turn, as a client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     model_config = pydantic.ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered
 
     def text(self) -> str:
         """Content as text; list content keeps its text parts (no images here)."""
@@ -165,9 +205,12 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
     def for_template(self) -> dict:
-        """The message as the chat template sees it; `developer` is OpenAI's newer name for `system`."""
+        """The message as the chat template sees it; `developer` is OpenAI's newer name for `system`. The content
+        of a turn of calls alone stays None, as OpenAI sends it: DeepSeek-V3's templates tell such a turn by it
+        (transformers 5 drops the key, and those templates then fail); any other content is text."""
         role = "system" if self.role == "developer" else self.role
-        return self.model_dump(exclude_none=True) | {"role": role, "content": self.text()}
+        content = None if self.content is None and self.tool_calls else self.text()
+        return self.model_dump(exclude_none=True) | {"role": role, "content": content}
 
 
 class ChatRequest(_Sampling):
@@ -178,9 +221,38 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when it has the answer's role
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def parses_tools(self) -> bool:
+        """Whether the answer is read for tool calls (tools given and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> dict[str, dict | None] | None:
+        """name -> parameters of the functions the answer must call (required, or the named one), or None.
+        Raises ValueError when tool_choice asks for calls without tools, or names no given function."""
+        if self.tool_choice in (None, "none", "auto"):
+            return None
+        functions = {t.function.name: t.function.parameters for t in self.tools or []}
+        if not functions:
+            raise ValueError("tool_choice: calls are asked for but no tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in functions:
+                raise ValueError(f"tool_choice: the function {name!r} is not among the tools ({', '.join(functions)})")
+            return {name: functions[name]}
+        return functions
+
+    def echoed(self) -> str:
+        """vLLM's chat echo: the last message's text when the answer continues its role, else ""."""
+        last = self.messages[-1]
+        continued = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if self.echo and last.role == continued else ""
 
 
 class TokenizeRequest(_Request):
@@ -195,6 +267,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # rendered with the messages, as chat renders them
 
 
 class DetokenizeRequest(_Request):
@@ -202,6 +275,11 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[int]
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as a chat template takes them (HF's `tools` argument)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict:

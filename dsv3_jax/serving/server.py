@@ -39,7 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from dsv3_jax.serving import responses, schemas
+from dsv3_jax.inference.sampling import MAX_LOGPROBS
+from dsv3_jax.serving import responses, schemas, tools
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
 from dsv3_jax.serving.engine import Engine, EngineFailed, QueueFull, Request, SamplingParams
 from dsv3_jax.serving.grammar import GRAMMAR_FIELDS, GrammarError, request_grammar
@@ -153,10 +154,12 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         return await asyncio.to_thread(tok.encode_batch, texts)
 
     async def encode_chat(messages: list[schemas.ChatMessage], add_generation_prompt: bool,
-                          template_kwargs: dict | None = None) -> list[int]:
+                          tool_list: list[dict] | None, template_kwargs: dict | None) -> list[int]:
+        """The rendered chat's ids: `tools` passed as HF passes them, vLLM's chat_template_kwargs over them."""
+        variables = {"tools": tool_list} | (template_kwargs or {})
         try:
             text = await asyncio.to_thread(chat.render, [m.for_template() for m in messages],
-                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                           add_generation_prompt=add_generation_prompt, **variables)
         except (ChatTemplateError, ValueError) as e:
             raise BadRequest(400, str(e), "messages") from e
         return (await encode([text]))[0]
@@ -174,6 +177,10 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
                                      ("min_tokens", 0)) if getattr(req, k) != off]
             if used:
                 raise BadRequest(400, f"{used[0]} is not supported with MTP speculation (--use_mtp)", used[0])
+        if req.prompt_logprobs is not None:  # scored by the prefill; ranks need the step's whole top list
+            if req.stream:
+                raise BadRequest(400, "prompt_logprobs cannot be streamed", "prompt_logprobs")
+            echo, logprobs = True, MAX_LOGPROBS
         penalties = Penalties(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                               tuple((req.logit_bias or {}).items()), req.min_tokens,
                               stop_ids + (() if req.ignore_eos else engine.eos_ids))
@@ -181,6 +188,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
                               seed=req.seed if req.seed is not None else uuid.uuid4().int % 2**32,
                               stop=tuple(req.stop_strings()), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                               logprobs=logprobs, echo=echo, penalties=penalties, prefix_cache=req.prefix_cache,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens,
                               grammar=grammar(req))
 
     def grammar(req: schemas._Sampling) -> str | None:
@@ -250,8 +259,13 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
             out = [responses.chat_choice(name, c, top, chunk=False) for c in choices]
         else:
             out = [responses.completion_choice(name, c, top, echo_prompt=echo) for c in choices]
+        payload = responses.body(rid, model_name, out, use, chat=chat_api, chunk=False)
+        if req.prompt_logprobs is not None:  # vLLM's places: beside the chat choices, in each completions choice
+            scored = [responses.prompt_logprobs(tok, c.prompt, c.prompt_logprobs, req.prompt_logprobs) for c in choices]
+            for o, p in zip([payload] if chat_api else out, scored):
+                o["prompt_logprobs"] = p
         engine.metrics.response(200)
-        return JSONResponse(responses.body(rid, model_name, out, use, chat=chat_api, chunk=False))
+        return JSONResponse(payload)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, http: fastapi.Request):
@@ -281,14 +295,30 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):
-        ids = await encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = await encode_chat(body.messages, body.add_generation_prompt, schemas.tool_dicts(body.tools),
+                                body.chat_template_kwargs)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         sp = params(body, check_prompt(ids, body.requested_max_tokens(), None), top)
-        choices = [Choice(j, ids) for j in range(body.n)]
+        if body.parses_tools():  # a tokenizer may hold the call markers as special tokens
+            sp = dataclasses.replace(sp, skip_special_tokens=False)
+        if (grammar := tool_grammar(body)) is not None:
+            sp = dataclasses.replace(sp, grammar=grammar)
+        choices = [Choice(j, ids, body.echoed(), tool_calls=tools.ToolCallStream() if body.parses_tools() else None)
+                   for j in range(body.n)]
         per_choice = [dataclasses.replace(sp, seed=choice_seed(sp.seed, j)) for j in range(body.n)]
         return await run(http, choices, per_choice, body, chat_api=True, top=top)
+
+    def tool_grammar(body: schemas.ChatRequest) -> str | None:
+        """The grammar that forces `tool_choice` "required" or a named function, else None."""
+        try:
+            functions = body.forced_functions()
+            if functions is None:
+                return None
+            return tools.grammar(functions, tools.lead_in(chat), body.parallel_tool_calls, tok)
+        except ValueError as e:
+            raise BadRequest(400, str(e), "tool_choice") from e
 
     @app.get("/v1/models")
     async def models():
@@ -307,7 +337,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         if body.prompt is not None and body.messages is not None:
             raise BadRequest(400, "messages: give a prompt or messages, not both", "messages")
         if body.messages is not None:
-            ids = await encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            ids = await encode_chat(body.messages, body.add_generation_prompt, schemas.tool_dicts(body.tools),
+                                    body.chat_template_kwargs)
         else:
             ids = ([tok.bos_id] if body.add_special_tokens else []) + (await encode([body.prompt]))[0]
         strs = [tok.hf.id_to_token(i) for i in ids] if body.return_token_strs else None

@@ -9,7 +9,9 @@ once it no longer ends in U+FFFD (an incomplete UTF-8 sequence).
 
 Text is held back while it could still change: that incomplete tail and any suffix that is the
 start of a stop string. So a client never receives text that a later token turns into a stop
-string, and the emitted deltas concatenate to the final text.
+string, and the emitted deltas concatenate to the final text. `include_stop` ends the text after
+the stop string instead of before it (vLLM's `include_stop_str_in_output`); special tokens are left
+out of the text unless `skip_special_tokens` is False.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ CONTEXT_TOKENS = 5  # tokens decoded before the new ones, so that their text rea
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.include_stop, self.skip_special_tokens = include_stop, skip_special_tokens
         self.ids: list[int] = []
         self.text = ""  # the decoded text of ids[:read]
         self.prefix = self.read = 0  # ids[prefix:read] is the window's context; ids[read:] not yet text
@@ -27,7 +30,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self) -> None:
         """Moves the ids that now form whole characters into `text`."""
@@ -53,10 +56,11 @@ class TextStream:
         text = self.text
         longest = max((len(s) for s in self.stop), default=0)
         since = max(0, self.sent - longest)  # a stop string ending in new text starts at most here
-        cuts = [i for i in (text.find(s, since) for s in self.stop) if i >= 0]
-        if cuts:
+        found = [(at, s) for at, s in ((text.find(s, since), s) for s in self.stop) if at >= 0]
+        if found:
             self.stopped = True
-            end = min(cuts)
+            at, stop = min(found, key=lambda f: f[0])
+            end = at + len(stop) if self.include_stop else at
         else:
             end = len(text) - self._held(text)
         delta = text[self.sent:end] if end > self.sent else ""
