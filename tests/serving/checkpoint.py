@@ -1,5 +1,5 @@
 """A converted test checkpoint for the serving tests: tiny HF folder -> `python -m dsv3_jax.convert`
--> Orbax, with the bundled tokenizer.json and a DeepSeek-style chat template beside it."""
+-> Orbax, with the bundled tokenizer.json and a DeepSeek-style chat template (tool calls included) beside it."""
 
 from __future__ import annotations
 
@@ -11,14 +11,24 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 from benchmarks.make_synthetic_checkpoint import make_checkpoint
 
-# DeepSeek-V3's turn layout, written for the bundled tokenizer's special tokens.
+# DeepSeek-V3's turn layout and tool-call format, written for the bundled tokenizer's special tokens;
+# the tools are named after the system prompt (DeepSeek-V3's own template leaves them to the system prompt).
 CHAT_TEMPLATE = (
     "{% set ns = namespace(system='') %}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] %}{% endif %}"
     "{% endfor %}{{ bos_token }}{{ ns.system }}"
+    "{% for t in tools or [] %}{{ '<Tool>' + t['function']['name'] }}{% endfor %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ '<User>' + m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<Assistant>' + m['content'] + eos_token }}{% endif %}"
+    "{% elif m['role'] == 'assistant' %}{{ '<Assistant>' + (m['content'] or '') }}"
+    "{% if m['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}{% for c in m['tool_calls'] %}"
+    "{{ ('' if loop.first else '\\n') + '<｜tool▁call▁begin｜>' + c['type'] + '<｜tool▁sep｜>' + c['function']['name'] }}"
+    "{{ '\\n```json\\n' + c['function']['arguments'] + '\\n```<｜tool▁call▁end｜>' }}"
+    "{% endfor %}{{ '<｜tool▁calls▁end｜>' }}{% endif %}{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}"
+    "{{ '<｜tool▁outputs▁begin｜>' if loop.first or loop.previtem['role'] != 'tool' else '\\n' }}"
+    "{{ '<｜tool▁output▁begin｜>' + m['content'] + '<｜tool▁output▁end｜>' }}"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<Assistant>' }}{% endif %}")
 

@@ -15,7 +15,8 @@ from tests.helpers import free_port
 from tests.serving.checkpoint import make_served_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MAX_BATCH, MAX_SEQ_LEN, MAX_QUEUE = 4, 128, 8
+MAX_BATCH, MAX_SEQ_LEN, MAX_QUEUE = 4, 512, 8  # 512: a tool-call round trip fits (its markers are text)
+SCORED_LEN = 128  # the longest sequence a test scores with the reference forward (lm-eval's max_length)
 
 
 @pytest.fixture(scope="session")
@@ -87,4 +88,4 @@ def ref(served_checkpoint):
     """The served checkpoint's own full forward (fp32, no cache): the log-probability reference."""
     from tests.serving.reference import full_forward
 
-    return full_forward(served_checkpoint, MAX_SEQ_LEN)
+    return full_forward(served_checkpoint, SCORED_LEN)

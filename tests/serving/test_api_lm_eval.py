@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.serving.conftest import MAX_SEQ_LEN
+from tests.serving.conftest import SCORED_LEN
 
 TOL = 1e-4
 QUESTIONS = [
@@ -74,7 +74,7 @@ def evaluation(server, tmp_path_factory):
         url, name = server
         return lm_eval.simple_evaluate(
             model="local-completions",
-            model_args=f"base_url={url}/v1/completions,model={name},max_length={MAX_SEQ_LEN}",
+            model_args=f"base_url={url}/v1/completions,model={name},max_length={SCORED_LEN}",
             tasks=["served_mc", "served_rolling"], task_manager=TaskManager(include_path=str(folder),
                                                                             include_defaults=False),
             batch_size=4, log_samples=True)

@@ -24,7 +24,15 @@ MESSAGES = [
     [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "  Who are you?"},
      {"role": "assistant", "content": "A fox."}, {"role": "tool", "content": "ünïcode \"quoted\""},
      {"role": "user", "content": "And then?"}],
+    [{"role": "user", "content": "Weather in Oslo and Rome?"},  # two calls, their two results
+     {"role": "assistant", "tool_calls": [  # no content (transformers 5 drops a None content; the server keeps it)
+         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+         {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "tool", "content": "rain"},
+     {"role": "assistant", "content": "Sunny, then rain."}, {"role": "user", "content": "Thanks"}],
 ]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": WEATHER}}]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +50,22 @@ def test_template_renders_and_encodes_as_hf(tmp_path, hf_tokenizer, template, me
     (tmp_path / "tokenizer_config.json").write_text(
         '{"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": %s}' % __import__("json").dumps(template))
     ours = ChatTokenizer(tmp_path / "tokenizer.json")
-    kw = dict(chat_template=template, add_generation_prompt=add_generation_prompt)
-    if template == BUNDLED_TEMPLATE and any(m["role"] == "tool" for m in messages):
-        with pytest.raises(ChatTemplateError, match="unknown role tool"):
-            ours.render(messages, add_generation_prompt=add_generation_prompt)
-        return
-    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == \
+    tools = TOOLS if any("tool_calls" in m for m in messages) else None
+    kw = dict(chat_template=template, add_generation_prompt=add_generation_prompt, tools=tools)
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt, tools=tools) == \
         hf_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
-    assert ours.encode_chat(messages, add_generation_prompt=add_generation_prompt) == \
+    assert ours.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools) == \
         list(hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
+
+
+def test_bundled_template_writes_arguments_given_as_an_object_as_their_json():
+    """HF templates take a call's arguments as an object too; the bundled one writes it with tojson."""
+    chat, call = ChatTokenizer(BUNDLED_PATH), MESSAGES[2][1]["tool_calls"][1]
+    as_object = [MESSAGES[2][0], MESSAGES[2][1] | {"tool_calls": [
+        call | {"function": {"name": "get_weather", "arguments": json.loads(call["function"]["arguments"])}}]}]
+    as_text = [MESSAGES[2][0], MESSAGES[2][1] | {"tool_calls": [call]}]
+    assert chat.render(as_object) == chat.render(as_text)
+    assert '```json\n{"city": "Rome"}\n```' in chat.render(as_text)
 
 
 def test_bundled_tokenizer_uses_the_documented_template():
@@ -79,9 +94,9 @@ def tok():
     return load_tokenizer()
 
 
-def _stream(tok, text: str, stop: list[str]) -> tuple[list[str], bool]:
+def _stream(tok, text: str, stop: list[str], include_stop: bool = False) -> tuple[list[str], bool]:
     """Feeds `text`'s ids one at a time; returns the deltas (finish() appended) and whether it stopped."""
-    s = TextStream(tok, stop)
+    s = TextStream(tok, stop, include_stop)
     deltas = []
     for i in tok.encode(text):
         deltas.append(s.push([i]))
@@ -112,3 +127,13 @@ def test_stop_strings_cut_and_are_never_emitted(tok, stop, expected):
     for d in deltas:  # no prefix of what was shown contains a stop string
         shown += d
         assert not any(s in shown for s in stop)
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["fox"], "The quick brown fox"),
+    (["jumps", "quick"], "The quick"),
+    (["s."], "The quick brown fox jumps."),
+])
+def test_include_stop_ends_the_text_after_the_stop_string(tok, stop, expected):
+    deltas, stopped = _stream(tok, "The quick brown fox jumps. And more.", stop, include_stop=True)
+    assert "".join(deltas) == expected and stopped
