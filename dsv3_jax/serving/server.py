@@ -303,20 +303,25 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         sp = params(body, check_prompt(ids, body.requested_max_tokens(), None), top)
         if body.parses_tools():  # a tokenizer may hold the call markers as special tokens
             sp = dataclasses.replace(sp, skip_special_tokens=False)
-        if (grammar := tool_grammar(body)) is not None:
-            sp = dataclasses.replace(sp, grammar=grammar)
+        sp = dataclasses.replace(sp, grammar=tool_grammar(body, sp.grammar))
         choices = [Choice(j, ids, body.echoed(), tool_calls=tools.ToolCallStream() if body.parses_tools() else None)
                    for j in range(body.n)]
         per_choice = [dataclasses.replace(sp, seed=choice_seed(sp.seed, j)) for j in range(body.n)]
         return await run(http, choices, per_choice, body, chat_api=True, top=top)
 
-    def tool_grammar(body: schemas.ChatRequest) -> str | None:
-        """The grammar that forces `tool_choice` "required" or a named function, else None."""
+    def tool_grammar(body: schemas.ChatRequest, structured: str | None) -> str | None:
+        """The answer's grammar: the one that forces `tool_choice` "required" or a named function, else
+        `structured` (the structured output's, or None)."""
         try:
             functions = body.forced_functions()
             if functions is None:
-                return None
-            return tools.grammar(functions, tools.lead_in(chat), body.parallel_tool_calls, tok)
+                return structured
+            if structured is not None:
+                raise ValueError("tool_choice: forced calls and a structured output (response_format, guided_*) "
+                                 "cannot both shape one answer; give one of them")
+            grammar = tools.grammar(functions, tools.lead_in(chat), body.parallel_tool_calls, tok)
+            engine.grammars.check(grammar, "tool_choice")
+            return grammar
         except ValueError as e:
             raise BadRequest(400, str(e), "tool_choice") from e
 

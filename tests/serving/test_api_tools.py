@@ -95,6 +95,7 @@ def test_none_answers_in_text_with_the_tools_in_the_prompt(client, model, server
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_mail"}}), "'get_mail' is not among"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
           tool_choice="required"), "function 'f'"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "structured output"),
 ])
 def test_tool_choice_that_cannot_be_met_is_a_400(client, model, extra, match):
     with pytest.raises(openai.BadRequestError, match=match) as e:
