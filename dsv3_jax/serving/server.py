@@ -2,7 +2,8 @@
 
 GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (`stream=true`:
 server-sent events, `data: {chunk}` ... `data: [DONE]`), vLLM's POST /tokenize, POST /detokenize and
-GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
+GET /tokenizer_info, GET /health, GET /metrics (Prometheus text). Chat with `tools`: calls are read out of
+the answer, and forced by a grammar for tool_choice "required" or a named function (`tools`).
 
 Prompts: a text prompt is encoded with the tokenizer's BOS in front (the training layout; what
 DeepSeek-V3's tokenizer does under HF's `add_special_tokens`); a token-id prompt is scored and
@@ -310,18 +311,10 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         return await run(http, choices, per_choice, body, chat_api=True, top=top)
 
     def tool_grammar(body: schemas.ChatRequest, structured: str | None) -> str | None:
-        """The answer's grammar: the one that forces `tool_choice` "required" or a named function, else
-        `structured` (the structured output's, or None)."""
+        """The answer's grammar (`tools.answer_grammar`); a 400 naming tool_choice when it cannot be met."""
         try:
-            functions = body.forced_functions()
-            if functions is None:
-                return structured
-            if structured is not None:
-                raise ValueError("tool_choice: forced calls and a structured output (response_format, guided_*) "
-                                 "cannot both shape one answer; give one of them")
-            grammar = tools.grammar(functions, tools.lead_in(chat), body.parallel_tool_calls, tok)
-            engine.grammars.check(grammar, "tool_choice")
-            return grammar
+            return tools.answer_grammar(body.forced_functions(), body.parallel_tool_calls, structured, chat,
+                                        engine.grammars)
         except ValueError as e:
             raise BadRequest(400, str(e), "tool_choice") from e
 

@@ -77,6 +77,21 @@ def grammar(functions: dict[str, dict | None], lead: str, parallel: bool, tokeni
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
 
 
+def answer_grammar(functions: dict[str, dict | None] | None, parallel: bool, structured: str | None, chat,
+                   grammars) -> str | None:
+    """The grammar of an answer that must call `functions` (name -> parameters), compiled and kept by the
+    engine's `grammars`; without forced calls, `structured` (a structured output's grammar, or None).
+    Raises ValueError when both are asked for, or when the calls cannot be forced."""
+    if functions is None:
+        return structured
+    if structured is not None:
+        raise ValueError("tool_choice: forced calls and a structured output (response_format, guided_*) cannot "
+                         "both shape one answer; give one of them")
+    forced = grammar(functions, lead_in(chat), parallel, chat.tokenizer)
+    grammars.check(forced, "tool_choice")
+    return forced
+
+
 def _held(text: str, marker: str) -> int:
     """Characters at the end of `text` that may be the start of `marker`."""
     return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
