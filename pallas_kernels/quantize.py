@@ -50,7 +50,11 @@ def quantize_1x128(x_MxK: jax.Array, *, pow2_scale: bool = False, min_amax: floa
 
 @functools.partial(jax.jit, static_argnames=("pow2_scale", "min_amax"))
 def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False, min_amax: float = MIN_AMAX):
-    """Per-(128x128 block) quantisation. Returns (w_q [N,K] e4m3, scale [NB,KB] f32)."""
+    """Per-(128x128 block) quantisation. Returns (w_q [N,K] e4m3, scale [NB,KB] f32).
+
+    The checkpoint converter keeps a numpy twin (`dsv3_jax/checkpoint/fp8.py:quantize`) because the
+    two differ by design: XLA compiles `amax / 448` into `amax * fp32(1/448)`, an ulp off numpy's
+    exact division in about half the scales, and the converter's files keep the exact division."""
     if w_NxK.ndim != 2:
         raise ValueError(f"quantize_128x128 expects [N, K], got {w_NxK.shape=}")
     n, k = w_NxK.shape

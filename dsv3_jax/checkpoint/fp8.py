@@ -69,7 +69,12 @@ def dequantize_window(read_q, read_s, rows: slice, cols: slice, dtype, scratch_b
 def quantize(w: np.ndarray, *, block: int = BLOCK, pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] -> (e4m3 [out, in], fp32 scale_inv [ceil(out/128), ceil(in/128)]), DeepSeek recipe:
     scale = max(amax over the block's valid elements, 1e-4) / 448; `pow2` (UE8M0) rounds it up to a
-    power of two, so |w / scale| <= 448 still holds."""
+    power of two, so |w / scale| <= 448 still holds.
+
+    `pallas_kernels.quantize_128x128` is the same recipe in jnp; both exist because they differ
+    by design in about half the scales (one ulp): numpy divides by 448 exactly, what the converter
+    writes and the released checkpoint holds, while XLA compiles the division by the constant into
+    a multiplication by fp32(1/448), what the model's in-memory quantization uses."""
     rows, cols = w.shape
     rb, cb = scale_shape(w.shape, block)
     padded = np.zeros((rb * block, cb * block), np.float32)

@@ -1,8 +1,9 @@
 """The one table between HF DeepSeek-V3 tensor names and this model's parameter paths.
 
-Each `Leaf` says which HF tensors make one slice of one of our parameters, and how to turn them
-into that slice (`to_ours`) and back (`to_hf`). Stacked parameters ([layers, ...]) have one slice
-per HF layer; MoE expert weights gather E per-expert HF tensors into one [E, ...] slice.
+Each `Leaf` says which HF tensors make one slice of one of our parameters, and how their dims
+become that slice's (`Layout`: read by `hf_reader.read_shard`, inverted by `slice_to_hf`).
+Stacked parameters ([layers, ...]) have one slice per HF layer; MoE expert weights gather E
+per-expert HF tensors into one [E, ...] parameter, one slice per expert.
 
 HF linear weights are [out, in]; ours are [in, out] with the heads axis split out where it helps
 (wq_b [Q, H, K], wkv_b [C, H, N+V], wo [H, V, D]). The rope rows need no permutation: our rope
@@ -24,10 +25,8 @@ class Leaf:
     path: tuple[str, ...]  # our parameter path, e.g. ("moe_layers", "attn", "wq_a")
     hf: Callable[[int | None], list[str]]  # HF names of one slice, given the HF layer index
     hf_layers: tuple[int, ...] | None  # HF layer of each stacked slice; None: not stacked
-    to_ours: Callable[[list[np.ndarray]], np.ndarray]
-    to_hf: Callable[[np.ndarray], list[np.ndarray]]
     hf_shapes: Callable[[], list[tuple[int, ...]]]  # expected HF shapes of one slice
-    layout: "Layout"  # how one HF tensor's dims become ours: for reading a shard of a slice alone
+    layout: "Layout"  # how one HF tensor's dims become ours, both ways (`read_shard`, `slice_to_hf`)
 
     def hf_name(self, stack: tuple[int, ...]) -> str:
         """The HF tensor of stack element `stack` ((), (layer,) or (layer, expert) in our stacked dims)."""
@@ -47,41 +46,20 @@ class Layout:
 
 def _t(shape_ours: tuple[int, ...]):
     """HF [out, in] <-> ours [in, *split(out)] for a matrix whose out dim splits into `shape_ours[1:]`."""
-    fan_in = shape_ours[0]
-
-    def to_ours(xs):
-        return xs[0].T.reshape(shape_ours)
-
-    def to_hf(x):
-        return [x.reshape(fan_in, -1).T]
-
-    return to_ours, to_hf, lambda: [(int(np.prod(shape_ours[1:])), fan_in)], Layout(True, (1, len(shape_ours) - 1))
+    return lambda: [(int(np.prod(shape_ours[1:])), shape_ours[0])], Layout(True, (1, len(shape_ours) - 1))
 
 
 def _wo(h: int, v: int, d: int):
-    def to_ours(xs):
-        return xs[0].T.reshape(h, v, d)
-
-    def to_hf(x):
-        return [x.reshape(h * v, d).T]
-
-    return to_ours, to_hf, lambda: [(d, h * v)], Layout(True, (2, 1))
+    return lambda: [(d, h * v)], Layout(True, (2, 1))
 
 
 def _same(shape: tuple[int, ...]):
-    return (lambda xs: xs[0]), (lambda x: [x]), lambda: [shape], Layout(False, (1,) * len(shape))
+    return lambda: [shape], Layout(False, (1,) * len(shape))
 
 
 def _experts(e: int, shape_ours: tuple[int, int]):
     """E HF [out, in] matrices <-> ours [E, in, out]."""
-
-    def to_ours(xs):
-        return np.stack([x.T for x in xs])
-
-    def to_hf(x):
-        return [xi.T for xi in x]  # any number of experts: export goes one expert at a time
-
-    return to_ours, to_hf, lambda: [(shape_ours[1], shape_ours[0])] * e, Layout(True, (1, 1))
+    return lambda: [(shape_ours[1], shape_ours[0])] * e, Layout(True, (1, 1))
 
 
 def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...], Callable, tuple]]:
@@ -184,13 +162,15 @@ def leaf_slices(leaf: Leaf) -> list[tuple[tuple[int, ...], list[str]]]:
     return out
 
 
-def slice_to_ours(leaf: Leaf, index: tuple[int, ...], xs: list[np.ndarray]) -> np.ndarray:
-    part = leaf.to_ours(xs)
-    return part[0] if len(index) == 2 else part
-
-
-def slice_to_hf(leaf: Leaf, index: tuple[int, ...], x: np.ndarray) -> list[np.ndarray]:
-    return leaf.to_hf(x[None]) if len(index) == 2 else leaf.to_hf(x)
+def slice_to_hf(leaf: Leaf, x: np.ndarray) -> np.ndarray:
+    """The HF tensor of one slice of ours (`x`: ours[index] for an index of `leaf_slices`): each
+    group of `layout.split` dims merged, then transposed back."""
+    dims, d = [], 0
+    for n in leaf.layout.split:
+        dims.append(int(np.prod(x.shape[d:d + n])))
+        d += n
+    x = x.reshape(dims)
+    return x.T if leaf.layout.transposed else x
 
 
 def mtp_shared_copies(cfg: ModelConfig) -> list[tuple[str, str]]:

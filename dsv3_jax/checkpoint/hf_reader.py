@@ -191,6 +191,16 @@ class HFReader:
         self.bytes_read += x.nbytes
         return x
 
+    def raw_fp8(self, leaf: hf_names.Leaf) -> Callable:
+        """For a leaf stored in e4m3: (stack, "q" | "scale", rows, cols) -> that window of its HF
+        tensor as stored, or of its block scales as fp32 (`scales`): the `RawFp8` of `quantized`."""
+        def raw(stack: tuple[int, ...], part: str, rows: slice, cols: slice) -> np.ndarray:
+            if part == "scale":
+                return self.scales(leaf.hf_name(stack), rows, cols)
+            return np.array(self._read(leaf.hf_name(stack), rows, cols))
+
+        return raw
+
     def leaf_window(self, leaf: hf_names.Leaf, dtype) -> Callable:
         """`window` for `read_shard`: (stack index, rows, cols) -> that HF tensor's window."""
         def window(stack: tuple[int, ...], rows: slice, cols: slice | None = None) -> np.ndarray:

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout
+from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout, quantized
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.hf_names import leaf_slices
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
@@ -167,12 +167,6 @@ def int_regions(p: LeafPlan) -> tuple[list[int], list[tuple]]:
     return step, [(stack, slice(k0, min(k, k0 + step))) for stack in stacks for k0 in range(0, k, step)]
 
 
-def _int_block(reader: HFReader, p: LeafPlan, stack: tuple, rows: slice) -> tuple[np.ndarray, np.ndarray]:
-    """Our K rows `rows` of one stack element, quantized: (q [rows(/2), N], scale [rows/g, N])."""
-    w_KxN = reader.leaf_window(p.leaf, np.float32)(stack, slice(None), rows).T
-    return quant.quantize_int(w_KxN, p.quant, p.group, xp=np)
-
-
 def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter, bar) -> None:
     n, k = p.hf_shape
     step, blocks = int_regions(p)
@@ -182,9 +176,10 @@ def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWrit
                           chunks=ones + [step // pack, n])
     s_arr = params.create(p.leaf.path + ("scale",), stack_shape + (k // p.group, n), np.float32,
                           chunks=ones + [step // p.group, n])
+    src = quantized.hf_2d(reader.leaf_window(p.leaf, np.float32))
     for stack, rows in blocks:
         before = reader.bytes_read
-        q, sc = _int_block(reader, p, stack, rows)
+        q, sc = quantized.quantize_int(p.quant, p.group, stack, rows, slice(0, n), src)
         lead = tuple(slice(i, i + 1) for i in stack)  # kept: a write's checksum needs its global index
         params.write(q_arr[lead + (slice(rows.start // pack, rows.stop // pack),)], q)
         params.write(s_arr[lead + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
@@ -202,7 +197,7 @@ def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
         s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), stack + fp8.scale_shape(p.hf_shape), np.float32,
                                 chunks=chunks[:-2] + [-(-chunks[-2] // fp8.BLOCK), -(-chunks[-1] // fp8.BLOCK)])
         for index in blocks:
-            q, s = _raw_fp8(reader, p, index) if p.fp8_stored else _quantized_fp8(reader, p, index)
+            q, s = _fp8_block(reader, p, index)
             fp8_item.write(q_arr[index], q)
             fp8_item.write(s_arr[_scale_index(index)], s)
             bar.update(q.nbytes + s.nbytes)
@@ -216,25 +211,16 @@ def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
         bar.update(reader.bytes_read - before)
 
 
-def _raw_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The stored e4m3 rows of one block and their scale rows, as stored (HF orientation)."""
-    stack = tuple(s.start for s in index[:p.stacked])
-    name = p.leaf.hf_name(stack)
-    rows = index[-2]
-    q = np.array(reader.ckpt.read_rows(name, rows.start, rows.stop))
-    sr = _scale_index(index)[-2]
-    s = reader.scales(name, sr)  # fp32, counted in bytes_read
-    reader.bytes_read += q.nbytes
-    lead = (1,) * p.stacked
-    return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
-
-
-def _quantized_fp8(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """One row block (a multiple of 128 rows) of a non-FP8 source quantized to e4m3 with its
-    128x128 scales (the released recipe, `fp8.quantize`), HF orientation."""
-    stack = tuple(s.start for s in index[:p.stacked])
-    w = reader.leaf_window(p.leaf, np.float32)(stack, index[-2], None)
-    q, s = fp8.quantize(w, pow2=reader.scale_fmt == "ue8m0")
+def _fp8_block(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One row block (a multiple of 128 rows) of e4m3 and its scale rows, HF orientation: as stored
+    from an FP8 source, else quantized (`quantized.quantize_fp8`, the released recipe)."""
+    stack, rows, cols = tuple(s.start for s in index[:p.stacked]), index[-2], slice(0, p.hf_shape[1])
+    if p.fp8_stored:
+        raw = reader.raw_fp8(p.leaf)
+        q, s = raw(stack, "q", rows, cols), raw(stack, "scale", *fp8.scale_window(rows, cols))
+    else:
+        q, s = quantized.quantize_fp8(stack, rows, cols, quantized.hf_2d(reader.leaf_window(p.leaf, np.float32)),
+                                      pow2=reader.scale_fmt == "ue8m0")
     lead = (1,) * p.stacked
     return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
 
@@ -253,7 +239,7 @@ def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) ->
         if p.fp8:
             got = [readers[orbax_layout.FP8].read(p.leaf.path + ("qvalue",), index),
                    readers[orbax_layout.FP8].read(p.leaf.path + ("scale_inv",), _scale_index(index))]
-            want = list(_raw_fp8(reader, p, index) if p.fp8_stored else _quantized_fp8(reader, p, index))
+            want = list(_fp8_block(reader, p, index))
         else:
             got = [readers[orbax_layout.PARAMS].read(p.leaf.path, index)]
             want = [read_shard(p.leaf, p.shape, index, reader.leaf_window(p.leaf, p.dtype), p.dtype)]

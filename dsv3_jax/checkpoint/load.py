@@ -116,14 +116,16 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
     pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
     config_overrides.setdefault("compute_dtype", pdtype.name)
     cfg = reader.config(param_dtype=pdtype.name, **config_overrides)
-    reader.check_all(cfg)
+    infos = reader.check_all(cfg)
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
     variables = _variables(model)
     show = progress if progress is not None else len(reader.ckpt.names()) > 2000
     plan = quantization.plan(model) if quantization is not None else {}
     for leaf in tqdm(hf_names.leaves(cfg), desc=f"loading {os.path.basename(reader.folder)}", unit="param",
                      disable=not show):
-        raw = _hf_raw_fp8(reader, leaf) if leaf.path in plan and quantization.fmt == "fp8" else None
+        keep = leaf.path in plan and quantization.fmt == "fp8" and all(
+            infos[n].fp8 for _, names in hf_names.leaf_slices(leaf) for n in names)  # stored e4m3: kept as it is
+        raw = reader.raw_fp8(leaf) if keep else None
         _build_leaf(leaf, variables[leaf.path], functools.partial(reader.leaf_window, leaf), raw, quantization, plan,
                     mesh, rules)
     reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
@@ -143,19 +145,6 @@ def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantiza
     window = window_of(target)
     var.set_value(build_array(var.shape, target, placement(mesh, rules)(leaf.path, var),
                               lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
-
-
-def _hf_raw_fp8(reader: HFReader, leaf: hf_names.Leaf):
-    """`RawFp8` windows of a leaf whose HF tensors are all stored in e4m3, else None."""
-    if any(reader.ckpt.header(n)[1] != fp8.E4M3 for _, names in hf_names.leaf_slices(leaf) for n in names):
-        return None
-
-    def raw(stack, part, rows, cols):
-        if part == "scale":
-            return reader.scales(leaf.hf_name(stack), rows, cols)
-        return np.array(reader.ckpt.read_rows(leaf.hf_name(stack), rows.start, rows.stop)[:, cols])
-
-    return raw
 
 
 def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[ModelConfig, DeepSeekV3]:
@@ -361,10 +350,27 @@ def _quantized_base(run, cfg, dtype, overrides):
     return load_pretrained(init_from, dtype, **cfg.load_kwargs(), **overrides)
 
 
+def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *, mesh=None, rules=None,
+              quantization: Quantization | None = None, **config_overrides) -> DeepSeekV3:
+    """A PEFT LoRA folder's model with its adapters unmerged, what `PeftModel` runs: the base model
+    (`base`, else the folder's base_model_name_or_path: `lora_export.peft_base`) loaded from any
+    source here (with `quantization` held quantized, a QLoRA base), then adapters put where the
+    folder has them (`lora_export.peft_lora`) and read from it."""
+    if mesh is not None:
+        raise CheckpointError(f"{folder} is a PEFT adapter folder, which loads on one device (as a LoRA run does); "
+                              "for a mesh merge it into its base first (peft's merge_and_unload, save_pretrained)")
+    model = _load_source(lora_export.peft_base(folder, base), dtype, None, rules, quantization, config_overrides)
+    lora.apply(model, lora_export.peft_lora(model, folder))
+    lora_export.import_peft(model, folder)
+    return model
+
+
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None, weights: str | None = None,
-                    quantize: str | None = None, quant_group: int = 128, **config_overrides) -> DeepSeekV3:
+                    quantize: str | None = None, quant_group: int = 128, base: str | os.PathLike | None = None,
+                    **config_overrides) -> DeepSeekV3:
     """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
-    HF folder (`config.json` + safetensors), or a training run's folder (its latest step) or step folder.
+    HF folder (`config.json` + safetensors), a training run's folder (its latest step) or step folder,
+    or a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) over its base model.
 
     dtype: parameter dtype (default: as stored; bfloat16 for FP8); the compute dtype follows it.
     mesh: build each parameter directly in `NamedSharding(mesh, spec)`, each process reading only
@@ -378,12 +384,26 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
       scales per `quant_group` rows of the contraction axis, int4 packed two per byte.
     quantize: "experts" (the routed experts; int8/int4's default) or "all" (every projection the
       released checkpoint stores in FP8; fp8's default).
+    base: with a PEFT folder, its base model (any of the other sources), as
+      `PeftModel.from_pretrained(base, folder)` takes it; default: the folder's
+      base_model_name_or_path, as `AutoPeftModelForCausalLM` reads it (a local folder: nothing is
+      downloaded). The adapters stay unmerged, on the base quantized as `weights` says.
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
     path = os.fspath(path)
     quantization = Quantization(weights, quantize, quant_group) if weights is not None else None
     if quantization is None and quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
+    if lora_export.is_peft_folder(path):
+        return load_peft(path, base, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
+    if base is not None:
+        raise ValueError(f"base={os.fspath(base)!r} is the base model of a PEFT adapter folder; {path} is none "
+                         "(it has no adapter_config.json)")
+    return _load_source(path, dtype, mesh, rules, quantization, config_overrides)
+
+
+def _load_source(path: str, dtype, mesh, rules, quantization: Quantization | None, config_overrides: dict):
+    """The model of a run, an Orbax checkpoint or an HF folder (`load_pretrained`'s dispatch)."""
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
         if (section := run.config().get("lora")) is not None:  # a LoRA run: its base with its adapters
             return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization, **config_overrides)
@@ -394,5 +414,5 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
         return load_hf(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
     raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
                           "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
-                          "config.json and model.safetensors or model.safetensors.index.json, or a training run's "
-                          "folder (model_config.json, checkpoints/<step>)")
+                          "config.json and model.safetensors or model.safetensors.index.json, a training run's "
+                          "folder (model_config.json, checkpoints/<step>) or a PEFT folder (adapter_config.json)")

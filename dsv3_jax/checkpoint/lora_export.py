@@ -15,18 +15,28 @@ PEFT folders carry the MLA adapters (target_modules) and the dense and shared-ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
 
+from dsv3_jax import paths
 from dsv3_jax.checkpoint import hf_names
 from dsv3_jax.checkpoint.run_folder import StateParams
-from dsv3_jax.checkpoint.safetensors_io import CheckpointError
+from dsv3_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from dsv3_jax.model import DeepSeekV3, lora
+from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.lora import low_rank_delta
+from dsv3_jax.model.params import projections
+from dsv3_jax.ops import quant
 
 ADAPTER = "_lora"
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def _adapter_path(path: tuple[str, ...]) -> tuple[str, ...]:
@@ -45,12 +55,6 @@ class MergedParams:
         layout = self.quantized.get(path)
         if layout is None:
             return self.params.read(path, index)
-        import dataclasses
-
-        import jax.numpy as jnp
-
-        from dsv3_jax.ops import quant
-
         q, s = (jnp.asarray(self.params.read((*path, part), index)) for part in ("q", "scale"))
         return np.asarray(quant.dequantize(dataclasses.replace(layout, q=q, scale=s), jnp.float32))
 
@@ -78,11 +82,6 @@ def quantized_layout(run, section: dict) -> dict:
     fmt = section.get("base_weights", "none")
     if fmt == "none":
         return {}
-    from flax import nnx
-
-    from dsv3_jax.model import DeepSeekV3
-    from dsv3_jax.model import quant as model_quant
-
     which = section.get("base_quantize", "all")
     abstract = nnx.eval_shape(lambda: model_quant.quantize_model(DeepSeekV3(run.model_config(), rngs=nnx.Rngs(0)),
                                                                  fmt, which))
@@ -137,8 +136,6 @@ def peft_config(section: dict, modules: list[str], base: str | None) -> dict:
 
 def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None = None) -> dict:
     """PEFT folder `out` (adapter_config.json, adapter_model.safetensors) with the run's adapters."""
-    from safetensors.numpy import save_file
-
     section = run.config().get("lora")
     if section is None:
         raise CheckpointError(f"{run.run_dir} is not a LoRA run (its config.json has no lora section)")
@@ -149,7 +146,7 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
     tensors = peft_tensors(run.model_config(), params, params.keys)
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(out, ADAPTER_FILE), metadata={"format": "pt"})
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(peft_config(section, modules, base), f, indent=2)
     return {"out": out, "tensors": len(tensors), "modules": len(modules), "step": run.step}
@@ -159,47 +156,90 @@ def is_peft_folder(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), "adapter_config.json"))
 
 
+# adapter_config.json fields with the value plain LoRA has (absent or empty counts as plain)
+_PLAIN = (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
+          ("lora_bias", False), ("rank_pattern", None), ("alpha_pattern", None), ("modules_to_save", None),
+          ("layer_replication", None))
+
+
 def peft_lora_config(folder) -> dict:
     """rank, alpha and the base model of a PEFT LoRA folder; an error for what we cannot load."""
     with open(os.path.join(folder, "adapter_config.json")) as f:
         meta = json.load(f)
     if meta.get("peft_type") != "LORA":
         raise CheckpointError(f"{folder}/adapter_config.json: peft_type {meta.get('peft_type')!r} is not LORA")
-    for field, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
-        if meta.get(field, plain) != plain:
+    for field, plain in _PLAIN:
+        if (meta.get(field) or plain) != plain:
             raise CheckpointError(f"{folder}/adapter_config.json: {field}={meta[field]!r} is not supported "
                                   f"(plain LoRA only: {field}={plain!r})")
     return {"rank": int(meta["r"]), "alpha": float(meta["lora_alpha"]), "base": meta.get("base_model_name_or_path")}
 
 
+def peft_base(folder, base=None) -> str:
+    """The base model of a PEFT folder: `base` when given (as `PeftModel.from_pretrained(base, folder)`
+    takes it), else the folder's base_model_name_or_path (as `AutoPeftModelForCausalLM` reads it),
+    which must be a local folder or a URL: nothing is downloaded from a hub."""
+    base = os.fspath(base) if base is not None else peft_lora_config(folder)["base"]
+    if not base or not (paths.is_url(base) or os.path.exists(base)):
+        raise CheckpointError(f"{folder}/adapter_config.json names the base model {base!r}, which is no local folder: "
+                              "pass base= (its HF folder, our checkpoint or a training run)")
+    return base
+
+
+def _module(key: str) -> str:
+    """The HF module of an adapter tensor: base_model.model.<module>.lora_A.weight -> <module>."""
+    return key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+
+
+def peft_lora(model, folder) -> lora.LoRAConfig:
+    """The `LoRAConfig` that puts adapters on `model` where a PEFT folder has them: its rank and
+    alpha, and as targets our paths of the HF modules its adapter_model.safetensors holds (so PEFT's
+    target_modules, target_parameters and layers_to_transform come as the file resolved them)."""
+    meta = peft_lora_config(folder)
+    adaptable = {"/".join(path) for path, *_ in projections(model)}
+    ours = {names[0].removesuffix(".weight"): leaf for leaf in hf_names.leaves(model.config)
+            if "/".join(leaf.path) in adaptable for _, names in hf_names.leaf_slices(leaf)}  # experts: one each
+    leaves = {}
+    for module in sorted({_module(k) for k in SafetensorsFile(os.path.join(folder, ADAPTER_FILE)).keys()}):
+        if module not in ours:
+            raise CheckpointError(f"{folder}/{ADAPTER_FILE} has an adapter on {module}, which is not a projection "
+                                  "of this model that LoRA adapts (attention and MLP projections)")
+        leaves[ours[module].path] = ours[module]
+    routed = sorted(path[-1] for path, leaf in leaves.items() if hf_names.stacked_dims(leaf) == 2)
+    if routed and routed != ["w1", "w2", "w3"]:  # the grouped expert matmul takes the three adapters together
+        raise CheckpointError(f"{folder}/{ADAPTER_FILE} adapts the routed experts' {routed} only; routed experts "
+                              "load with adapters on all of gate_proj (w1), up_proj (w3) and down_proj (w2)")
+    return lora.LoRAConfig(rank=meta["rank"], alpha=meta["alpha"],
+                           targets="|".join(re.escape("/".join(p)) for p in sorted(leaves)),
+                           experts=any(hf_names.stacked_dims(leaf) == 2 for leaf in leaves.values()))
+
+
 def import_peft(model, folder) -> list[str]:
     """Fills the adapters of `model` (put on by `lora.apply` with the folder's rank and alpha) from a
-    PEFT folder, one HF module at a time. Every adapter needs its module in the file and every
-    module of the file an adapter; returns the modules read."""
-    from flax import nnx
-    from safetensors import safe_open
-
-    from dsv3_jax.model import lora
-
+    PEFT folder, one HF module at a time. A slice the folder has no module for (a layer PEFT's
+    layers_to_transform left out) keeps its fresh adapter, whose zero B adds nothing; an adapter none
+    of whose modules is in the file, and a module of the file without an adapter, are errors.
+    Returns the modules read."""
     nodes = {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)}
-    used = []
-    with safe_open(os.path.join(folder, "adapter_model.safetensors"), framework="numpy") as f:
-        keys = set(f.keys())
-        for leaf in hf_names.leaves(model.config):
-            owner = nodes.get(leaf.path[:-1])
-            ad = None if owner is None else lora.adapter(owner, leaf.path[-1])
-            if ad is None:
-                continue
-            a, b = np.array(ad.a[...]), np.array(ad.b[...])
-            for index, names in hf_names.leaf_slices(leaf):
-                module = "base_model.model." + names[0].removesuffix(".weight")
-                if f"{module}.lora_A.weight" not in keys:
-                    raise CheckpointError(f"{folder}: no {module}.lora_A.weight for the adapter on "
-                                          f"{'/'.join(leaf.path)}; check lora.targets against the folder's modules")
-                a[index] = f.get_tensor(f"{module}.lora_A.weight").T.reshape(a[index].shape)
-                b[index] = f.get_tensor(f"{module}.lora_B.weight").T.reshape(b[index].shape)
-                used.append(module)
-            ad.a[...], ad.b[...] = a, b
+    f = SafetensorsFile(os.path.join(folder, ADAPTER_FILE))
+    keys, used = set(f.keys()), []
+    for leaf in hf_names.leaves(model.config):
+        owner = nodes.get(leaf.path[:-1])
+        ad = None if owner is None else lora.adapter(owner, leaf.path[-1])
+        if ad is None:
+            continue
+        slices = [(index, "base_model.model." + names[0].removesuffix(".weight"))
+                  for index, names in hf_names.leaf_slices(leaf)]
+        found = [(index, module) for index, module in slices if f"{module}.lora_A.weight" in keys]
+        if not found:
+            raise CheckpointError(f"{folder}: no {slices[0][1]}.lora_A.weight (nor of another layer) for the "
+                                  f"adapter on {'/'.join(leaf.path)}; check lora.targets against the folder's modules")
+        a, b = np.array(ad.a[...]), np.array(ad.b[...])
+        for index, module in found:
+            a[index] = f.read(f"{module}.lora_A.weight").T.reshape(a[index].shape)
+            b[index] = f.read(f"{module}.lora_B.weight").T.reshape(b[index].shape)
+            used.append(module)
+        ad.a[...], ad.b[...] = a, b
     extra = {k.rsplit(".lora_", 1)[0] for k in keys} - set(used)
     if extra:
         raise CheckpointError(f"{folder} has adapters for modules the model's LoRA targets leave out: "

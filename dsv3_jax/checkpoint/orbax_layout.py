@@ -42,7 +42,6 @@ from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 
 PARAMS, FP8, CONFIG = "params", "fp8", "config"
 FORMAT, VERSION = "dsv3_jax", 1
-CHUNK_BYTES = 64 << 20
 # An item's handler as Orbax records it in _CHECKPOINT_METADATA: the class's module and name.
 _ARRAYS, _JSON = ocp.StandardCheckpointHandler, ocp.JsonCheckpointHandler
 _HANDLERS = {PARAMS: _ARRAYS, FP8: _ARRAYS, CONFIG: _JSON, integrity.ITEM: _JSON}
@@ -55,18 +54,6 @@ def _context() -> ts.Context:
     # The OCDBT b-tree cache is Orbax's (the spec it gives for an array in a database names it).
     return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
                        "file_io_concurrency": {"limit": 16}, "file_io_sync": False})
-
-
-def chunk_shape(shape: tuple[int, ...], itemsize: int, stacked: int = 0, target: int = CHUNK_BYTES) -> list[int]:
-    """The `stacked` leading dims (layer, expert: the units written) cut to 1, then further leading
-    dims cut until a chunk is at most `target` bytes. A write then never rewrites another's chunk."""
-    chunk = [1 if i < stacked else max(1, n) for i, n in enumerate(shape)]
-    for i in range(stacked, len(chunk)):
-        if math.prod(chunk) * itemsize <= target:
-            break
-        rest = math.prod(chunk[i + 1:]) * itemsize
-        chunk[i] = max(1, min(chunk[i], target // max(rest, 1)))
-    return chunk
 
 
 class ItemWriter:
@@ -87,13 +74,12 @@ class ItemWriter:
         self._pending: list[tuple[Any, int]] = []
         self._max_in_flight = max_in_flight
 
-    def create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, *, stacked: int = 0,
-               chunks: list[int] | None = None) -> ts.TensorStore:
-        """A new zarr array; `stacked` leading dims are written one index at a time (see `chunk_shape`)."""
+    def create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, *, chunks: list[int]) -> ts.TensorStore:
+        """A new zarr array cut into `chunks`: the blocks the caller writes, so no write touches
+        another's chunk file."""
         dtype = np.dtype(dtype)
         self._keys.append(tuple(path))
         self._shapes[".".join(path)], self.checksums[".".join(path)] = tuple(shape), 0
-        chunks = chunks or chunk_shape(shape, dtype.itemsize, stacked)
         # Orbax's non-OCDBT layout: one zarr folder per array, one file per chunk. (Writing into one
         # OCDBT database commits its manifest on every slice write: 50x slower here.)
         spec = {"driver": "zarr", "kvstore": paths.kvstore(paths.join(self.dir, ".".join(path))),

@@ -66,18 +66,21 @@ class _Source:
     def raw_fp8(self, leaf: hf_names.Leaf, index) -> tuple[np.ndarray, np.ndarray]:
         return (self.fp8.read(leaf.path + ("qvalue",), index), self.fp8.read(leaf.path + ("scale_inv",), index))
 
-    def quantized(self, leaf: hf_names.Leaf, index, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Block-quantised HF tensor; the last one is cached since its scale is written right after."""
-        key = (leaf.path, index, k)
+    def fp8_pair(self, leaf: hf_names.Leaf, index) -> tuple[np.ndarray, np.ndarray]:
+        """(e4m3, scale_inv) of the slice's HF tensor: as kept (`--keep-fp8`) or block-quantised
+        here; the last one is cached since its scale is written right after."""
+        key = (leaf.path, index)
         if self._last[0] != key:
-            self._last = (key, fp8.quantize(self.hf_float(leaf, index, k), pow2=self.pow2))
+            kept = ".".join(leaf.path) in self.fp8_leaves
+            pair = self.raw_fp8(leaf, index) if kept else fp8.quantize(self.hf_float(leaf, index), pow2=self.pow2)
+            self._last = (key, pair)
         return self._last[1]
 
-    def hf_float(self, leaf: hf_names.Leaf, index, k: int) -> np.ndarray:
-        """HF tensor `k` of the slice at `index`, as float (fp32 for FP8-kept leaves)."""
+    def hf_float(self, leaf: hf_names.Leaf, index) -> np.ndarray:
+        """The HF tensor of the slice at `index`, as float (fp32 for FP8-kept leaves)."""
         if ".".join(leaf.path) in self.fp8_leaves:
             return fp8.dequantize(*self.raw_fp8(leaf, index))
-        return slice_to_hf(leaf, index, self.params.read(leaf.path, index))[k]
+        return slice_to_hf(leaf, self.params.read(leaf.path, index))
 
 
 def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.dtype | None) -> list[_Tensor]:
@@ -86,39 +89,26 @@ def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.
     stored = np.dtype(jnp.dtype(cfg.param_dtype))
     out = []
     for leaf in hf_names.leaves(cfg):
-        key = ".".join(leaf.path)
-        kept = key in src.fp8_leaves
-        for index, names in leaf_slices(leaf):
-            for k, name in enumerate(names):
-                shape = leaf.hf_shapes()[k if len(index) < 2 else 0]
-                if want_fp8 and fp8.quantizable(name):
-                    out += _fp8_pair(src, leaf, index, k, name, shape, kept)
-                    continue
-                recorded = exceptions.get(name, dtypes.get(key))
-                if dtype is not None:
-                    dt = dtype
-                elif recorded == "float8_e4m3fn":  # an FP8 source written out unquantised
-                    dt = np.dtype(ml_dtypes.bfloat16)
-                else:
-                    dt = np.dtype(jnp.dtype(recorded)) if recorded else stored
-                out.append(_Tensor(name, dt, tuple(shape),
-                                   lambda leaf=leaf, index=index, k=k, dt=dt: src.hf_float(leaf, index, k).astype(dt),
-                                   _layer_of(name)))
+        key, shape = ".".join(leaf.path), tuple(leaf.hf_shapes()[0])
+        for index, (name,) in leaf_slices(leaf):  # one HF tensor a slice (routed experts: one expert)
+            if want_fp8 and fp8.quantizable(name):
+                out += [_Tensor(name, fp8.E4M3, shape, lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[0],
+                                _layer_of(name)),
+                        _Tensor(scale_name(name), np.dtype(np.float32), fp8.scale_shape(shape),
+                                lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[1], _layer_of(name))]
+                continue
+            recorded = exceptions.get(name, dtypes.get(key))
+            if dtype is not None:
+                dt = dtype
+            elif recorded == "float8_e4m3fn":  # an FP8 source written out unquantised
+                dt = np.dtype(ml_dtypes.bfloat16)
+            else:
+                dt = np.dtype(jnp.dtype(recorded)) if recorded else stored
+            out.append(_Tensor(name, dt, shape, lambda leaf=leaf, index=index, dt=dt: src.hf_float(leaf, index).astype(dt),
+                               _layer_of(name)))
     if source.get("mtp_shared_copies", True):
         out += _mtp_copies(cfg, src, out)
     return out
-
-
-def _fp8_pair(src: _Source, leaf, index, k, name, shape, kept) -> list[_Tensor]:
-    if kept:
-        q = lambda: src.raw_fp8(leaf, index)[0]  # noqa: E731
-        s = lambda: src.raw_fp8(leaf, index)[1]  # noqa: E731
-    else:
-        q = lambda: src.quantized(leaf, index, k)[0]  # noqa: E731
-        s = lambda: src.quantized(leaf, index, k)[1]  # noqa: E731
-    scale = scale_name(name)
-    return [_Tensor(name, fp8.E4M3, tuple(shape), q, _layer_of(name)),
-            _Tensor(scale, np.dtype(np.float32), fp8.scale_shape(shape), s, _layer_of(name))]
 
 
 def _mtp_copies(cfg: ModelConfig, src: _Source, main: list[_Tensor]) -> list[_Tensor]:

@@ -41,15 +41,32 @@ def _widen(s: slice, unit: int, limit: int) -> slice:
     return slice(s.start // unit * unit, min(limit, -(-s.stop // unit) * unit))
 
 
+def quantize_int(fmt: str, g: int, stack, rows: slice, cols: slice, src: Source, xp=np):
+    """(q, scales) of K rows `rows` (whole groups of `g`) x N columns `cols` of one stack element's
+    [K, N] weight: the int arithmetic of the loader's shards and the converter's blocks alike."""
+    q, s = quant.quantize_int(xp.asarray(src(stack, rows, cols)), fmt, g, xp=xp)
+    return np.asarray(q), np.asarray(s)
+
+
+def quantize_fp8(stack, rows: slice, cols: slice, src: Source, xp=np,
+                 pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 [rows, cols], scales of its 128x128 blocks; `pow2`: UE8M0) of one stack element's
+    weight in HF orientation [N, K], for a window of whole blocks (edge blocks partial): the FP8
+    arithmetic of the loader's shards and the converter's blocks alike."""
+    w_NxK = np.ascontiguousarray(src(stack, cols, rows).T)
+    if xp is np:
+        return fp8.quantize(w_NxK, pow2=pow2)
+    return tuple(np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), pow2_scale=pow2,
+                                                               min_amax=quant.FP8_MIN_AMAX))
+
+
 def _int_window(part: str, fmt: str, g: int, rows: slice, cols: slice, stack, src: Source, xp) -> np.ndarray:
     """Rows `rows` x cols of q (int8 [K, N] or packed [K/2, N]) or of the scales [K/g, N]."""
     per_group = g // 2 if (part == "q" and fmt == "int4") else (g if part == "q" else 1)
     groups = slice(rows.start // per_group, -(-rows.stop // per_group))
-    w_KxN = xp.asarray(src(stack, slice(groups.start * g, groups.stop * g), cols))
-    q, s = quant.quantize_int(w_KxN, fmt, g, xp=xp)
-    out = np.asarray(q if part == "q" else s)
+    q, s = quantize_int(fmt, g, stack, slice(groups.start * g, groups.stop * g), cols, src, xp)
     first = groups.start * per_group
-    return out[rows.start - first:rows.stop - first]
+    return (q if part == "q" else s)[rows.start - first:rows.stop - first]
 
 
 def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8,
@@ -60,12 +77,7 @@ def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src:
     b = fp8.BLOCK
     nr, kc = (_widen(rows, b, n), _widen(cols, b, k)) if part == "q" else (
         slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
-    w_NxK = np.ascontiguousarray(src(stack, kc, nr).T)
-    if xp is np:
-        q, s = fp8.quantize(w_NxK, pow2=pow2)
-    else:
-        q, s = (np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), pow2_scale=pow2,
-                                                               min_amax=quant.FP8_MIN_AMAX))
+    q, s = quantize_fp8(stack, nr, kc, src, xp, pow2)
     if part == "q":
         return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
     return s
@@ -146,5 +158,3 @@ def hf_2d(window: Callable) -> Source:
     """A `Source` over an HF tensor [N, K] ([out, in], FP8 dequantised by the window)."""
     return lambda stack, rows, cols: window(stack, cols, rows).T
 
-
-__all__ = ["build_quantized", "restore_quantized", "ours_2d", "hf_2d"]

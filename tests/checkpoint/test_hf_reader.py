@@ -1,6 +1,7 @@
 """The one HF reader: any shard of any parameter read alone equals the same slice of the whole
-parameter converted the simple way (`Leaf.to_ours` on whole tensors); FP8 windows dequantise like
-the whole tensor; the converter's blocks stay under its chunk bound at the released shapes."""
+parameter, whose every slice `slice_to_hf` turns back into the HF tensor as stored (dequantised);
+FP8 windows dequantise like the whole tensor; the converter's blocks stay under its chunk bound at
+the released shapes."""
 
 import math
 
@@ -15,13 +16,11 @@ from benchmarks.make_released_shapes import released_config
 
 
 def _whole(reader: HFReader, leaf, shape) -> np.ndarray:
-    """The simple way: every slice's whole HF tensors through Leaf.to_ours, stacked."""
-    parts = {index: hf_names.slice_to_ours(leaf, index, [reader.window(n) for n in names])
-             for index, names in hf_names.leaf_slices(leaf)}
-    out = np.empty(shape, np.float32)
-    for index, part in parts.items():
-        out[index] = part
-    return out
+    """The whole parameter, read at once; each slice of it back in HF layout equals the stored tensor."""
+    whole = read_shard(leaf, shape, (), reader.leaf_window(leaf, np.float32), np.float32)
+    for index, (name,) in hf_names.leaf_slices(leaf):
+        np.testing.assert_array_equal(hf_names.slice_to_hf(leaf, whole[index]), reader.window(name), err_msg=name)
+    return whole
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
