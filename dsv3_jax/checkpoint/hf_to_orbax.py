@@ -32,6 +32,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import shutil
 
 import jax.numpy as jnp
@@ -310,7 +311,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         os.sync()  # the chunk files were written without fsync
         source = {"hf_dir": os.path.abspath(hf_dir), "dtypes": {p.key: p.source_dtype for p in plans},
                   "dtype_exceptions": exceptions, "weight_map": reader.ckpt.weight_map,
-                  "mtp_shared_copies": mtp_copies, "hf_config": _read_json(reader.config_path),
+                  "mtp_shared_copies": mtp_copies, "hf_config": json.loads(pathlib.Path(reader.config_path).read_text()),
                   "generation_config": hf_tokenizer.source_generation_config(hf_dir)}
         hf_tokenizer.copy_tokenizer_files(hf_dir, tmp)  # the checkpoint carries its tokenizer to --to-hf and serve
         meta = {"model": cfg.to_dict(), "fp8_leaves": [p.key for p in plans if p.fp8], "source": source}
@@ -325,7 +326,3 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         raise
     return {"out": out, "bytes_read": total, "verified": verified, "fp8_leaves": sum(p.fp8 for p in plans)}
 
-
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)

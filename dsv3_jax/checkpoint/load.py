@@ -288,13 +288,11 @@ def _fp8_item_raw(reader: orbax_layout.ItemReader, p: tuple[str, ...]):
 
 def _fp8_item_window(reader: orbax_layout.ItemReader, p: tuple[str, ...], target):
     """(stack, rows, cols) -> that window of parameter `p`'s HF-oriented tensor, dequantised to `target`."""
-    q_arr = reader.array(p + ("qvalue",))
-    s_arr = reader.array(p + ("scale_inv",))
+    raw, shape = _fp8_item_raw(reader, p), reader.arrays[p + ("qvalue",)].shape
 
     def window(stack, rows, cols):
-        rows, cols = (slice(*r.indices(n)[:2]) for r, n in zip((rows, cols), q_arr.shape[len(stack):]))
-        return fp8.dequantize_window(lambda r, c: np.asarray(q_arr[stack + (r, c)].read().result()),
-                                     lambda r, c: np.asarray(s_arr[stack + (r, c)].read().result()),
+        rows, cols = (slice(*r.indices(n)[:2]) for r, n in zip((rows, cols), shape[len(stack):]))
+        return fp8.dequantize_window(functools.partial(raw, stack, "q"), functools.partial(raw, stack, "scale"),
                                      rows, cols, target)
 
     return window

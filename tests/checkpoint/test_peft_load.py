@@ -2,7 +2,7 @@
 DeepseekV3 with random A and B, on attention modules of some layers and on MLP weights) loads over
 its base with adapters exactly where the folder has them and gives PeftModel's logits, and
 `experiments.generate --checkpoint=PEFT_FOLDER` continues a prompt as PeftModel's greedy `generate`
-does; `base=` stands in for a base_model_name_or_path that is no local folder; routed-expert
+does; over a base held int8 the adapters are the same; `base=` stands in for a base_model_name_or_path that is no local folder; routed-expert
 adapters (per-expert modules) add s B A to exactly their expert; what we cannot load is refused by name."""
 
 import json
@@ -52,20 +52,32 @@ def adapted(tmp_path_factory):
     return root / "base", root / "adapter", model, logits
 
 
-def test_peft_folder_loads_over_its_base_with_peft_logits(adapted):
+def _adapters(model) -> dict:
     from flax import nnx
 
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)}
+
+
+def test_peft_folder_loads_over_its_base_with_peft_logits(adapted):
     base, folder, _, want = adapted
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
     model = load_pretrained(folder)
     _close(np.asarray(model(TOKENS)), want)
-    adapted_paths = {"/".join(map(str, p[:-1])) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)}
-    assert adapted_paths == {"dense_layers/attn/wq_a_lora", "dense_layers/attn/wkv_b_lora", "dense_layers/attn/wo_lora",
-                             "moe_layers/attn/wq_a_lora", "moe_layers/attn/wkv_b_lora", "moe_layers/attn/wo_lora",
-                             "dense_layers/ffn/w1_lora", "moe_layers/ffn/shared_experts/w2_lora"}
+    adapters = _adapters(model)
+    assert {p.rsplit("/", 1)[0] for p in adapters} == {
+        "dense_layers/attn/wq_a_lora", "dense_layers/attn/wkv_b_lora", "dense_layers/attn/wo_lora",
+        "moe_layers/attn/wq_a_lora", "moe_layers/attn/wkv_b_lora", "moe_layers/attn/wo_lora",
+        "dense_layers/ffn/w1_lora", "moe_layers/ffn/shared_experts/w2_lora"}
     # HF layer 1 (moe_layers[0]) is outside layers_to_transform: its adapter adds nothing
-    assert not np.any(np.asarray(model.moe_layers.attn.wq_a_lora.b[...])[0])
-    assert np.all(np.asarray(model.moe_layers.attn.wq_a_lora.b[...])[1] != 0)
+    assert not np.any(adapters["moe_layers/attn/wq_a_lora/b"][0])
+    assert np.all(adapters["moe_layers/attn/wq_a_lora/b"][1] != 0)
+    # QLoRA inference: the base held int8, the same fp32 adapters read onto it
+    from dsv3_jax.model import quant as model_quant
+
+    quantized = load_pretrained(folder, weights="int8", quantize="all")
+    assert model_quant.format_of(quantized) == "int8"
+    for path, value in _adapters(quantized).items():
+        np.testing.assert_array_equal(value, adapters[path], err_msg=path)
 
 
 def test_generate_cli_on_a_peft_folder_continues_as_peft_does(adapted, capsys):
