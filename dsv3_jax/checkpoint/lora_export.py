@@ -172,7 +172,10 @@ def peft_lora_config(folder) -> dict:
         if (meta.get(field) or plain) != plain:
             raise CheckpointError(f"{folder}/adapter_config.json: {field}={meta[field]!r} is not supported "
                                   f"(plain LoRA only: {field}={plain!r})")
-    return {"rank": int(meta["r"]), "alpha": float(meta["lora_alpha"]), "base": meta.get("base_model_name_or_path")}
+    try:
+        return {"rank": int(meta["r"]), "alpha": float(meta["lora_alpha"]), "base": meta.get("base_model_name_or_path")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{folder}/adapter_config.json needs a number for r and lora_alpha ({e!r})") from None
 
 
 def peft_base(folder, base=None) -> str:
