@@ -70,6 +70,16 @@ def define_weight_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("quant_group", 128, "with --weights=int8|int4: rows per scale", flag_values=fv)
 
 
+def define_expert_flags(fv: flags.FlagValues, counted: str) -> None:
+    """--expert_placement / --redundant_experts (load_pretrained's) and --record_expert_load."""
+    flags.DEFINE_string("expert_placement", None, "EPLB placement file of the routed experts (python -m "
+                        "experiments.eplb)", flag_values=fv)
+    flags.DEFINE_integer("redundant_experts", None, "redundant physical experts (alone: placed for a uniform load)",
+                         flag_values=fv)
+    flags.DEFINE_string("record_expert_load", None, f"write the {counted} routed per (MoE layer, expert) here "
+                        "(.json or .npz), the input of experiments.eplb", flag_values=fv)
+
+
 def with_mesh(args):
     """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
     try:

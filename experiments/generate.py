@@ -3,7 +3,8 @@
     python -m experiments.generate --checkpoint=RUN_OR_CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
         [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=512] [--stats] \
-        [--mesh=fsdp=2,expert=4 [--rules=default]] [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]]
+        [--mesh=fsdp=2,expert=4 [--rules=default]] [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
+        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json]
 
 --checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps
 (runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder. The tokenizer is --tokenizer, else
@@ -36,7 +37,7 @@ import numpy as np
 from absl import flags
 
 import sharding
-from sharding import multihost
+from sharding import eplb, multihost
 from dsv3_jax import cli, load_pretrained
 from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
@@ -67,6 +68,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_boolean("stats", False, "print expert activation frequencies of the prompts", flag_values=fv)
     cli.define_mesh_flags(fv, "device mesh to load onto")
     cli.define_weight_flags(fv)
+    cli.define_expert_flags(fv, "prompt tokens")
 
 
 def parse_args(argv=None):
@@ -130,7 +132,8 @@ def main(argv=None) -> int:
         run = run_folder.find(args.checkpoint)
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
-                                quantize=args.quantize, quant_group=args.quant_group)
+                                quantize=args.quantize, quant_group=args.quant_group,
+                                expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     if args.stats and st.prompt_expert_counts is not None:
         print_expert_frequencies(st.prompt_expert_counts, model.config.num_dense_layers,
                                  model.config.num_experts_per_token)
+    if args.record_expert_load and st.prompt_expert_counts is not None:
+        eplb.write_load(args.record_expert_load, st.prompt_expert_counts, model.config.num_dense_layers)
     return 0
 
 

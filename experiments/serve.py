@@ -4,7 +4,8 @@
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
-        [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]]
+        [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
+        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
@@ -30,6 +31,7 @@ import time
 from absl import flags
 
 import sharding
+from sharding import eplb
 from dsv3_jax import cli
 
 
@@ -58,6 +60,7 @@ def define_flags(fv: flags.FlagValues) -> None:
                         flag_values=fv)
     cli.define_mesh_flags(fv, "device mesh to serve on")
     cli.define_weight_flags(fv)
+    cli.define_expert_flags(fv, "decoded tokens (written at shutdown)")
 
 
 def parse_args(argv=None):
@@ -75,7 +78,8 @@ def build(args):
     run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
     model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
-                            quantize=args.quantize, quant_group=args.quant_group)
+                            quantize=args.quantize, quant_group=args.quant_group,
+                            expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
     if args.weights:
         logging.info("projections held as %s (%s): %.1f MB of parameter arrays", args.weights,
                      args.quantize or model_quant.default_targets(args.weights), model_quant.parameter_bytes(model) / 1e6)
@@ -131,6 +135,9 @@ def main(argv=None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.shutdown()
+        if args.record_expert_load and engine.metrics.expert_counts is not None:
+            eplb.write_load(args.record_expert_load, engine.metrics.expert_counts,
+                            engine.runner.config.num_dense_layers)
     return 0
 
 

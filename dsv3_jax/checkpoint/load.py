@@ -32,12 +32,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import sharding
+from sharding import eplb
 from dsv3_jax import paths
 from dsv3_jax.checkpoint import fp8, hf_names, integrity, lora_export, orbax_layout, quantized, run_folder
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import DeepSeekV3, lora
+from dsv3_jax.model import DeepSeekV3, lora, moe
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.ops import quant
@@ -365,6 +366,7 @@ def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *,
 
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None, weights: str | None = None,
                     quantize: str | None = None, quant_group: int = 128, base: str | os.PathLike | None = None,
+                    expert_placement: str | None = None, redundant_experts: int | None = None,
                     **config_overrides) -> DeepSeekV3:
     """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
     HF folder (`config.json` + safetensors), a training run's folder (its latest step) or step folder,
@@ -386,8 +388,20 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
       `PeftModel.from_pretrained(base, folder)` takes it; default: the folder's
       base_model_name_or_path, as `AutoPeftModelForCausalLM` reads it (a local folder: nothing is
       downloaded). The adapters stay unmerged, on the base quantized as `weights` says.
+    expert_placement, redundant_experts: an EPLB placement file (`python -m experiments.eplb`) and/or
+      a count of redundant experts (alone: placed for a uniform load); the routed experts are laid
+      out as its physical experts (dsv3_jax/model/moe.py:place_experts, sharding/eplb.py).
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
+    if expert_placement is not None or redundant_experts is not None:
+        model = load_pretrained(path, dtype, mesh, rules=rules, weights=weights, quantize=quantize,
+                                quant_group=quant_group, base=base, **config_overrides)
+        cfg = model.config
+        devices = 1 if mesh is None else mesh.shape.get("expert", 1)
+        moe.place_experts(model.moe_layers.ffn, eplb.placement_for(
+            expert_placement, redundant_experts, num_layers=cfg.num_moe_layers, num_experts=cfg.num_routed_experts,
+            num_groups=cfg.num_expert_groups, num_devices=devices))
+        return model
     path = os.fspath(path)
     quantization = Quantization(weights, quantize, quant_group) if weights is not None else None
     if quantization is None and quantize is not None:

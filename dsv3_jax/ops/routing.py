@@ -1,6 +1,6 @@
 """DeepSeek-V3 router: sigmoid scores, bias-corrected group-limited top-k, normalised gates.
 
-Letters: N tokens, E routed experts, G groups, K experts per token.
+Letters: N tokens, E routed experts, G groups, K experts per token, R replicas of an expert at most.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def route(logits_NxE: jax.Array, bias_E: jax.Array, *, top_k: int, num_groups: i
     if normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return Routing(weights * routed_scale, experts.astype(jnp.int32), scores)
+
+
+def to_replicas(experts_NxK: jax.Array, replicas_ExR: jax.Array) -> jax.Array:
+    """Logical expert ids -> physical ones: token n sends its row for expert e to replica
+    n mod (e's replica count), so an expert's tokens take its replicas in turn, the same on every
+    call. `replicas_ExR`: an EPLB placement's map (sharding/eplb.py), -1 past an expert's replicas."""
+    count_NxK = jnp.sum(replicas_ExR >= 0, axis=-1)[experts_NxK]
+    token_Nx1 = jnp.arange(experts_NxK.shape[0])[:, None]
+    return replicas_ExR[experts_NxK, token_Nx1 % count_NxK].astype(jnp.int32)
 
 
 def expert_counts(experts_NxK: jax.Array, num_experts: int, token_mask_N: jax.Array | None = None) -> jax.Array:

@@ -1,8 +1,10 @@
 """`python -m experiments.serve --mesh=tensor=2,expert=4` on 8 fake CPU devices (MLA heads on
 `tensor`, experts on `expert`, run expert-parallel) answers 8 concurrent greedy requests with the
 tokens of the single-device server (the shared one), with and without MTP speculation, and compiles
-nothing after its warm-up; with `--weights=fp8` / `--weights=int4` (every projection quantized, each
-shard built where it lives) as the single-device server holding the same quantized weights; a
+nothing after its warm-up, with redundant experts placed by EPLB for a skewed load (the answers of
+the default placement) and the decoded tokens' expert load recorded at shutdown; with
+`--weights=fp8` / `--weights=int4` (every projection quantized, each shard built where it lives) as
+the single-device server holding the same quantized weights (those with the default placement); a
 grammar-constrained and a free request sharing a batch answer as on one device.
 `experiments.generate --mesh` likewise."""
 
@@ -12,7 +14,9 @@ import numpy as np
 import openai
 import pytest
 
+from sharding import eplb
 from tests import helpers
+from tests.serving.checkpoint import serve_config
 from tests.serving.conftest import serve_process
 from tests.serving.test_grammar import pair_answers
 
@@ -55,8 +59,21 @@ def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--us
 
 
 def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
-    _mesh_servers_answer(served_checkpoint, tmp_path, _answers(server[0], server[1], _prompts()),
+    """With E / 2 redundant experts placed for a skewed load: its answers are the default
+    placement's (the one-device server's), with and without MTP; the load it records has a row per
+    MoE layer, every layer the same routed tokens."""
+    cfg = serve_config()
+    layers, experts = cfg.num_moe_layers, cfg.num_routed_experts
+    skewed = np.random.default_rng(0).zipf(1.2, (layers, experts)).astype(float)
+    placement = eplb.rebalance(skewed, experts + experts // 2, cfg.num_expert_groups, 1, 4)
+    eplb.save_placement(tmp_path / "placement.npz", placement)
+    record = tmp_path / "load.json"
+    flags = (f"--expert_placement={tmp_path / 'placement.npz'}", f"--record_expert_load={record}")
+    _mesh_servers_answer(served_checkpoint, tmp_path, _answers(server[0], server[1], _prompts()), *flags,
                          want_pair=pair_answers(*server))
+    layer_ids, counts = eplb.read_load(record)
+    assert layer_ids.tolist() == list(range(cfg.num_dense_layers, cfg.num_layers))
+    assert counts.shape == (layers, experts) and len(set(counts.sum(-1))) == 1
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
