@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import time
 
 from absl import flags
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
         return cli.fail(e)
     import uvicorn
 
+    # uvicorn re-raises the signal that stopped it: SIGTERM then leaves through `finally`, as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -138,6 +142,8 @@ def main(argv=None) -> int:
         if args.record_expert_load and engine.metrics.expert_counts is not None:
             eplb.write_load(args.record_expert_load, engine.metrics.expert_counts,
                             engine.runner.config.num_dense_layers)
+            logging.info("expert load of %d decode steps written to %s", engine.metrics.decode_steps,
+                         args.record_expert_load)
     return 0
 
 
