@@ -164,14 +164,9 @@ def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict
     into `place(path, var)`'s sharding (a process reads only its devices' shards), set into
     `variables` (the abstract model's). With `manifest`, the arrays are restored in their stored
     dtype, checked against its checksums (`integrity`) of a training `step`, then cast."""
-    target: dict = {}
-    for p, key in keys.items():
-        var = variables[p]
-        node = target
-        for k in key[:-1]:
-            node = node.setdefault(k, {})
-        dtype = item.arrays[key].dtype if manifest is not None else var.dtype
-        node[key[-1]] = jax.ShapeDtypeStruct(var.shape, dtype, sharding=place(p, var))
+    target = ocp.tree.from_flat_dict({key: jax.ShapeDtypeStruct(
+        variables[p].shape, item.arrays[key].dtype if manifest is not None else variables[p].dtype,
+        sharding=place(p, variables[p])) for p, key in keys.items()})
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
             restored = ckptr.restore(item.dir, ocp.args.PyTreeRestore(
@@ -181,8 +176,7 @@ def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict
             if damaged is None and not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
                 raise
             raise damaged or CheckpointError(f"{item.dir} does not hold this model's parameters ({e})") from None
-    by_key = {tuple(k.key for k in keypath): value
-              for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    by_key = ocp.tree.to_flat_dict(restored)
     if manifest is not None:
         integrity.check(step, item.dir, manifest, {".".join(key): by_key[key] for key in keys.values()})
     for p, key in keys.items():
