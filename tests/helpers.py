@@ -13,12 +13,14 @@ if that run fails or stalls too, and also on the overall `timeout`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -189,3 +191,20 @@ def without_cluster(env: dict) -> dict:
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
     return env
+
+
+@contextlib.contextmanager
+def app_in_thread(app):
+    """An ASGI `app` served by uvicorn on 127.0.0.1 (a free port) in a thread; yields its base url."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -17,7 +17,7 @@ from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
 from dsv3_jax.serving.engine import EngineFailed
-from tests.helpers import free_port
+from tests.helpers import app_in_thread
 from tests.inference.conftest import VOCAB, jax_compiles, tiny_config
 
 MAX_BATCH, CHUNK = 8, 16
@@ -160,26 +160,12 @@ def _http_get(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-@contextlib.contextmanager
 def serving(engine):
     """`make_app` over the engine on 127.0.0.1 (uvicorn in a thread); yields its base url."""
-    import uvicorn
-
     from dsv3_jax.serving import ChatTokenizer, make_app
     from dsv3_jax.data.tokenizer import BUNDLED_PATH
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, ChatTokenizer(BUNDLED_PATH), "m"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return app_in_thread(make_app(engine, ChatTokenizer(BUNDLED_PATH), "m"))
 
 
 def test_failed_step_ends_requests_with_an_error_and_the_engine_recovers(model):

@@ -7,11 +7,8 @@ unless `thinking` is set: the generation prompt ends in `</think>`, or `<think>`
 earlier assistant turns keep only the text after their `</think>`).
 """
 
-import contextlib
 import json
 import pathlib
-import threading
-import time
 import types
 import urllib.error
 import urllib.request
@@ -20,7 +17,7 @@ import pytest
 
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
-from tests.helpers import free_port
+from tests.helpers import app_in_thread
 
 TEMPLATE = pathlib.Path(__file__).parent.parent / "fixtures" / "deepseek_v3_1_chat_template.jinja"
 
@@ -66,27 +63,14 @@ def test_the_renderers_own_variables_cannot_be_passed(chat):
         chat.render(CONVERSATIONS[0], bos_token="<s>")
 
 
-@contextlib.contextmanager
 def serving(chat):
     """`make_app` on 127.0.0.1 (uvicorn in a thread) with `chat`; /tokenize needs no model, so the
     engine is a stand-in with the sizes the app reads."""
-    import uvicorn
-
     from dsv3_jax.serving import make_app
 
     runner = types.SimpleNamespace(context=4096, config=types.SimpleNamespace(vocab_size=chat.tokenizer.vocab_size))
     engine = types.SimpleNamespace(runner=runner, metrics=types.SimpleNamespace(response=lambda status: None))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, chat, "m"), host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return app_in_thread(make_app(engine, chat, "m"))
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
