@@ -10,7 +10,9 @@ and sampling parameters are its own (see `runner` and `sampling`).
 
 A request with a grammar (`SamplingParams.grammar`, structured outputs) gets its own matcher
 (`grammar.Matcher`), which gives its slot's bitmask rows before each step (along the MTP drafts, then
-rolled back) and takes each kept token; it ends the request ("stop") when the grammar is complete.
+rolled back) and takes each kept token; it ends the request ("stop") when the grammar is complete. Near
+the end of the request's budget the rows force the grammar's shortest completion, so a constrained
+answer is complete (or, where no completion fits the budget, ends at "length").
 
 A step that raises may have consumed the donated cache, so the engine resets: the requests in
 slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
@@ -237,13 +239,15 @@ class Engine:
             active = np.array([r is not None and not r.chunks for r in self.slots])
             positions, tokens = self.positions.copy(), self.next_tokens.copy()
             sampling = RowSampling(*(a.copy() for a in self.sampling))
-            constrained = {slot: r.matcher for slot, r in enumerate(self.slots) if active[slot] and r.matcher}
+            constrained = {slot: (r.matcher, self._budget(r)) for slot, r in enumerate(self.slots)
+                           if active[slot] and r.matcher}
         if active.any():
             start = time.perf_counter()
             bitmask = self.runner.free_bitmask.copy() if constrained else None
-            drafted = {slot: m.fill_drafts(tokens[slot, 1:], bitmask[slot]) for slot, m in constrained.items()}
+            drafted = {slot: m.fill_drafts(tokens[slot, 1:], bitmask[slot], budget)
+                       for slot, (m, budget) in constrained.items()}
             result = self.runner.decode(tokens, positions, active, sampling, bitmask)
-            for slot, m in constrained.items():  # the kept tokens advance it in _detokenize
+            for slot, (m, _) in constrained.items():  # the kept tokens advance it in _detokenize
                 m.rollback(drafted[slot])
             self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
                                      drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
@@ -283,7 +287,7 @@ class Engine:
         bitmask_1xG = None
         if request.matcher is not None:  # its first token follows the grammar
             bitmask_1xG = self.runner.free_bitmask[0, :1].copy()
-            request.matcher.fill(bitmask_1xG)
+            request.matcher.fill(bitmask_1xG, 0, self._budget(request))
         out = self.runner.prefill_chunk(slot, request.prompt, start, sampling,
                                         None if bitmask_1xG is None else bitmask_1xG[0])
         if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
@@ -350,6 +354,11 @@ class Engine:
         if reason is not None:
             text += request.stream.finish()
         return text, kept, reason
+
+    def _budget(self, request: Request) -> int:
+        """Tokens the request may still generate: its max_tokens, and the room its slot's context leaves."""
+        used = len(request.generated)
+        return min(request.params.max_tokens - used, self.runner.context - len(request.prompt) - used)
 
     def _free(self, slot: int) -> None:
         self.slots[slot] = None

@@ -25,11 +25,14 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from dsv3_jax.serving.completion import Completer
+
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")  # request fields, one at most
 ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 # Compact JSON, no free whitespace: a model cannot pad the output with blanks until max_tokens runs out
 # (a schema's own "x-guidance" options override this).
 JSON_DEFAULTS = {"whitespace_flexible": False}
+SLACK = 16  # budget kept beyond the shortest completion before it is forced (see Matcher)
 
 
 class GrammarError(ValueError):
@@ -98,40 +101,103 @@ def _response_format(fmt: dict) -> tuple[str, str] | None:
 def _schema_grammar(schema, field: str) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(field, f"a JSON schema is an object, got {type(schema).__name__}")
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    return llguidance.LLMatcher.grammar_from_json_schema(strict(schema), defaults=JSON_DEFAULTS)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples", "required")  # JSON values, not schemas
+
+
+def strict(schema):
+    """`schema` with `"additionalProperties": false` in every object schema (one with `properties`) that
+    does not set it, as OpenAI's strict structured outputs: the output holds the properties named and no
+    others. Other values, and a schema's own additionalProperties, are kept."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: strict(s) for name, s in value.items()}
+        else:
+            out[key] = value if key in _VALUES else strict(value)
+    if isinstance(schema.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 class Matcher:
-    """One request's place in its grammar (llguidance's matcher), advanced by the tokens it keeps."""
+    """One request's place in its grammar (llguidance's matcher), advanced by the tokens it keeps.
 
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self._m = matcher
+    Given the request's token budget, a row forces the first token of the grammar's shortest completion
+    (`completion.Completer`) once the budget is within SLACK tokens of that completion's length, and so
+    on to its end: the output ends with a complete match. SLACK covers the structure one free token may
+    open (`{"` needs `":0}`); a budget smaller than any completion leaves the row free (the request ends
+    at "length"). A completion found is kept while it still ends the grammar from where the output is
+    (the output follows it, or a string goes on); a new one is searched when it does not, or when the
+    budget comes within SLACK of it. After a search finds none, none is searched again until the budget
+    reaches a lower bound on its length (each byte kept lowers it by at most one)."""
 
-    def fill(self, rows_xG: np.ndarray, index: int = 0) -> None:
-        """Row `index` of rows_xG: the tokens that may come next."""
+    def __init__(self, matcher: llguidance.LLMatcher, completer: Completer):
+        self._m, self._completer = matcher, completer
+        self._tokens: list[int] = []  # consumed so far, drafts included until rolled back
+        self._plan: tuple[tuple[int, ...], list[int] | None, int] | None = None  # (at tokens, completion, least length)
+
+    def fill(self, rows_xG: np.ndarray, index: int = 0, budget: int | None = None) -> None:
+        """Row `index` of rows_xG: the tokens that may come next with `budget` tokens left (None: no end)."""
         llguidance.numpy.fill_next_token_bitmask(self._m, rows_xG, index)
+        forced = None if budget is None else self._forced(budget)
+        if forced is not None:
+            rows_xG[index] = 0
+            rows_xG[index, forced >> 5] = np.array(1 << (forced & 31), np.uint32).view(np.int32)
 
-    def fill_drafts(self, drafts_M: np.ndarray, rows_KxG: np.ndarray) -> int:
-        """Rows 0 .. of rows_KxG along the draft path: row i after drafts 0 .. i - 1, while the grammar
-        takes them (the row before a draft it refuses forbids that draft; later rows are left as they
-        are). Returns the drafts taken: `rollback` them after the step."""
-        self.fill(rows_KxG, 0)
+    def _forced(self, budget: int) -> int | None:
+        """The token `budget` forces next, or None while the output is free."""
+        if self._plan is not None and tuple(self._tokens[:len(self._plan[0])]) == self._plan[0]:
+            made, path, least = self._plan
+            since = self._tokens[len(made):]
+            if path is not None and since == path[:len(since)]:
+                return _due(path[len(since):], budget)
+            if path is not None and budget > len(path) + SLACK and self._completer.completes(self._m, path):
+                self._plan = (tuple(self._tokens), path, len(path))  # it still ends the grammar, in time
+                return None
+            if path is None and budget < least - int(self._completer.token_bytes_V[since].sum()):
+                return None  # no completion fits
+        path, searched = self._completer.shortest(self._m, budget)
+        self._plan = (tuple(self._tokens), path, searched if path is not None else searched + 1)
+        return None if path is None else _due(path, budget)
+
+    def fill_drafts(self, drafts_M: np.ndarray, rows_KxG: np.ndarray, budget: int | None = None) -> int:
+        """Rows 0 .. of rows_KxG along the draft path: row i after drafts 0 .. i - 1, while the rows allow
+        them (the row before a draft it refuses forbids that draft; later rows are left as they are).
+        Returns the drafts taken: `rollback` them after the step."""
+        self.fill(rows_KxG, 0, budget)
         taken = 0
         for draft in drafts_M.tolist():
-            if self._m.is_stopped() or self._m.try_consume_tokens([draft]) != 1:
+            allowed = (int(rows_KxG[taken, draft >> 5]) >> (draft & 31)) & 1
+            if not allowed or self._m.is_stopped() or self._m.try_consume_tokens([draft]) != 1:
                 break
+            self._tokens.append(draft)
             taken += 1
-            self.fill(rows_KxG, taken)
+            self.fill(rows_KxG, taken, None if budget is None else budget - taken)
         return taken
 
     def rollback(self, tokens: int) -> None:
         if tokens:
             self._m.rollback(tokens)
+            del self._tokens[-tokens:]
 
     def advance(self, token: int) -> bool:
         """Takes a kept token; True when the grammar is complete (or the token broke it): the request ends."""
         self._m.consume_token(token)
+        self._tokens.append(token)
         return self._m.is_stopped() or self._m.is_error()
+
+
+def _due(completion: list[int], budget: int) -> int | None:
+    """The completion's next token once `budget` is within SLACK of its length."""
+    return completion[0] if completion and budget <= len(completion) + SLACK else None
 
 
 class Grammars:
@@ -150,6 +216,10 @@ class Grammars:
                                           f"model's vocab_size={self.vocab_size}")
         return llguidance.LLTokenizer(self._tokenizer.hf.to_str(), n_vocab=self.vocab_size,
                                       eos_token=self._tokenizer.eos_id)
+
+    @functools.cached_property
+    def _completer(self) -> Completer:
+        return Completer(self._lltokenizer, self.vocab_size, self._tokenizer.eos_id)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         with self._lock:
@@ -175,4 +245,4 @@ class Grammars:
         if compiled.is_error():
             raise GrammarError("grammar", compiled.get_error())
         with self._lock:
-            return Matcher(compiled.deep_copy())
+            return Matcher(compiled.deep_copy(), self._completer)

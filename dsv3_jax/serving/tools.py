@@ -16,7 +16,8 @@ as a special token (a grammar matches the text of ordinary tokens only), by its 
 parses calls out of it; "required" and a named function force it through a grammar: what the template
 writes before an assistant's calls (its lead-in, " " in the bundled template), then one or more calls
 (one with `parallel_tool_calls: false`; only the named function's for a named choice) whose arguments
-match the function's `parameters` JSON schema, written as the template's `tojson` writes them.
+match the function's `parameters` JSON schema (strict: `grammar.strict`), written as the template's `tojson`
+writes them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import re
 import uuid
 
 import llguidance
+
+from dsv3_jax.serving.grammar import strict
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -66,7 +69,7 @@ def grammar(functions: dict[str, dict | None], lead: str, parallel: bool, tokeni
              f"start: {lit(CALLS_BEGIN)} {calls} {lit(CALLS_END)}",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, (name, schema) in enumerate(functions.items()):
-        args = json.dumps({"x-guidance": _SEPARATORS, **(schema or {"type": "object"})}, ensure_ascii=False)
+        args = json.dumps({"x-guidance": _SEPARATORS, **strict(schema or {"type": "object"})}, ensure_ascii=False)
         rule = f"args_{i}: %json {args}"
         alone = llguidance.LLMatcher.grammar_from_lark(f"start: args_{i}\n{rule}")
         error = llguidance.LLMatcher.validate_grammar(alone)

@@ -72,6 +72,20 @@ def test_required_calls_validate_and_the_result_is_answered(client, model, hf_ch
     assert _streamed(client.chat.completions.create(stream=True, **args)) == (text, [], answer.choices[0].finish_reason)
 
 
+def test_required_calls_are_strict_and_end_within_max_tokens(client, model):
+    """A parameters schema without additionalProperties and with a free string, sampled: the arguments hold
+    the named properties only and the calls end (a budget-forced completion) before max_tokens. With the
+    template's markers as text the shortest answer is some 120 tokens."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "find", "parameters": place}}]
+    for seed in range(2):
+        out = client.chat.completions.create(model=model, messages=ASK, tools=tools, tool_choice="required",
+                                             temperature=1, seed=seed, max_tokens=160)
+        assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+        _validate([(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls],
+                  {"find": {**place, "additionalProperties": False}})
+
+
 def test_a_named_function_is_the_one_called(client, model):
     args = dict(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200, parallel_tool_calls=False,
                 tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -127,15 +127,16 @@ def test_fifty_json_schema_requests_validate(client, model):
     assert len({text for text, _ in answers}) > 1  # sampled, not one forced answer
 
 
-def test_json_object_regex_and_choice(client, model, tok):
-    """json_object: the served model is untrained and would write one endless string, so a logit_bias
-    on `"` and `}` (which the grammar allows only where JSON does) lets its objects close."""
-    bias = {tok.encode(c)[-1]: 10 for c in '"}'}
+def test_json_object_regex_and_choice(client, model):
+    """json_object: the served model is untrained and writes one endless string; the budget forces the
+    shortest completion as max_tokens runs out, so every answer is an object that ends in time."""
     for seed in range(4):
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "json"}],
                                              response_format={"type": "json_object"}, temperature=1, seed=seed,
-                                             max_tokens=100, logit_bias=bias)
-        assert isinstance(json.loads(out.choices[0].message.content), dict), out.choices[0].message.content
+                                             max_tokens=24)
+        text = out.choices[0].message.content
+        assert isinstance(json.loads(text), dict) and out.choices[0].finish_reason == "stop", text
+        assert out.usage.completion_tokens <= 24
     regex = r"[a-z]{2,5}-[0-9]{3}"
     out = client.completions.create(model=model, prompt="code:", temperature=1, seed=1, max_tokens=20, n=3,
                                     extra_body={"guided_regex": regex})
@@ -144,6 +145,18 @@ def test_json_object_regex_and_choice(client, model, tok):
     out = client.completions.create(model=model, prompt="colour:", temperature=1, seed=2, max_tokens=20, n=4,
                                     extra_body={"guided_choice": choices})
     assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices), [c.text for c in out.choices]
+
+
+def test_an_unbounded_string_ends_within_max_tokens(client, model):
+    """A schema string without maxLength, at a max_tokens the model would spend inside it; the schema is
+    strict (no property beyond those named) without saying so."""
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["note", "n"]}
+    out = client.completions.create(model=model, prompt="note:", temperature=1, seed=3, max_tokens=20, n=3,
+                                    extra_body={"guided_json": schema})
+    for c in out.choices:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), {**schema, "additionalProperties": False})
 
 
 @pytest.mark.parametrize("extra, param", [
