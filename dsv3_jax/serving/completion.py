@@ -28,6 +28,7 @@ _CLASSES = (b"abcdefghijklmnopqrstuvwxyz", b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"1234
 BEAM, BRANCH = 8, 3  # states kept per level, children kept per state
 FEW = 32  # allowed candidates up to which every one is tried (an enum's first letters), not one per class
 FALLBACK = 4  # shortest allowed tokens tried where no candidate is allowed
+DECISIONS = 4  # ways a grammar branches at most where dead ends are looked for
 MAX_TRIES = 20_000  # tokens one search may try; past them it reports no completion
 
 
@@ -46,11 +47,35 @@ class Completer:
             ids = lltokenizer.tokenize_bytes(bytes([b]))
             if len(ids) == 1 and lltokenizer.decode_bytes(ids) == bytes([b]):
                 candidates.setdefault(ids[0], _byte_class(b))
+        self._byte_tokens = {t for t, c in candidates.items() if c >= 0}
         for t in range(vocab_size):
             if lltokenizer.is_special_token(t):
                 candidates.setdefault(t, -2 - t)
         self.candidates = np.array(list(candidates), np.int64)
         self.classes = np.array(list(candidates.values()), np.int64)
+        first = [lltokenizer.decode_bytes([t])[:1] for t in range(vocab_size)]
+        self._by_first = {b: np.array([t for t, f in enumerate(first) if f == b], np.int64)
+                          for b in set(first) if b}
+        self._decode = lltokenizer.decode_bytes
+
+    def dead_ends(self, matcher: llguidance.LLMatcher, budget: int) -> np.ndarray:
+        """Tokens after which no completion fits in `budget` - 1 tokens, where the grammar branches among
+        at most DECISIONS ways (after a JSON value: `,` or `}`; after a tool call: another or the end):
+        each way's tokens, those that begin with its byte (a special token alone). Empty elsewhere (a
+        string's content, where a token opens no structure)."""
+        kids = [] if matcher.compute_ff_tokens() else self._allowed(matcher)
+        dead = []
+        if 2 <= len(kids) <= DECISIONS:
+            for token in kids:
+                if not matcher.try_consume_tokens([token]):
+                    continue
+                path, _ = self.shortest(matcher, budget - 1)
+                matcher.rollback(1)
+                if path is None and token in self._byte_tokens:
+                    dead.append(self._by_first[self._decode([token])])
+                elif path is None:
+                    dead.append(np.array([token]))
+        return np.concatenate(dead) if dead else np.zeros(0, np.int64)
 
     def _allowed(self, matcher: llguidance.LLMatcher) -> list[int]:
         """The candidates the matcher allows next, the first of each class, in preference order."""

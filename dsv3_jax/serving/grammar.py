@@ -33,6 +33,7 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object: any JSON ob
 # (a schema's own "x-guidance" options override this).
 JSON_DEFAULTS = {"whitespace_flexible": False}
 SLACK = 16  # budget kept beyond the shortest completion before it is forced (see Matcher)
+HORIZON = 128  # budget beyond the shortest completion within which branches that cannot end in time are shut
 
 
 class GrammarError(ValueError):
@@ -133,8 +134,10 @@ class Matcher:
     Given the request's token budget, a row forces the first token of the grammar's shortest completion
     (`completion.Completer`) once the budget is within SLACK tokens of that completion's length, and so
     on to its end: the output ends with a complete match. SLACK covers the structure one free token may
-    open (`{"` needs `":0}`); a budget smaller than any completion leaves the row free (the request ends
-    at "length"). A completion found is kept while it still ends the grammar from where the output is
+    open (`{"` needs `":0}`); a token that opens more (a second tool call) is shut out beforehand: within
+    HORIZON of the end, where the grammar branches a few ways (`completion.Completer.dead_ends`), the
+    ways with no completion left in the budget are masked. A budget smaller than any completion leaves
+    the row free (the request ends at "length"). A completion found is kept while it still ends the grammar from where the output is
     (the output follows it, or a string goes on); a new one is searched when it does not, or when the
     budget comes within SLACK of it. After a search finds none, none is searched again until the budget
     reaches a lower bound on its length (each byte kept lowers it by at most one)."""
@@ -147,26 +150,33 @@ class Matcher:
     def fill(self, rows_xG: np.ndarray, index: int = 0, budget: int | None = None) -> None:
         """Row `index` of rows_xG: the tokens that may come next with `budget` tokens left (None: no end)."""
         llguidance.numpy.fill_next_token_bitmask(self._m, rows_xG, index)
-        forced = None if budget is None else self._forced(budget)
+        if budget is None:
+            return
+        forced, length = self._forced(budget)
         if forced is not None:
             rows_xG[index] = 0
             rows_xG[index, forced >> 5] = np.array(1 << (forced & 31), np.uint32).view(np.int32)
+        elif length is not None and budget <= length + HORIZON:
+            dead = self._completer.dead_ends(self._m, budget)
+            words_G = rows_xG[index].view(np.uint32)
+            np.bitwise_and.at(words_G, dead >> 5, ~(np.uint32(1) << (dead & 31).astype(np.uint32)))
 
-    def _forced(self, budget: int) -> int | None:
-        """The token `budget` forces next, or None while the output is free."""
+    def _forced(self, budget: int) -> tuple[int | None, int | None]:
+        """(the token `budget` forces next, or None while the output is free; the length of the
+        completion known, None where none fits)."""
         if self._plan is not None and tuple(self._tokens[:len(self._plan[0])]) == self._plan[0]:
             made, path, least = self._plan
             since = self._tokens[len(made):]
             if path is not None and since == path[:len(since)]:
-                return _due(path[len(since):], budget)
+                return _due(path[len(since):], budget), len(path) - len(since)
             if path is not None and budget > len(path) + SLACK and self._completer.completes(self._m, path):
                 self._plan = (tuple(self._tokens), path, len(path))  # it still ends the grammar, in time
-                return None
+                return None, len(path)
             if path is None and budget < least - int(self._completer.token_bytes_V[since].sum()):
-                return None  # no completion fits
+                return None, None  # no completion fits
         path, searched = self._completer.shortest(self._m, budget)
         self._plan = (tuple(self._tokens), path, searched if path is not None else searched + 1)
-        return None if path is None else _due(path, budget)
+        return (None, None) if path is None else (_due(path, budget), len(path))
 
     def fill_drafts(self, drafts_M: np.ndarray, rows_KxG: np.ndarray, budget: int | None = None) -> int:
         """Rows 0 .. of rows_KxG along the draft path: row i after drafts 0 .. i - 1, while the rows allow

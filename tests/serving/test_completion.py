@@ -103,6 +103,16 @@ def test_budgeted_walks_end_complete(grammars, budget):
         assert complete and re.fullmatch(r"[a-z]+(,[a-z]+)*", text), text
 
 
+@pytest.mark.parametrize("budget", [20, 45])
+def test_a_branch_that_cannot_end_in_time_is_shut(grammars, budget):
+    """After "x" the walk may end or open a group of 30 digits (as a tool call may open another call):
+    a group is opened only while the budget still holds it and the end."""
+    regex = r"x(,[0-9]{30})*"
+    for seed in range(4):
+        text, complete = _walk(grammars, request_grammar(guided_regex=regex), budget, seed)
+        assert complete and re.fullmatch(regex, text), text
+
+
 def test_a_budget_under_every_completion_ends_at_the_budget(grammars):
     text, complete = _walk(grammars, request_grammar(guided_json=SCHEMA), 6, 0)
     assert not complete and text.startswith("{")
