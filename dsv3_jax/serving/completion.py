@@ -38,10 +38,12 @@ def _byte_class(b: int) -> int:
 
 class Completer:
     """The candidate tokens of one vocabulary (EOS, its single-byte tokens, its special tokens), their
-    classes, and the byte length of every token."""
+    classes, and the byte length and first byte of every token."""
 
     def __init__(self, lltokenizer: llguidance.LLTokenizer, vocab_size: int, eos_id: int):
-        self.token_bytes_V = np.array([len(lltokenizer.decode_bytes([t])) for t in range(vocab_size)], np.int64)
+        text = [lltokenizer.decode_bytes([t]) for t in range(vocab_size)]
+        self.token_bytes_V = np.array([len(b) for b in text], np.int64)
+        self._first_V = np.array([b[0] if b else -1 for b in text], np.int64)  # each token's first byte
         candidates = {eos_id: -1}
         for b in dict.fromkeys(PREFERRED):
             ids = lltokenizer.tokenize_bytes(bytes([b]))
@@ -53,10 +55,6 @@ class Completer:
                 candidates.setdefault(t, -2 - t)
         self.candidates = np.array(list(candidates), np.int64)
         self.classes = np.array(list(candidates.values()), np.int64)
-        first = [lltokenizer.decode_bytes([t])[:1] for t in range(vocab_size)]
-        self._by_first = {b: np.array([t for t, f in enumerate(first) if f == b], np.int64)
-                          for b in set(first) if b}
-        self._decode = lltokenizer.decode_bytes
 
     def dead_ends(self, matcher: llguidance.LLMatcher, budget: int) -> np.ndarray:
         """Tokens after which no completion fits in `budget` - 1 tokens, where the grammar branches among
@@ -71,10 +69,9 @@ class Completer:
                     continue
                 path, _ = self.shortest(matcher, budget - 1)
                 matcher.rollback(1)
-                if path is None and token in self._byte_tokens:
-                    dead.append(self._by_first[self._decode([token])])
-                elif path is None:
-                    dead.append(np.array([token]))
+                if path is None:
+                    same = self._first_V == self._first_V[token]
+                    dead.append(np.flatnonzero(same) if token in self._byte_tokens else np.array([token]))
         return np.concatenate(dead) if dead else np.zeros(0, np.int64)
 
     def _allowed(self, matcher: llguidance.LLMatcher) -> list[int]:
