@@ -80,7 +80,7 @@ def test_export_reads_slices_and_equals_a_whole_model_export(run_dir, tmp_path, 
     writer = orbax_layout.ItemWriter(os.path.join(ref, orbax_layout.PARAMS))
     for path, var in variables.items():
         value = np.asarray(var[...])
-        writer.write(writer.create(path, value.shape, value.dtype), value)
+        writer.write(writer.create(path, value.shape, value.dtype, chunks=list(value.shape)), value)
     writer.finish()
     orbax_layout.write_config(ref, {"model": model.config.to_dict(), "fp8_leaves": []}, [orbax_layout.PARAMS])
     convert_orbax_to_hf(ref, tmp_path / "ref", progress=False)
