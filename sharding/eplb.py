@@ -173,7 +173,9 @@ def imbalance(device_load_LxD: np.ndarray) -> float:
 
 
 def save_placement(path: str | os.PathLike, placement: Placement) -> None:
-    np.savez(path, **placement._asdict())
+    """An .npz archive at exactly `path` (np.savez given a name would append ".npz" to any other)."""
+    with open(path, "wb") as f:
+        np.savez(f, **placement._asdict())
 
 
 def load_placement(path: str | os.PathLike) -> Placement:

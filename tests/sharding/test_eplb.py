@@ -83,8 +83,9 @@ def test_files_round_trip_and_a_bad_file_is_named(tmp_path):
         layers, read = eplb.read_load(tmp_path / name)
         assert layers.tolist() == [3, 4] and np.array_equal(read, counts)
     placement = eplb.rebalance(counts, 12, 4, 1, 4)
-    eplb.save_placement(tmp_path / "p.npz", placement)
-    assert all(np.array_equal(a, b) for a, b in zip(eplb.load_placement(tmp_path / "p.npz"), placement))
+    for name in ("p.npz", "placement.json"):  # written at exactly the path given, whatever its suffix
+        eplb.save_placement(tmp_path / name, placement)
+        assert all(np.array_equal(a, b) for a, b in zip(eplb.load_placement(tmp_path / name), placement))
     np.savez(tmp_path / "bad.npz", physical_to_logical=placement.physical_to_logical,
              logical_to_physical=placement.logical_to_physical, replica_count=placement.replica_count + 1)
     with pytest.raises(ValueError, match="bad.npz: replica_count disagrees"):
