@@ -14,6 +14,7 @@ if that run fails or stalls too, and also on the overall `timeout`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 import time
 
 import numpy as np
@@ -208,3 +211,14 @@ def app_in_thread(app):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def http_json(url: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON answer) of a GET, or of a POST of `body` as JSON; an HTTP error's status and body too."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

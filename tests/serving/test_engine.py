@@ -1,11 +1,8 @@
 """Continuous batching against `generate()` alone, cancellation, the bounded queue, recovery from a failed step."""
 
 import contextlib
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import jax
 import numpy as np
@@ -17,7 +14,7 @@ from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
 from dsv3_jax.serving.engine import EngineFailed
-from tests.helpers import app_in_thread
+from tests.helpers import app_in_thread, http_json
 from tests.inference.conftest import VOCAB, jax_compiles, tiny_config
 
 MAX_BATCH, CHUNK = 8, 16
@@ -152,14 +149,6 @@ class FailingDecode:
         self.runner.reset()
 
 
-def _http_get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def serving(engine):
     """`make_app` over the engine on 127.0.0.1 (uvicorn in a thread); yields its base url."""
     from dsv3_jax.serving import ChatTokenizer, make_app
@@ -185,13 +174,13 @@ def test_failed_step_ends_requests_with_an_error_and_the_engine_recovers(model):
             runner.armed.set()
             for sink in first:
                 assert sink.done.wait(120) and sink.reason == "error"
-            status, health = _http_get(url + "/health")
+            status, health = http_json(url + "/health")
             assert status == 200 and health["resets"] == 1 and health["status"] in ("ok", "recovering")
             assert "injected: device step failed" in health["last_error"]
             prompt, sink = [9, 4, 33, 2, 17], Collector()
             eng.submit(Request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), sink))
             assert sink.done.wait(120) and sink.reason == "length"
-            assert _http_get(url + "/health")[1]["status"] == "ok"
+            assert http_json(url + "/health")[1]["status"] == "ok"
     finally:
         eng.shutdown()
     alone = np.asarray(generate(model, np.array([prompt], np.int32), 6))[0, len(prompt):]
@@ -210,7 +199,7 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
             assert sink.done.wait(120) and sink.reason == "error"
             # The in-flight request ends before the reset runs, so /health says "recovering" until it fails.
             deadline = time.monotonic() + 120
-            while (health := _http_get(url + "/health"))[1]["status"] == "recovering" and time.monotonic() < deadline:
+            while (health := http_json(url + "/health"))[1]["status"] == "recovering" and time.monotonic() < deadline:
                 time.sleep(0.05)
             status, health = health
             assert status == 503 and health["status"] == "failed" and "cannot allocate" in health["last_error"]

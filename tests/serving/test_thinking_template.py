@@ -7,17 +7,14 @@ unless `thinking` is set: the generation prompt ends in `</think>`, or `<think>`
 earlier assistant turns keep only the text after their `</think>`).
 """
 
-import json
 import pathlib
 import types
-import urllib.error
-import urllib.request
 
 import pytest
 
 from dsv3_jax.data.tokenizer import BUNDLED_PATH
 from dsv3_jax.serving.chat import ChatTemplateError, ChatTokenizer
-from tests.helpers import app_in_thread
+from tests.helpers import app_in_thread, http_json
 
 TEMPLATE = pathlib.Path(__file__).parent.parent / "fixtures" / "deepseek_v3_1_chat_template.jinja"
 
@@ -73,21 +70,12 @@ def serving(chat):
     return app_in_thread(make_app(engine, chat, "m"))
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_server_passes_chat_template_kwargs(chat):
     messages = CONVERSATIONS[1]
     with serving(chat) as url:
         for kwargs in (None, {"thinking": True}):
-            status, out = _post(url + "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs})
+            status, out = http_json(url + "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs})
             assert status == 200
             assert out["tokens"] == chat.encode_chat(messages, **(kwargs or {}))
-        status, out = _post(url + "/tokenize", {"messages": messages, "chat_template_kwargs": {"messages": []}})
+        status, out = http_json(url + "/tokenize", {"messages": messages, "chat_template_kwargs": {"messages": []}})
         assert status == 400 and out["error"]["param"] == "chat_template_kwargs"
