@@ -48,17 +48,22 @@ class BlockSizes:
             raise ValueError(f"{self.block_h=} must be a power of two >= 16")
 
 
-def _online_step(carry, q_lat, q_pe, kv, kp, start, length, scale):
-    """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32."""
+def _online_step(carry, q_lat, q_pe, kv, kp, visible, scale):
+    """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32, `visible`
+    [1,bk] says which of the block's rows count."""
     m_prev, l_prev, acc_prev = carry
     s = dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp, "NT")
-    pos = start + lax.broadcasted_iota(jnp.int32, (1, kv.shape[0]), 1)
-    s = jnp.where(pos < length, s * scale, MASK_VALUE)
+    s = jnp.where(visible, s * scale, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_new)
     p = jnp.exp(s - m_new)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     return m_new, l_new, alpha * acc_prev + _pv_dot(p, kv)
+
+
+def _before(start, length, block_kv):
+    """bool [1, block_kv]: which of the block's positions start .. start + block_kv lie below `length`."""
+    return start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) < length
 
 
 def _pv_dot(p, v):
@@ -108,7 +113,7 @@ def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv,
     def _():
         kv = _dequant(kv_ref[...], None if sc_ref is None else sc_ref[...], ql_ref.dtype)
         carry = _online_step((m_ref[...], l_ref[...], acc_ref[...]), ql_ref[...], qp_ref[...],
-                             kv, kp_ref[...], start, length, scale)
+                             kv, kp_ref[...], _before(start, length, block_kv), scale)
         m_ref[...], l_ref[...], acc_ref[...] = carry
 
     @pl.when(j == blocks_per_split - 1)
@@ -129,7 +134,7 @@ def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
         start = pl.multiple_of(split_start + j * block_kv, block_kv)
         rows = pl.ds(start, block_kv)
         kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
-        return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], start, length, scale)
+        return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], _before(start, length, block_kv), scale)
 
     carry = lax.fori_loop(0, n_blocks, body, _init(*o_ref.shape))
     _finish(carry, o_ref, lse_ref)
