@@ -11,10 +11,14 @@ from pallas_kernels.fp8_grouped_wgrad import (fp8_grouped_wgrad, fp8_grouped_wgr
                                               group_aligned_rows)
 from pallas_kernels.fp8_matmul import BlockSizes as BlockSizesFp8
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from pallas_kernels.indexer_topk import BlockSizes as BlockSizesIndexer
+from pallas_kernels.indexer_topk import indexer_scores, indexer_scores_reference, topk_indices
 from pallas_kernels.mla_decode import BlockSizes as BlockSizesMlaDecode
 from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
 from pallas_kernels.mla_prefill import BlockSizes as BlockSizesMlaPrefill
 from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
+from pallas_kernels.sparse_mla_decode import BlockSizes as BlockSizesSparseMlaDecode
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 from pallas_kernels.quantize import (dequantize_1x128, dequantize_128x128, quantize_1x128,
                                      quantize_128x128)
 
@@ -25,5 +29,7 @@ __all__ = [
     "fp8_grouped_wgrad", "fp8_grouped_wgrad_reference", "group_aligned_rows",
     "BlockSizesMlaDecode", "mla_decode", "mla_decode_reference",
     "BlockSizesMlaPrefill", "mla_prefill", "mla_prefill_reference",
+    "BlockSizesSparseMlaDecode", "sparse_mla_decode", "sparse_mla_decode_reference",
+    "BlockSizesIndexer", "indexer_scores", "indexer_scores_reference", "topk_indices",
     "quantize_1x128", "quantize_128x128", "dequantize_1x128", "dequantize_128x128",
 ]

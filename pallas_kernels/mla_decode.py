@@ -56,7 +56,7 @@ def _online_step(carry, q_lat, q_pe, kv, kp, visible, scale):
     s = jnp.where(visible, s * scale, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # a block with nothing visible adds nothing
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     return m_new, l_new, alpha * acc_prev + _pv_dot(p, kv)
 
