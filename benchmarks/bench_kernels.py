@@ -107,6 +107,24 @@ def bench_decode(a, peak):
     compare("mla_decode", f, ref, args, a, bytes_, 2 * b * h * s * (2 * r_ + p), False, peak)
 
 
+def bench_sparse(a, peak):
+    """DSA decode: the indexer's scores over the whole index-key cache (64 heads of dim 128), then
+    the absorbed decode over the top `--topk` rows (at most the cache length)."""
+    b, h, r_, p, s, k = a.batch, a.heads, 512, 64, a.decode_len, min(a.topk, a.decode_len)
+    ks = jax.random.split(jax.random.key(4), 8)
+    shapes = [(b, 64, 128), (b, 64), (b, s, 128)]
+    idx_args = [jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16) for kk, sh in zip(ks[:3], shapes)]
+    idx_args.append(jnp.full((b,), s, jnp.int32))
+    compare("indexer_scores", jax.jit(pk.indexer_scores), jax.jit(pk.indexer_scores_reference), idx_args, a,
+            2 * b * s * 128, 2 * b * 64 * s * 128, False, peak)
+    shapes = [(b, h, r_), (b, h, p), (b, s, r_), (b, s, p)]
+    args = [jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16) for kk, sh in zip(ks[3:7], shapes)]
+    args.append(jax.vmap(lambda kk: jax.random.permutation(kk, s)[:k])(jax.random.split(ks[7], b)).astype(jnp.int32))
+    f = jax.jit(lambda *o: pk.sparse_mla_decode(*o, softmax_scale=192 ** -0.5))
+    ref = jax.jit(lambda *o: pk.sparse_mla_decode_reference(*o, softmax_scale=192 ** -0.5))
+    compare("sparse_mla_decode", f, ref, args, a, 2 * b * k * (r_ + p), 2 * b * h * k * (2 * r_ + p), False, peak)
+
+
 def bench_prefill(a, peak):
     b, t, h = a.prefill_batch, a.prefill_len, a.heads
     ks = jax.random.split(jax.random.key(3), 3)
@@ -132,7 +150,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("heads", 16, "attention heads", flag_values=fv)
     flags.DEFINE_integer("decode_len", 1024, "decode cache length", flag_values=fv)
     flags.DEFINE_integer("prefill_len", 256, "prefill prompt length", flag_values=fv)
-    flags.DEFINE_string("only", "fp8,grouped,decode,prefill", "kernels to run, comma-separated", flag_values=fv)
+    flags.DEFINE_integer("topk", 2048, "entries the sparse decode attends to (DSA's index_topk)", flag_values=fv)
+    flags.DEFINE_string("only", "fp8,grouped,decode,sparse,prefill", "kernels to run, comma-separated",
+                        flag_values=fv)
 
 
 def main(argv=None) -> int:
@@ -141,7 +161,8 @@ def main(argv=None) -> int:
     be = pk.resolve_backend()
     print(f"device: {kind} ({jax.default_backend()}); kernel style {be.style}, "
           f"interpret={be.interpret}; peak table: {peak or 'n/a'}")
-    benches = dict(fp8=bench_fp8, grouped=bench_grouped, decode=bench_decode, prefill=bench_prefill)
+    benches = dict(fp8=bench_fp8, grouped=bench_grouped, decode=bench_decode, sparse=bench_sparse,
+                   prefill=bench_prefill)
     for name in a.only.split(","):
         benches[name](a, peak)
     return 0

@@ -4,7 +4,8 @@ import re
 
 from tests.helpers import run_module
 
-KERNELS = ("fp8_matmul", "fp8_grouped_matmul", "mla_decode", "mla_prefill fwd", "mla_prefill fwd+bwd")
+KERNELS = ("fp8_matmul", "fp8_grouped_matmul", "mla_decode", "indexer_scores", "sparse_mla_decode", "mla_prefill fwd",
+           "mla_prefill fwd+bwd")
 
 
 def test_bench_kernels_prints_each_kernels_error_and_times():
