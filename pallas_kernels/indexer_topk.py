@@ -7,14 +7,15 @@ The indexer's own scales (HF: head_dim ** -0.5 inside the ReLU, n_heads ** -0.5 
 quantised query's per-head scale) are positive, so they fold into `w`.
 
 Two stages, as in DeepSeek's own inference (an FP8 score kernel, then a top-k outside it): the
-score kernel reads the index-key cache once, block by block (blocks past `lengths[b]` are skipped,
-on TPU without a DMA), and `lax.top_k` picks the entries. A top-k inside the kernel is not
-sensible here: Mosaic TPU lowers no sort, and a selection over 128K scores spread across the
-grid's blocks needs a cross-block merge that XLA's top-k already does.
+score kernel reads the index-key cache once, block by block (on TPU, blocks past `lengths[b]`
+issue no DMA), and `lax.top_k` picks the entries. A top-k inside the kernel is not sensible here:
+neither Mosaic TPU nor Pallas Triton lowers `sort` or `top_k` in jax 0.10, and a selection over
+128K scores spread across the grid's blocks needs a cross-block merge that XLA's top-k already is.
 
 Index-key cache: bf16 / fp32 as it is, or fp8 (e4m3) / int8 with one positive fp32 scale per row
 (`k_scale` [B,S,1], DeepSeek's layout for a 128-wide key), applied to the row's score:
-ReLU(q . k_q * s) = s * ReLU(q . k_q) for s > 0, so the block's dot stays in 8-bit values.
+ReLU(q . k_q * s) = s * ReLU(q . k_q) for s > 0, so a block's keys enter the dot as their 8-bit
+values (cast exactly to q's dtype) and the scales multiply [block_s] scores, not [block_s, D] keys.
 
 Letters: B batch, N index heads, D index head dim, S cache length, K selected entries.
 """
