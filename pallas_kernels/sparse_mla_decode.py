@@ -15,7 +15,8 @@ entries run an online softmax. How a block's rows are gathered:
   next block's DMAs in flight while this block computes. The split's indices arrive in SMEM;
   entries of -1 issue no DMA.
 - Triton: the split's indices are loaded as a vector and the rows gathered by one pointer load
-  per block ([block_k, R]); -1 entries read row 0 and are masked.
+  per block ([block_k, R]); -1 entries read row 0 and are masked. (Mosaic GPU, which this package
+  does not use, lowers no vector-indexed ref load in jax 0.10: it would need one copy per row.)
 
 Quantised caches: with `kv_scale` [B,S,G] (one fp32 scale per 128 latent values, G = ceil(R/128)),
 `kv_latent` is e4m3 or int8 (an int8 cache's per-token scale repeated over its G groups) and each
