@@ -14,7 +14,7 @@ entries run an online softmax. How a block's rows are gathered:
   (latent, rope key and, for a quantised cache, scales) into a double-buffered VMEM block, the
   next block's DMAs in flight while this block computes. The split's indices arrive in SMEM;
   entries of -1 issue no DMA.
-- Triton: the split's indices are loaded as a vector and the rows gathered by one pointer load
+- Triton: each block's indices are loaded as a vector and its rows gathered by one pointer load
   per block ([block_k, R]); -1 entries read row 0 and are masked. (Mosaic GPU, which this package
   does not use, lowers no vector-indexed ref load in jax 0.10: it would need one copy per row.)
 
