@@ -106,7 +106,7 @@ def _quantized_cache(kv, fmt):
     return q, scale, deq
 
 
-@pytest.mark.parametrize("fmt,style", [("float8", "tpu"), ("float8", "triton"), ("int8", "tpu")])
+@pytest.mark.parametrize("fmt,style", [("float8", "tpu"), ("float8", "triton"), ("int8", "triton")])
 def test_quantized_cache_dequantised_per_block(fmt, style):
     """An 8-bit cache: the kernel's per-block dequantisation and the reference against numpy on the
     cache dequantised up front (the numbers the cache stands for). int8 takes the same block code
