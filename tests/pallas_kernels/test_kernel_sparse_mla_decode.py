@@ -86,7 +86,7 @@ def test_kernel_matches_reference(style):
     out, lse = sparse_mla_decode(*args, idx, softmax_scale=0.125, block_sizes=bs, backend=style, interpret=True)
     ref, ref_lse = reference(*args, idx, softmax_scale=0.125)
     assert out.shape == (b, h, r) and out.dtype == jnp.float32 and lse.shape == (b, h)
-    assert _max_abs(out, ref) < 2e-3
+    assert _max_abs(out, ref) < 1e-4  # bf16 inputs are exact in fp32; p is split hi + lo for the bf16 dot
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4, rtol=0)  # -inf where no entry
     assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
 
@@ -120,8 +120,9 @@ def test_quantized_cache_dequantised_per_block(fmt, style):
                                  block_sizes=BlockSizesSparseMlaDecode(block_k=128 if style == "tpu" else 32),
                                  backend=style, interpret=True)
     ref, ref_lse = reference(q_lat, q_pe, cache, kp, jnp.asarray(idx), softmax_scale=0.05, kv_scale=scale)
-    assert _max_abs(got, want) < 1e-4 and _max_abs(lse, want_lse) < 1e-4
-    assert _max_abs(ref, want) < 1e-4 and _max_abs(ref_lse, want_lse) < 1e-4
+    tol = 1e-5 * np.abs(want).max()  # relative: the scaled latents give outputs up to ~60
+    assert _max_abs(got, want) < tol and _max_abs(lse, want_lse) < 1e-4
+    assert _max_abs(ref, want) < tol and _max_abs(ref_lse, want_lse) < 1e-4
 
 
 def test_errors_name_the_input():
