@@ -89,8 +89,7 @@ class ModelConfig:
     # Multi-token prediction.
     num_mtp_layers: int = 1
     # DeepSeek Sparse Attention's lightning indexer (V3.2): heads, head dim and the keys each query
-    # keeps. All 0: no indexer, dense MLA (V3, V3.1). dsv3-jax reads and writes these fields but
-    # has no sparse attention yet, so no model is built from a config that sets them.
+    # keeps (DeepSeek Sparse Attention). All 0: no indexer, dense MLA (V3, V3.1).
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
@@ -254,14 +253,6 @@ class ModelConfig:
     @property
     def has_indexer(self) -> bool:
         return self.index_n_heads > 0
-
-    def check_buildable(self) -> None:
-        """Raises for a config no model of ours implements: V3.2's indexer without sparse attention
-        would be a dense model under V3.2's name."""
-        if self.has_indexer:
-            raise ConfigError(f"index_n_heads={self.index_n_heads}, index_topk={self.index_topk}: DeepSeek Sparse "
-                              "Attention (V3.2's lightning indexer) is not implemented in dsv3-jax yet, so no model "
-                              "is built from this config; set the index_* fields to 0 for dense MLA")
 
     # ---------------------------------------------------------- derived sizes
     @property

@@ -15,11 +15,13 @@ from dsv3_jax.config import ModelConfig
 
 
 def build_hf_model(cfg: ModelConfig, seed: int = 0):
-    hf_cfg = transformers.DeepseekV3Config(**cfg.to_hf_config())
+    """DeepseekV3ForCausalLM, or DeepseekV32ForCausalLM for a config with the lightning indexer."""
+    v32 = cfg.has_indexer
+    hf_cfg = (transformers.DeepseekV32Config if v32 else transformers.DeepseekV3Config)(**cfg.to_hf_config())
     hf_cfg._attn_implementation = "eager"
     hf_cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(hf_cfg).float().eval()
+    model = (transformers.DeepseekV32ForCausalLM if v32 else transformers.DeepseekV3ForCausalLM)(hf_cfg).float().eval()
     _reinit(model, torch.Generator().manual_seed(seed))
     return model
 

@@ -176,11 +176,13 @@ def test_v3_1_and_v3_2_config_json_read_as_the_presets_and_write_back():
         ModelConfig.from_hf_config({k: v for k, v in V3_2_CONFIG.items() if k != "index_topk"})
 
 
-def test_no_model_is_built_from_an_indexer_config():
+def test_an_indexer_config_round_trips_and_builds_its_indexer():
     cfg = ModelConfig.tiny(index_n_heads=2, index_head_dim=16, index_topk=8)
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # the config itself reads and writes
-    with pytest.raises(ConfigError, match="DeepSeek Sparse Attention .* not implemented"):
-        DeepSeekV3(cfg, rngs=nnx.Rngs(0))
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    back = ModelConfig.from_hf_config(cfg.to_hf_config())
+    assert (back.index_n_heads, back.index_head_dim, back.index_topk) == (2, 16, 8)
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    assert model.moe_layers.attn.indexer.wq_b.shape == (cfg.num_moe_layers, cfg.q_lora_rank, 2, 16)
 
 
 def test_indexer_parameter_count_matches_transformers_v32():

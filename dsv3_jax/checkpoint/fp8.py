@@ -101,7 +101,10 @@ def not_pow2(s: np.ndarray) -> tuple[int, ...] | None:
 
 
 def quantizable(hf_name: str) -> bool:
-    """Which HF tensors the released checkpoint stores in FP8: attention and MLP/expert projections.
-    Norms, router, bias, embeddings, head and `eh_proj` stay in bf16."""
+    """Which HF tensors the released checkpoint stores in FP8: attention and MLP/expert projections,
+    the V3.2 indexer's wq_b and wk. Norms, router, bias, embeddings, head, `eh_proj` and the
+    indexer's `weights_proj` stay in higher precision."""
+    if ".indexer." in hf_name:
+        return hf_name.endswith((".wq_b.weight", ".wk.weight"))
     return hf_name.endswith("_proj.weight") and "eh_proj" not in hf_name and (
         ".self_attn." in hf_name or ".mlp." in hf_name)

@@ -83,6 +83,13 @@ def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...]
     yield ("attn", "kv_norm", "weight"), one("self_attn.kv_a_layernorm.weight"), _same((c,))
     yield ("attn", "wkv_b"), one("self_attn.kv_b_proj.weight"), _t((c, h, nv))
     yield ("attn", "wo"), one("self_attn.o_proj.weight"), _wo(h, cfg.v_head_dim, d)
+    if cfg.has_indexer:  # V3.2's lightning indexer
+        n, ki = cfg.index_n_heads, cfg.index_head_dim
+        yield ("attn", "indexer", "wq_b"), one("self_attn.indexer.wq_b.weight"), _t((cfg.q_lora_rank, n, ki))
+        yield ("attn", "indexer", "wk"), one("self_attn.indexer.wk.weight"), _t((d, ki))
+        yield ("attn", "indexer", "k_norm", "weight"), one("self_attn.indexer.k_norm.weight"), _same((ki,))
+        yield ("attn", "indexer", "k_norm", "bias"), one("self_attn.indexer.k_norm.bias"), _same((ki,))
+        yield ("attn", "indexer", "weights_proj"), one("self_attn.indexer.weights_proj.weight"), _t((d, n))
     if not moe:
         i = cfg.intermediate_size
         yield ("ffn", "w1"), one("mlp.gate_proj.weight"), _t((d, i))

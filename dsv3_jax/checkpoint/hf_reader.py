@@ -7,8 +7,7 @@ loader (`load`).
 - `check_all`: header-only checks of every tensor the config needs (shape; dtype; for e4m3 the
   `weight_scale_inv` beside it, its block shape and float32 or float8_e8m0fnu dtype), of the MTP
   copies of the embedding and head, and that nothing else is in the folder. Errors name the
-  tensor, its file and config.json. A V3.2 folder (lightning indexer) is refused: dsv3-jax has no
-  sparse attention yet, and the model without it would not be V3.2.
+  tensor, its file and config.json. A V3.2 folder's indexer tensors are part of its config's model.
 - `window`: rows x columns of one tensor read through a memory map of those rows only; FP8 is
   dequantised with just the scale blocks that cover the window (`scales`: as fp32, each checked
   to be a power of two when config.json says `scale_fmt: "ue8m0"`).
@@ -110,13 +109,6 @@ class HFReader:
     def check_all(self, cfg: ModelConfig) -> dict[str, TensorInfo]:
         """{HF name: info} of every tensor of `cfg`; raises on the first mismatch, then on any
         tensor the config does not use. MTP copies of the embedding and head are checked too."""
-        indexer = next((n for n in self.ckpt.names() if ".self_attn.indexer." in n), None)
-        if cfg.has_indexer or indexer:
-            raise CheckpointError(
-                f"{self.folder} is a DeepSeek-V3.2 checkpoint (index_n_heads={cfg.index_n_heads}, index_topk="
-                f"{cfg.index_topk} in {self.config_path}; indexer tensors such as {indexer}): its DeepSeek Sparse "
-                "Attention (the lightning indexer) is not implemented in dsv3-jax yet, and dense MLA without it "
-                "would be another model. V3 and V3.1 checkpoints load.")
         infos = {}
         for leaf in hf_names.leaves(cfg):
             shape = leaf.hf_shapes()[0]  # experts: E equal shapes

@@ -16,6 +16,19 @@ section 2.1.1): with k_nope[h] = W_uk[h] c and v[h] = W_uv[h] c,
   q_nope[h] . k_nope[h] = (W_uk[h]^T q_nope[h]) . c = q_lat[h] . c
   sum_s p_s v_s[h] = W_uv[h] (sum_s p_s c_s) = W_uv[h] o_lat[h]
 so a call reads only the cached c [S, C] and k_pe [S, R], never per-head keys or values.
+
+DeepSeek Sparse Attention (V3.2, `cfg.has_indexer`): the lightning indexer (model/indexer.py) scores
+every visible key per query and the expanded form attends only to each query's `index_topk` best
+(the causal mask narrowed, the reference form); a query with at most `index_topk` visible keys
+keeps them all, so a call of at most `index_topk` tokens runs dense attention (the indexer is not
+run unless its terms are asked for) and its result is dense attention's exactly. A dense
+warm-up is the same model with `index_topk` at least the sequence length. Through the latent cache
+(prefill chunks, decode) sparse attention is not built yet: such a call raises.
+
+Hook for training the indexer: `expanded(..., indexer_terms=True)` returns (out, `IndexerTerms`):
+the indexer's logits [B, T, S] (float32, -inf off the causal, same-document keys) and the main
+attention's probabilities summed over the H heads [B, T, S] (float32, each row sums to H; zero off
+the keys attended), for a KL loss from the latter (normalised) to softmax(logits).
 """
 
 from __future__ import annotations
@@ -31,10 +44,11 @@ import pallas_kernels
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import lora, params
+from dsv3_jax.model.indexer import Indexer, select_topk
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops import latent_attention
-from dsv3_jax.ops.attention import attention as xla_attention, causal_attention_lse
+from dsv3_jax.ops.attention import attention as xla_attention, causal_attention_lse, causal_mask, head_summed_probs
 from dsv3_jax.ops.linear import project
 from dsv3_jax.ops.quant import as_dense
 
@@ -70,6 +84,13 @@ class LatentCache(NamedTuple):
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
 
 
+class IndexerTerms(NamedTuple):
+    """What training the lightning indexer needs from one layer (see the module docstring)."""
+
+    logits: jax.Array  # float32 [B, T, S] the indexer's, -inf where not visible
+    attn_probs: jax.Array  # float32 [B, T, S] the main attention's probabilities summed over heads
+
+
 def _attention_fn(impl: str, with_lse: bool = False):
     """Causal attention within a call: (q, k, v, softmax_scale=) -> out, or (out, lse [B, T, H])."""
     if impl == "pallas":
@@ -96,6 +117,8 @@ class MLA(nnx.Module):
         self.wkv_b = params.normal(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim),
                                    ("kv_lora", "heads", "head_dim"), std=std, dtype=pd)
         self.wo = params.normal(rngs, (h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), std=std, dtype=pd)
+        if cfg.has_indexer:
+            self.indexer = Indexer(cfg, rngs=rngs)
 
     def _mm(self, eq: str, x: jax.Array, name: str) -> jax.Array:
         """x's trailing axes contracted with the leading ones of weight `name` (plus its LoRA
@@ -106,12 +129,16 @@ class MLA(nnx.Module):
         return project(x, getattr(self, name)[...], contract=contract, compute_dtype=self.cfg.compute_dtype,
                        fp8=self.cfg.fp8_matmul, lora=lora.pair(self, name))
 
+    def query_latent(self, x_BxTxD: jax.Array) -> jax.Array:
+        """c_q = RMSNorm(x W_qa) [B, T, Q] (with q_lora_rank)."""
+        return self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, "wq_a"))
+
     def query(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q_nope [B, T, H, N] and the roped q_pe [B, T, H, R]."""
         if self.cfg.q_lora_rank is None:
             q = self._mm("BTD,DHK->BTHK", x_BxTxD, "wq")
         else:
-            q = self._mm("BTQ,QHK->BTHK", self.q_norm(self._mm("BTD,DQ->BTQ", x_BxTxD, "wq_a")), "wq_b")
+            q = self._mm("BTQ,QHK->BTHK", self.query_latent(x_BxTxD), "wq_b")
         q_nope, q_pe = jnp.split(q, [self.cfg.qk_nope_head_dim], axis=-1)
         return q_nope, apply_rope(q_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
@@ -130,6 +157,10 @@ class MLA(nnx.Module):
         `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
+        if cache is not None and self.cfg.has_indexer:
+            raise ValueError(f"index_n_heads={self.cfg.index_n_heads}: DeepSeek Sparse Attention through the "
+                             "latent cache (prefill, decode: generate, serve) is not built yet; a V3.2 model runs "
+                             "the cacheless forward only")
         if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
             return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None:
@@ -148,13 +179,26 @@ class MLA(nnx.Module):
         k = jnp.concatenate([k_nope, k_pe_BxSxHxR], axis=-1)
         return q, k, v, (c_kv, k_pe)
 
-    def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """Causal attention with per-head keys and values expanded from the latent -> [B, T, D]."""
+    def expanded(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None,
+                 *, indexer_terms: bool = False):
+        """Causal attention with per-head keys and values expanded from the latent -> [B, T, D]; with
+        an indexer, over each query's selected keys only (through the jnp attention whatever
+        `attention_impl`), and with `indexer_terms` -> (out, IndexerTerms)."""
+        cfg = self.cfg
         q, k, v, _ = self._qkv(x_BxTxD, cos, sin)
-        out = _attention_fn(self.cfg.attention_impl)(q, k, v, softmax_scale=self.cfg.softmax_scale,
-                                                     segment_ids=segment_ids)
-        return self._mm("BTHV,HVD->BTD", out, "wo")
+        every_key_kept = x_BxTxD.shape[1] <= cfg.index_topk  # the selection would keep each visible key
+        if not cfg.has_indexer or every_key_kept and not indexer_terms:
+            out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
+            return self._mm("BTHV,HVD->BTD", out, "wo")
+        visible = causal_mask(segment_ids, *x_BxTxD.shape[:2])
+        logits = self.indexer(x_BxTxD, self.query_latent(x_BxTxD), cos, sin, visible)
+        keep = select_topk(logits, cfg.index_topk)
+        out = self._mm("BTHV,HVD->BTD", xla_attention(q, k, v, softmax_scale=cfg.softmax_scale,
+                                                      segment_ids=segment_ids, keep=keep), "wo")
+        if not indexer_terms:
+            return out
+        probs = head_summed_probs(q, k, visible & keep[:, None], softmax_scale=cfg.softmax_scale)
+        return out, IndexerTerms(logits, probs)
 
     def expanded_chunk(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
                        positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:

@@ -33,3 +33,19 @@ def _features_whole(x: jax.Array) -> jax.Array:
     if mesh.empty or mesh.manual_axes:  # no mesh, or inside shard_map: the block is local already
         return x
     return jax.lax.with_sharding_constraint(x, P(*([P.UNCONSTRAINED] * (x.ndim - 1)), None))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with gain and bias over the last axis, in fp32 (the lightning indexer's k_norm)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(None,))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), logical_axes=(None,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., dim] -> same shape and dtype; y = w * (x - mean) / sqrt(var + eps) + b."""
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * y + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -36,16 +36,22 @@ def _heads_first(x_BxTxHxK: jax.Array) -> jax.Array:
 
 
 def attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
-              segment_ids: jax.Array | None = None, block: int = CAUSAL_BLOCK) -> jax.Array:
+              segment_ids: jax.Array | None = None, keep: jax.Array | None = None,
+              block: int = CAUSAL_BLOCK) -> jax.Array:
     """Causal attention (S = T); scores and softmax in fp32, output in q's dtype. Returns [B, T, H, V].
+    `keep` bool [B, T, S] (sparse attention: the keys each query's indexer selected) narrows the
+    causal mask further.
 
     Computed heads-first ([B, H, T, K]): every einsum is then a plain batched matmul over (B, H),
     and XLA:CPU transposes each operand once here instead of inside each of the five dots
     (docs/benchmarks.md, Kernel choices). Query rows go
     `block` at a time (module docstring)."""
     batch, length = q_BxTxHxK.shape[:2]
+    mask = causal_mask(segment_ids, batch, length)
+    if keep is not None:
+        mask = mask & keep[:, None]
     out_BxHxTxV = _attention(_heads_first(q_BxTxHxK), _heads_first(k_BxSxHxK), _heads_first(v_BxSxHxV),
-                             causal_mask(segment_ids, batch, length), softmax_scale, block)
+                             mask, softmax_scale, block)
     return _heads_first(out_BxHxTxV)
 
 
@@ -77,6 +83,14 @@ def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BHTS,BSHV->BTHV", probs.astype(v_BxSxHxV.dtype), v_BxSxHxV, preferred_element_type=jnp.float32)
     return out.astype(q_BxTxHxK.dtype)
+
+
+def head_summed_probs(q_BxTxHxK, k_BxSxHxK, mask_Bx1xTxS: jax.Array, *, softmax_scale: float) -> jax.Array:
+    """float32 [B, T, S]: each head's attention probabilities under `mask`, summed over the heads
+    (the main attention's distribution that DSA's indexer is trained towards)."""
+    scores = jnp.einsum("BTHK,BSHK->BHTS", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.where(mask_Bx1xTxS, scores * softmax_scale, -jnp.inf), axis=-1)
+    return jnp.sum(probs, axis=1)
 
 
 def _scores(q_BxHxTxK, k_BxHxSxK, mask_Bx1xTxS, scale):

@@ -160,15 +160,3 @@ def test_weights_quantised_at_load_under_ue8m0_have_power_of_two_scales(v31):
     qa = model.moe_layers.ffn.w1.value
     assert qa.scale_fmt == "ue8m0" and np.all(np.frexp(np.asarray(qa.scale))[0] == 0.5)
     assert quant.dequantize(qa).shape == qa.shape
-
-
-def test_a_v3_2_folder_is_refused_naming_sparse_attention(v31, tmp_path):
-    folder = tmp_path / "v32"
-    os.makedirs(folder)
-    os.symlink(v31["fp8"] / "model.safetensors", folder / "model.safetensors")
-    config = json.loads((v31["fp8"] / "config.json").read_text())
-    config |= {"model_type": "deepseek_v32", "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4}
-    (folder / "config.json").write_text(json.dumps(config))
-    assert ModelConfig.from_hf_config(folder).index_topk == 4  # the config alone reads
-    with pytest.raises(CheckpointError, match="DeepSeek-V3.2 .*Sparse Attention.* not implemented"):
-        load_pretrained(folder)

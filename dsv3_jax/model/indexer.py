@@ -1,0 +1,58 @@
+"""DeepSeek-V3.2's lightning indexer: which keys each query's sparse attention reads (DSA).
+
+Letters: B batch, T query length, S key length, D model, Q q_lora_rank, I index heads, K index head dim.
+
+q_I = c_q W_q (c_q: MLA's normalised query latent); k = LayerNorm(x W_k), one key head shared by all
+index heads; the first qk_rope_head_dim dims of both roped (halves paired, not interleaved);
+w = x W_w / sqrt(I)
+  logits[t, s] = sum_i w[t, i] * ReLU(q_i[t] . k[s] / sqrt(K))    (causal: -inf for s > t)
+and query t attends to the `index_topk` keys of largest logit (all of its keys when it has fewer).
+The top-k selection has no gradient: the indexer learns from its own loss (the KL from the main
+attention's distribution to softmax(logits)), never through the main model's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import params
+from dsv3_jax.model.norm import LayerNorm
+from dsv3_jax.model.rope import apply_rope
+from dsv3_jax.ops.linear import project
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, std, pd = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim, cfg.initializer_range, cfg.param_dtype
+        self.wq_b = params.normal(rngs, (cfg.q_lora_rank, n, k), ("q_lora", None, None), std=std, dtype=pd)
+        self.wk = params.normal(rngs, (d, k), ("embed", None), std=std, dtype=pd)
+        self.k_norm = LayerNorm(k, eps=1e-6, param_dtype=pd)
+        self.weights_proj = params.normal(rngs, (d, n), ("embed", None), std=std, dtype=pd)
+
+    def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        rot, rest = jnp.split(x, [self.cfg.qk_rope_head_dim], axis=-1)
+        return jnp.concatenate([apply_rope(rot, cos, sin, interleave=False), rest], axis=-1)
+
+    def __call__(self, x_BxTxD: jax.Array, c_q_BxTxQ: jax.Array, cos: jax.Array, sin: jax.Array,
+                 visible_Bx1xTxS: jax.Array) -> jax.Array:
+        """x [B, T, D], MLA's query latent c_q [B, T, Q], cos/sin [B, T, R/2], visible bool
+        [B, 1, T, S] (causal, same document) -> float32 index logits [B, T, S], -inf where not visible."""
+        cfg, dt, f32 = self.cfg, self.cfg.compute_dtype, jnp.float32
+        q_BxTxIxK = self._rope(project(c_q_BxTxQ, self.wq_b[...], contract=1, compute_dtype=dt), cos, sin)
+        k_BxSxK = self._rope(self.k_norm(project(x_BxTxD, self.wk[...], contract=1, compute_dtype=dt)), cos, sin)
+        w_BxTxI = project(x_BxTxD, self.weights_proj[...], contract=1, compute_dtype=f32) * cfg.index_n_heads ** -0.5
+        qk = jnp.einsum("BTIK,BSK->BTIS", q_BxTxIxK.astype(f32), k_BxSxK.astype(f32), preferred_element_type=f32)
+        logits = jnp.einsum("BTI,BTIS->BTS", w_BxTxI, jax.nn.relu(qk * cfg.index_head_dim ** -0.5))
+        return jnp.where(visible_Bx1xTxS[:, 0], logits, -jnp.inf)
+
+
+def select_topk(logits_BxTxS: jax.Array, topk: int) -> jax.Array:
+    """bool [B, T, S]: the `topk` keys of largest logit per query (fewer keys than `topk`: all of
+    them; -inf logits, i.e. invisible keys, are never kept)."""
+    _, idx_BxTxk = jax.lax.top_k(jax.lax.stop_gradient(logits_BxTxS), min(topk, logits_BxTxS.shape[-1]))
+    chosen = jnp.put_along_axis(jnp.zeros(logits_BxTxS.shape, bool), idx_BxTxk, True, axis=-1, inplace=False)
+    return chosen & jnp.isfinite(logits_BxTxS)
