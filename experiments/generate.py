@@ -134,6 +134,7 @@ def main(argv=None) -> int:
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                                 quantize=args.quantize, quant_group=args.quant_group,
                                 expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
+        model.config.check_cached_attention()
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)

@@ -157,10 +157,8 @@ class MLA(nnx.Module):
         `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
-        if cache is not None and self.cfg.has_indexer:
-            raise ValueError(f"index_n_heads={self.cfg.index_n_heads}: DeepSeek Sparse Attention through the "
-                             "latent cache (prefill, decode: generate, serve) is not built yet; a V3.2 model runs "
-                             "the cacheless forward only")
+        if cache is not None:
+            self.cfg.check_cached_attention()
         if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
             return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None:

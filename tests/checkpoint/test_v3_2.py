@@ -23,7 +23,8 @@ TOPK = 16
 V32 = tiny_cfg(num_layers=2, num_mtp_layers=0, param_dtype="float32", index_n_heads=8, index_head_dim=32,
                index_topk=TOPK)
 TOKENS = np.random.default_rng(0).integers(0, V32.vocab_size, (2, 40)).astype(np.int32)
-LENGTHS = (TOPK // 2, 40)  # below index_topk: dense attention; above: each query keeps 16 keys
+LENGTHS = (TOPK // 2, 40)
+N = 24  # the hook's length: past index_topk  # below index_topk: dense attention; above: each query keeps 16 keys
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_below_index_topk_sparse_equals_dense_exactly(v32):
     the dense model (index fields 0, no indexer) on the same weights, and so does its MLA when the
     indexer does run and its selection masks the scores (the hook)."""
     sparse = v32["model"]
-    dense = DeepSeekV3(sparse.config.replace(index_n_heads=0, index_head_dim=0, index_topk=0), rngs=nnx.Rngs(0))
+    dense_cfg = sparse.config.replace(index_n_heads=0, index_head_dim=0, index_topk=0)
+    dense = nnx.eval_shape(lambda: DeepSeekV3(dense_cfg, rngs=nnx.Rngs(0)))  # every value replaced below
     state = nnx.state(sparse)
     for stack in ("dense_layers", "moe_layers"):
         del state[stack]["attn"]["indexer"]
@@ -87,20 +89,32 @@ def test_indexer_terms_hook(v32):
     """MLA's hook for training the indexer: the forward unchanged, the indexer's causal logits and
     the main attention's probabilities summed over heads, over min(t + 1, index_topk) keys; the
     cached path refuses a V3.2 model."""
-    attn, (x, cos, sin) = _first_attn(v32["model"]), _inputs(40)
+    attn, (x, cos, sin) = _first_attn(v32["model"]), _inputs(N)
     out, terms = attn.expanded(x, cos, sin, indexer_terms=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(attn.expanded(x, cos, sin)))
     logits, probs = np.asarray(terms.logits), np.asarray(terms.attn_probs)
-    assert logits.shape == probs.shape == (2, 40, 40)
-    above = np.triu(np.ones((40, 40), bool), 1)
+    assert logits.shape == probs.shape == (2, N, N)
+    above = np.triu(np.ones((N, N), bool), 1)
     assert np.all(np.isneginf(logits[:, above])) and np.all(np.isfinite(logits[:, ~above]))
     np.testing.assert_allclose(probs.sum(-1), V32.num_heads, rtol=1e-5)
     kept = (probs > 0).sum(-1)  # keys attended per query
-    np.testing.assert_array_equal(kept, np.broadcast_to(np.minimum(np.arange(1, 41), TOPK), (2, 40)))
+    np.testing.assert_array_equal(kept, np.broadcast_to(np.minimum(np.arange(1, N + 1), TOPK), (2, N)))
     with pytest.raises(ValueError, match="Sparse Attention through the latent cache .* not built yet"):
-        z = jnp.zeros((2, 40, V32.kv_lora_rank))
+        z = jnp.zeros((2, N, V32.kv_lora_rank))
         attn(x[:, :1], cos[:, :1], sin[:, :1], cache=LatentCache(z, None, z[..., :V32.qk_rope_head_dim]),
              positions=jnp.zeros((2, 1), jnp.int32))
+
+
+def test_generate_refuses_a_v32_folder_in_one_line(v32, capsys):
+    """Until sparse attention runs through the cache, generate (and serve, by the same check) exits
+    2 naming the reason instead of decoding densely."""
+    from dsv3_jax.data.chat import BUNDLED_CHAT_PATH
+    from experiments import generate
+
+    tokenizer = BUNDLED_CHAT_PATH.parent / "tokenizer.json"  # the bundled one
+    assert generate.main([f"--checkpoint={v32['folder']}", f"--tokenizer={tokenizer}", "--prompt=hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: index_n_heads=8: DeepSeek Sparse Attention through the latent cache")
 
 
 def test_v32_round_trip_through_our_checkpoint_loads_in_transformers(v32, tmp_path):
