@@ -101,13 +101,14 @@ class Generation:
     shardings matching `nnx.state(model)`) and `cache_sharding` (one sharding for every cache array
     [L, B, S, ...]) place the weights and the cache for sharded decoding. `rows`: the rows asked for
     (default all); the later ones only pad the batch to a multiple of a mesh's token shards, and no
-    statistic counts them.
+    statistic counts them. `offload`: an `expert_cache.ExpertOffload` of this model, whose device cache
+    of routed experts the steps run through.
     """
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
                  pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
-                 param_shardings=None, cache_sharding=None, rows: int | None = None):
+                 param_shardings=None, cache_sharding=None, rows: int | None = None, offload=None):
         cfg = model.config
         self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp)
         self.max_new_tokens, self.stop_tokens, self.pad_id = max_new_tokens, tuple(int(s) for s in stop_tokens), pad_id
@@ -122,6 +123,8 @@ class Generation:
         cache = init_cache(cfg, b, slots, cache_dtype or cfg.compute_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
+        if offload is not None:  # an `expert_cache.ExpertOffload` installed on this model
+            self.steps = offload.wrap(self.steps)
         self.rows = b if rows is None else rows
         self.model_config = cfg
         self.stats = GenerateStats()

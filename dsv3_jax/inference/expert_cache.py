@@ -1,0 +1,249 @@
+"""Routed experts offloaded to host memory behind a device cache of C experts per MoE layer.
+
+Letters: L MoE layers, E routed experts, S device slots per layer (C, more while one step needs
+more), N tokens, K experts per token.
+
+The host store holds every routed expert of the MoE stack, one pytree per (layer, expert), in the
+`pinned_host` memory of the device where the platform has it (CPU and GPU list it; else numpy).
+The device holds slots [L, S, ...] of the same weights (float or quantized: a `QArray` is sliced
+and written leaf by leaf) and a logical -> slot map [L, E, 1], installed as the MoE's EPLB replica
+map (`model.moe.ExpertReplicas`), whose physical experts are here the slots: the MoE routes as
+always, `routing.to_replicas` sends each (token, expert) row to its slot, and an expert that is not
+resident maps to slot S, which sorts after every slot in no group, so it adds nothing. The model
+and the inference core's steps are unchanged; the offload wraps the compiled steps.
+
+Why a checked rerun rather than a layer loop on the host or an `io_callback`: a step runs as it is
+compiled; its router statistics name the experts each MoE layer's valid tokens chose. If all were
+resident, the step was exact (the model with every expert resident). Otherwise the first layer with
+a missing expert routed from an exact input, so its choice is final: those experts are loaded (LRU
+or LFU eviction among the experts this step does not need there) and the step runs again on the
+cache it returned, whose entries at the step's positions it rewrites (tokens read only the slots
+before their positions). The later layers of that pass routed from a hidden state that lacks only
+the missing experts' outputs: with `prefetch` their choices are loaded before the rerun, a
+predictor from this step's own routing. So a step costs at most L_moe + 1 passes, every pass is one
+of the same compiled programs (one per slot count S, and S only grows, in doublings of C up to E,
+for a step whose working set in some layer exceeds C, then shrinks back), and the answer is exact
+whatever the weights' format. An `io_callback` would return a fixed-shape transfer per layer and
+step, hits included; a layer loop on the host would be a second forward.
+
+A step needs its working set resident at once: a prefill chunk of W tokens may need up to
+min(W K, E) experts in a layer (a small `prefill_chunk` bounds it), a decode step of B rows and
+1 + M tokens each up to B (1 + M) K. The MTP depths' experts stay resident (one layer each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv3_jax.inference.steps import Steps
+from dsv3_jax.model import lora, params
+from dsv3_jax.model.moe import ExpertReplicas
+
+POLICIES = ("lru", "lfu")
+ROUTED = ("w1", "w3", "w2")
+
+
+@dataclasses.dataclass
+class CacheStats:
+    steps: int = 0  # compiled steps served (prefill chunks and decode steps)
+    passes: int = 0  # runs of those steps, reruns after a miss included
+    lookups: int = 0  # (layer, expert) pairs the steps' valid tokens chose, each once per step
+    misses: int = 0  # of those, loaded on demand (not resident, not prefetched, when the step began)
+    loaded: int = 0  # experts copied host -> device: misses, prefetches and nothing else
+    bytes_moved: int = 0
+    stall_seconds: float = 0.0  # passes that were rerun, loads and shrinks
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.misses / self.lookups if self.lookups else 0.0
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(slots, expert, layer, slot):
+    """slots[layer, slot] = expert, leaf by leaf."""
+    def put(a_LxSx, x):
+        return jax.lax.dynamic_update_slice(a_LxSx, x[None, None].astype(a_LxSx.dtype), (layer, slot) + (0,) * (x.ndim))
+    return jax.tree.map(put, slots, expert)
+
+
+@jax.jit
+def _gather(slots, index_LxS):
+    """slots[l, index[l, s]]: the slot arrays resized or reordered."""
+    layers = jnp.arange(index_LxS.shape[0])[:, None]
+    return jax.tree.map(lambda a: a[layers, index_LxS], slots)
+
+
+def _host_memory(device):
+    kinds = {m.kind for m in device.addressable_memories()}
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
+
+
+class ExpertOffload:
+    """Moves `model`'s routed MoE experts to the host and keeps `cache_size` of them per layer on the
+    device (module docstring); `wrap` makes the inference core's steps use it. `policy`: "lru" or
+    "lfu" (ties by recency) eviction; `prefetch`: load the later layers' predicted experts with a miss."""
+
+    def __init__(self, model, cache_size: int, *, policy: str = "lru", prefetch: bool = True):
+        cfg = model.config
+        if model.moe_layers is None:
+            raise ValueError("offload_experts: the model has no MoE layers")
+        moe = model.moe_layers.ffn
+        e, k = cfg.num_routed_experts, cfg.num_experts_per_token
+        if not k <= cache_size <= e:
+            raise ValueError(f"expert_cache={cache_size} must lie in [num_experts_per_token={k}, "
+                             f"num_routed_experts={e}]: a token needs its top-k experts resident at once")
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy {policy!r}: expected one of {POLICIES}")
+        if moe.replicas is not None:
+            raise ValueError("offload_experts does not combine with an expert placement (redundant experts)")
+        if lora.expert_adapters(moe)[0]:
+            raise ValueError("offload_experts needs routed experts without LoRA adapters: merge the adapters first")
+        stacks = tuple(getattr(moe, name).get_value() for name in ROUTED)
+        devices = {d for leaf in jax.tree.leaves(stacks) for d in leaf.sharding.device_set}
+        if len(devices) != 1:
+            raise ValueError(f"offload_experts runs on one device; the routed experts lie on {len(devices)} "
+                             "(drop --mesh)")
+        device = devices.pop()
+        self.device = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+        self.moe, self.policy, self.prefetch = moe, policy, prefetch
+        self.capacity, self.num_layers, self.num_experts = cache_size, cfg.num_moe_layers, e
+        host, whole = _host_memory(device), jax.device_get(stacks)
+        self.store = [[jax.tree.map(lambda a: a[l, x] if host is None else jax.device_put(a[l, x], host), whole)
+                       for x in range(e)] for l in range(self.num_layers)]
+        self.expert_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.store[0][0]))
+        self.stats = CacheStats()
+        self.slot_of = np.full((self.num_layers, e), -1, np.int32)  # -1: on the host only
+        self.expert_in = np.full((self.num_layers, cache_size), -1, np.int32)  # -1: an empty slot
+        self.last_used = np.zeros((self.num_layers, e), np.int64)
+        self.uses = np.zeros((self.num_layers, e), np.int64)
+        self._tick = 0
+        self._slots = jax.device_put(jax.tree.map(lambda a: a[:, :cache_size], stacks), self.device)
+        moe.replicas = nnx.data(ExpertReplicas(self._device_map(), logical_axes=(params.LAYERS, None, None)))
+        self._install()
+
+    # -- the device side ---------------------------------------------------------------------
+    def _device_map(self) -> jax.Array:
+        """int32 [L, E, 1]: each expert's slot, or S (no group) when it is not resident."""
+        size = self.expert_in.shape[1]
+        return jax.device_put(np.where(self.slot_of >= 0, self.slot_of, size)[..., None].astype(np.int32), self.device)
+
+    def _install(self) -> None:
+        """The slots and the map into the model's variables (every state split from it shares them)."""
+        for name, value in zip(ROUTED, self._slots):
+            getattr(self.moe, name).set_value(value)
+        self.moe.replicas.set_value(self._device_map())
+
+    def _load(self, layer: int, expert: int, slot: int) -> None:
+        old = self.expert_in[layer, slot]
+        if old >= 0:
+            self.slot_of[layer, old] = -1
+        self._slots = _write(self._slots, jax.device_put(self.store[layer][expert], self.device), np.int32(layer),
+                             np.int32(slot))
+        self.slot_of[layer, expert], self.expert_in[layer, slot] = slot, expert
+        self.last_used[layer, expert] = self._tick
+        self.stats.loaded += 1
+        self.stats.bytes_moved += self.expert_bytes
+
+    def _resize(self, index_LxS: np.ndarray) -> None:
+        """Slot s of layer l takes what slot index[l, s] held (-1: nothing)."""
+        self._slots = _gather(self._slots, jnp.asarray(np.maximum(index_LxS, 0)))
+        held = np.take_along_axis(self.expert_in, np.maximum(index_LxS, 0), axis=1)
+        self.expert_in = np.where(index_LxS >= 0, held, -1).astype(np.int32)
+        self.slot_of[:] = -1
+        layers, slots = np.nonzero(self.expert_in >= 0)
+        self.slot_of[layers, self.expert_in[layers, slots]] = slots
+
+    # -- the host side -----------------------------------------------------------------------
+    def _victim(self, layer: int, keep_E: np.ndarray) -> int | None:
+        """A slot for a new expert in `layer`: an empty one, else the policy's choice among the
+        resident experts not in `keep_E`; None when all are kept."""
+        held = self.expert_in[layer]
+        if (held < 0).any():
+            return int(np.argmax(held < 0))
+        free = np.flatnonzero(~keep_E[held])
+        if not free.size:
+            return None
+        experts = held[free]
+        order = (np.argsort(self.last_used[layer, experts], kind="stable") if self.policy == "lru"
+                 else np.lexsort((self.last_used[layer, experts], self.uses[layer, experts])))
+        return int(free[order[0]])
+
+    def _grow(self, need: int) -> None:
+        size = self.expert_in.shape[1]
+        new = min(self.num_experts, size * 2 ** int(np.ceil(np.log2(need / size))))
+        index = np.concatenate([np.arange(size), np.full(new - size, -1)])
+        self._resize(np.broadcast_to(index, (self.num_layers, new)))
+
+    def _shrink(self, need_LxE: np.ndarray) -> None:
+        """Back to C slots per layer: this step's experts first, then by the policy."""
+        held = self.expert_in
+        experts = np.maximum(held, 0)
+        rank = np.take_along_axis(need_LxE, experts, 1).astype(np.int64) << 62
+        rank += np.take_along_axis(self.last_used if self.policy == "lru" else self.uses, experts, 1)
+        rank = np.where(held >= 0, rank, -1)
+        self._resize(np.argsort(-rank, axis=1, kind="stable")[:, :self.capacity])
+
+    def _serve(self, need_LxE: np.ndarray, demanded_LxE: np.ndarray) -> bool:
+        """True if every needed expert is resident; else loads the first missing layer's (and, with
+        prefetch, the later layers' predicted) experts for a rerun."""
+        missing = need_LxE & (self.slot_of < 0)
+        if not missing.any():
+            return True
+        first = int(np.argmax(missing.any(axis=1)))
+        if need_LxE[first].sum() > self.expert_in.shape[1]:
+            self._grow(int(need_LxE[first].sum()))
+        for expert in np.flatnonzero(missing[first]):
+            self._load(first, int(expert), self._victim(first, need_LxE[first]))
+            demanded_LxE[first, expert] = True
+        for layer in range(first + 1, self.num_layers) if self.prefetch else ():
+            for expert in np.flatnonzero(missing[layer]):
+                slot = self._victim(layer, need_LxE[layer])
+                if slot is None:
+                    break
+                self._load(layer, int(expert), slot)
+        self._install()
+        return False
+
+    def _run(self, step, needed, *args):
+        """`step(*args)` until every expert its valid tokens chose was resident; its last output."""
+        state, cache, *rest = args
+        start, demanded = time.perf_counter(), np.zeros_like(self.slot_of, bool)
+        self._tick += 1
+        for _ in range(2 * self.num_layers + 2):
+            began = time.perf_counter()
+            out, cache = step(state, cache, *rest)
+            need = needed(out) > 0.5
+            self.stats.passes += 1
+            if self._serve(need, demanded):
+                break
+        else:
+            raise RuntimeError("the expert cache did not converge: the routing changed between identical passes")
+        self.stats.steps += 1
+        self.stats.lookups += int(need.sum())
+        self.stats.misses += int((demanded & need).sum())
+        self.last_used[need] = self._tick
+        self.uses += need
+        shrink = time.perf_counter()
+        if self.expert_in.shape[1] > self.capacity:
+            self._shrink(need)
+            self._install()
+        self.stats.stall_seconds += began - start + time.perf_counter() - shrink
+        return out, cache
+
+    def wrap(self, steps: Steps) -> Steps:
+        """The compiled steps run through the cache (same arguments and results)."""
+        def prefill(*args):
+            before = np.asarray(args[6].expert_counts)
+            return self._run(steps.prefill, lambda out: np.asarray(out[0].expert_counts) - before, *args)
+
+        def decode(*args):
+            return self._run(steps.decode, lambda out: np.asarray(out.expert_counts), *args)
+
+        return Steps(prefill, decode, steps.traces)
