@@ -22,6 +22,7 @@ from absl import flags
 from absl import logging as absl_logging
 
 import sharding
+from dsv3_jax.inference.expert_cache import ExpertOffload
 
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)  # TensorStore appends its whole spec as JSON
 
@@ -78,6 +79,25 @@ def define_expert_flags(fv: flags.FlagValues, counted: str) -> None:
                          flag_values=fv)
     flags.DEFINE_string("record_expert_load", None, f"write the {counted} routed per (MoE layer, expert) here "
                         "(.json or .npz), the input of experiments.eplb", flag_values=fv)
+    flags.DEFINE_boolean("offload_experts", False, "hold the routed experts in host memory behind a device cache of "
+                         "--expert_cache experts per MoE layer (one device)", flag_values=fv)
+    flags.DEFINE_integer("expert_cache", None, "with --offload_experts: experts per MoE layer kept on the device "
+                         "(top_k .. num_routed_experts)", flag_values=fv)
+    flags.DEFINE_enum("expert_cache_policy", "lru", ["lru", "lfu"], "with --offload_experts: eviction",
+                      flag_values=fv)
+
+
+def expert_offload(args, model):
+    """The `ExpertOffload` --offload_experts asks for (None without it); a bad flag raises ValueError."""
+    if args.expert_cache is not None and not args.offload_experts:
+        raise ValueError("--expert_cache sizes the offloaded experts' cache: add --offload_experts")
+    if not args.offload_experts:
+        return None
+    if args.expert_cache is None:
+        raise ValueError("--offload_experts needs --expert_cache=C (experts per MoE layer on the device)")
+    if args.mesh:
+        raise ValueError("--offload_experts runs on one device: drop --mesh")
+    return ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
 
 
 def with_mesh(args):

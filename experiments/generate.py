@@ -4,7 +4,8 @@
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
         [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=512] [--stats] \
         [--mesh=fsdp=2,expert=4 [--rules=default]] [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
-        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json]
+        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json] \
+        [--offload_experts --expert_cache=C [--expert_cache_policy=lru|lfu]]
 
 --checkpoint takes a training run's folder (its latest step, e.g. runs/tiny), one of its steps
 (runs/tiny/checkpoints/200), our Orbax checkpoint or an HF folder. The tokenizer is --tokenizer, else
@@ -20,6 +21,9 @@ prompts that those devices do not divide is padded with copies of its last promp
 --weights holds the projections quantized as they load (load_pretrained(weights=...)): FP8 with
 its 128x128 blocks as stored (or quantized so), or int8/int4 with a scale per --quant_group rows;
 --quantize says which (default: every projection for fp8, the routed experts for int8/int4).
+--offload_experts keeps the routed experts in host memory and C of them per MoE layer on the
+device (dsv3_jax/inference/expert_cache.py: same tokens as with every expert resident); it prints
+the cache's hit rate, bytes moved per token and stall time.
 
 One prompt streams its continuation as it is produced; several are decoded as one ragged batch and
 printed at the end. Prints prefill time and decode tokens/s; `--stats` adds per-layer expert
@@ -135,6 +139,7 @@ def main(argv=None) -> int:
                                 quantize=args.quantize, quant_group=args.quant_group,
                                 expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
         model.config.check_cached_attention()
+        offload = cli.expert_offload(args, model)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
                          prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
-                         rows=len(args.prompt))
+                         rows=len(args.prompt), offload=offload)
     except (ValueError, OSError) as e:
         return cli.fail(e)
     if run:
@@ -173,6 +178,11 @@ def main(argv=None) -> int:
           f"then {st.timed_tokens} tokens in {st.decode_seconds:.3f}s: {st.tokens_per_second:.1f} tokens/s")
     if args.use_mtp:
         print(f"MTP: acceptance rate {st.acceptance_rate:.3f}, {st.tokens_per_forward:.2f} tokens per forward")
+    if offload is not None:
+        ec = offload.stats
+        print(f"expert cache ({args.expert_cache} of {model.config.num_routed_experts} per layer, "
+              f"{args.expert_cache_policy}): hit rate {ec.hit_rate:.3f}, {ec.bytes_moved / st.generated_tokens / 1e6:.2f} "
+              f"MB moved per token, {ec.passes / ec.steps:.2f} passes per step, stall {ec.stall_seconds:.3f}s")
     if args.stats and st.prompt_expert_counts is not None:
         print_expert_frequencies(st.prompt_expert_counts, model.config.num_dense_layers,
                                  model.config.num_experts_per_token)

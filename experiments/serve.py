@@ -5,7 +5,8 @@
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
-        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json]
+        [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json] \
+        [--offload_experts --expert_cache=C [--expert_cache_policy=lru|lfu]]
 
 Then point any OpenAI client at http://HOST:PORT/v1 (model name: --served_model_name, default the
 checkpoint folder's name). The tokenizer is the checkpoint folder's tokenizer.json when it has one,
@@ -20,6 +21,9 @@ drives all the mesh's devices (a multi-host server would need every process to r
 --weights, --quantize and --quant_group are experiments.generate's: the projections held quantized as
 they load (load_pretrained(weights=...)), FP8 in 128x128 blocks or int8/int4 with a scale per
 --quant_group rows; with --mesh each quantized leaf (values and scales) is built per shard.
+--offload_experts holds the routed experts in host memory behind a device cache of --expert_cache
+per MoE layer (one device; dsv3_jax/inference/expert_cache.py); /metrics then reports the cache's
+hit rate, bytes moved per token and stall time (dsv3_expert_cache_*).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def build(args):
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
-                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules)
+                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules,
+                    offload=cli.expert_offload(args, model))
     start = time.perf_counter()
     runner.warm_up()
     logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunks of %s tokens, decode "

@@ -124,7 +124,7 @@ class Engine:
         self.penalties = PenaltyTables(self.sampling)  # writes into self.sampling's tables
         self.waiting: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
-        self.metrics = Metrics(num_slots=b)
+        self.metrics = Metrics(num_slots=b, expert_cache=runner.offload and runner.offload.stats)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.state, self.last_error, self.resets = "ok", None, 0  # see health()

@@ -18,8 +18,9 @@ WINDOW_SECONDS = 10.0  # generated tokens/s is measured over this trailing windo
 
 
 class Metrics:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, expert_cache=None):
         self.num_slots = num_slots
+        self.expert_cache = expert_cache  # offloaded experts: the cache's `expert_cache.CacheStats`, else None
         self.requests_received = self.generated_tokens = self.prompt_tokens = self.prefix_hit_tokens = 0
         self.ttft_count = self.decode_steps = self.proposed_drafts = self.accepted_drafts = 0
         self.ttft_sum = self.decode_seconds = 0.0
@@ -102,9 +103,26 @@ class Metrics:
                 metric("expert_load", "gauge", "Share of decoded tokens' routings per expert and MoE layer.",
                        [(f'{{layer="{first_moe_layer + l}",expert="{e}"}}', share[l, e])
                         for l in range(share.shape[0]) for e in range(share.shape[1])])
+            if self.expert_cache is not None:
+                self._render_expert_cache(metric)
         metric("generated_tokens_per_second", "gauge", f"Tokens generated over the last {WINDOW_SECONDS:g} s.",
                [("", self.tokens_per_second())])
         lines.extend(["# HELP process_resident_memory_bytes Resident memory of the server process.",
                       "# TYPE process_resident_memory_bytes gauge",
                       f"process_resident_memory_bytes {psutil.Process().memory_info().rss}"])
         return "\n".join(lines) + "\n"
+
+    def _render_expert_cache(self, metric) -> None:
+        st = self.expert_cache
+        metric("expert_cache_lookups_total", "counter", "(MoE layer, expert) pairs a step's tokens chose, once a step.",
+               [("", st.lookups)])
+        metric("expert_cache_misses_total", "counter", "Of those, experts loaded from host memory on demand.",
+               [("", st.misses)])
+        metric("expert_cache_hit_rate", "gauge", "1 - misses / lookups of the offloaded experts' device cache.",
+               [("", st.hit_rate)])
+        metric("expert_cache_bytes_moved_total", "counter", "Expert weights copied host -> device (misses, prefetches).",
+               [("", st.bytes_moved)])
+        metric("expert_cache_bytes_per_token", "gauge", "Expert bytes moved per generated token.",
+               [("", st.bytes_moved / max(self.generated_tokens, 1))])
+        metric("expert_cache_stall_seconds_total", "counter", "Time in step reruns after a miss and in expert loads.",
+               [("", st.stall_seconds)])

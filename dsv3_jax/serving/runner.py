@@ -94,7 +94,7 @@ class Runner:
     """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
-                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None):
+                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None):
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
@@ -120,6 +120,9 @@ class Runner:
         graphdef, self.state = nnx.split(model)
         self.reset()
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, logprobs=True), self.cache_sharding)
+        self.offload = offload  # an `expert_cache.ExpertOffload` of this model: the steps run through its cache
+        if offload is not None:
+            self.steps = offload.wrap(self.steps)
 
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""

@@ -1,0 +1,92 @@
+"""Routed experts offloaded behind a device cache: the same tokens as the model with every expert
+resident (the full-forward reference), through generate() and the serving engine, with MTP on and
+off, at cache sizes top_k (= E/4 here) and E; the cache's counters and its errors."""
+
+import threading
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv3_jax import DeepSeekV3
+from dsv3_jax.data import load_tokenizer
+from dsv3_jax.inference import generate
+from dsv3_jax.inference.expert_cache import ExpertOffload
+from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
+from tests.inference.conftest import MAX_NEW, VOCAB, tiny_config
+
+
+def offloaded(seed: int, cache_size: int, **options):
+    model = DeepSeekV3(tiny_config(), rngs=nnx.Rngs(seed))  # the `model` fixture's weights (seed 0)
+    return model, ExpertOffload(model, cache_size, **options)
+
+
+@pytest.mark.parametrize("policy,use_mtp", [("lru", False), ("lfu", True)])
+def test_offloaded_generation_equals_the_resident_model(ragged_batch, greedy_reference, policy, use_mtp):
+    """One row at a time, a one-token prefill chunk at C = top_k: a step needs top_k experts per layer
+    (2 top_k with an MTP draft: the slots grow for it, then shrink back to C)."""
+    prompts, lengths = ragged_batch
+    cache_size = 4  # top_k = E/4
+    model, offload = offloaded(0, cache_size, policy=policy)
+    for row in range(len(prompts)):
+        out = generate(model, prompts[row:row + 1], MAX_NEW, lengths=lengths[row:row + 1], use_mtp=use_mtp,
+                       offload=offload, prefill_chunk=1)
+        np.testing.assert_array_equal(np.asarray(out)[0], greedy_reference[0][row])
+    st, cfg = offload.stats, model.config
+    assert st.steps * cfg.num_experts_per_token <= st.lookups <= st.steps * cfg.num_moe_layers * cfg.num_routed_experts
+    assert 0 < st.misses <= st.loaded and st.bytes_moved == st.loaded * offload.expert_bytes
+    assert offload.expert_in.shape[1] == cache_size  # back to C slots after the steps that needed more
+
+
+def test_served_requests_with_offloaded_experts_equal_the_resident_model(ragged_batch, greedy_reference):
+    """C = E, MTP on, the engine's per-row sampling and log-probabilities."""
+    prompts, lengths = ragged_batch
+    model, offload = offloaded(0, 16)
+    runner = Runner(model, max_batch=2, max_seq_len=32, chunk=8, use_mtp=True, offload=offload)
+    eng = Engine(runner, load_tokenizer(), max_queue=8)
+    eng.start()
+    try:
+        sinks = [Sink() for _ in prompts]
+        for prompt, n, sink in zip(prompts, lengths, sinks):
+            eng.submit(Request(prompt[:n].tolist(), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), sink))
+        for sink in sinks:
+            assert sink.done.wait(300), "a request never finished"
+    finally:
+        eng.shutdown()
+    for reference, n, sink in zip(greedy_reference[0], lengths, sinks):
+        assert sink.tokens == reference[n:n + MAX_NEW].tolist()
+    text = eng.metrics.render(queue_length=0, slots_in_use=0)
+    rate = float(next(line.split()[1] for line in text.splitlines() if line.startswith("dsv3_expert_cache_hit_rate")))
+    assert rate == pytest.approx(offload.stats.hit_rate) and 0 < rate < 1
+    assert offload.stats.loaded <= model.config.num_moe_layers * 16  # nothing evicted: each loaded once at most
+    assert "dsv3_expert_cache_bytes_per_token" in text and "dsv3_expert_cache_stall_seconds_total" in text
+
+
+class Sink:
+    def __init__(self):
+        self.tokens, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.tokens.extend(ev.token_ids)
+        if ev.finish_reason is not None:
+            self.done.set()
+
+
+@pytest.mark.parametrize("cache_size,policy,message", [(3, "lru", "expert_cache=3 must lie in"),
+                                                        (17, "lru", "expert_cache=17 must lie in"),
+                                                        (4, "fifo", "policy 'fifo'")])
+def test_bad_cache_settings_are_named(cache_size, policy, message):
+    with pytest.raises(ValueError, match=message):
+        offloaded(0, cache_size, policy=policy)
+
+
+def test_eviction_takes_the_least_recently_or_least_often_used_expert():
+    for policy, victim in (("lru", 2), ("lfu", 1)):
+        _, offload = offloaded(0, 4, policy=policy)
+        offload.expert_in[0] = [5, 6, 7, 8]  # slots 0..3
+        offload.last_used[0, [5, 6, 7, 8]] = [9, 4, 3, 8]  # expert 7 (slot 2) the least recent
+        offload.uses[0, [5, 6, 7, 8]] = [9, 1, 5, 8]  # expert 6 (slot 1) the least used
+        keep = np.zeros(16, bool)
+        assert offload._victim(0, keep) == victim
+        keep[[5, 6, 7, 8]] = True
+        assert offload._victim(0, keep) is None  # every resident expert is needed by the step
