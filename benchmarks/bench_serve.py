@@ -1,7 +1,7 @@
 """Serving throughput and time-to-first-token at concurrency 1, 4 and 16, against sequential generate().
 
     python -m benchmarks.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
-        [--concurrency=1,4,16]
+        [--concurrency=1,4,16] [--expert_cache=C]
     python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
     python -m benchmarks.bench_serve --mode=grammar [--requests=16] [--max_tokens=64] [--concurrency=1,4,16]
 
@@ -12,7 +12,9 @@ side: sequential `generate()` calls on the same prompts (each shape compiled bef
 requests back to back. Output tokens/s = completion tokens / wall time; TTFT = request sent to
 first streamed token; decode step = the engine's mean step time (from /metrics). Every figure is a
 ratio to concurrency 1 of the same run; a lone request's speed (server at concurrency 1) is also
-compared with sequential generate() (target: within 1.3x).
+compared with sequential generate() (target: within 1.3x). With --expert_cache=C both offload the
+routed experts behind a device cache of C per layer, and each server row adds the cache's hit rate,
+bytes moved per output token and stall time over that row (from /metrics).
 
 --mode=prefix: --requests prompts share a --prefix-token prefix, each with its own 16-token
 suffix, sent one after another (greedy, 8 tokens each) with the server's prefix cache off (the
@@ -65,15 +67,17 @@ def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
     return [[1] + rng.integers(3, 2048, (11, 23, 39, 55)[i % 4]).tolist() for i in range(n)]
 
 
-def bench_generate(checkpoint: str, prompts, max_tokens: int) -> dict:
+def bench_generate(checkpoint: str, prompts, max_tokens: int, expert_cache: int | None = None) -> dict:
     from dsv3_jax import load_pretrained
     from dsv3_jax.inference import Generation
+    from dsv3_jax.inference.expert_cache import ExpertOffload
 
     model = load_pretrained(checkpoint)
+    offload = ExpertOffload(model, expert_cache) if expert_cache else None
 
     def run(prompt):
         start, first = time.perf_counter(), None
-        gen = Generation(model, np.array([prompt], np.int32), max_tokens)
+        gen = Generation(model, np.array([prompt], np.int32), max_tokens, offload=offload)
         for _ in gen:
             first = first or time.perf_counter() - start
         return first, int(gen.stats.generated_tokens)
@@ -125,14 +129,14 @@ class Server:
         self.last_text = text
         return first, tokens
 
-    def step_stats(self) -> tuple[float, float]:
-        """(decode steps, seconds in them) so far, from /metrics."""
+    def metric_values(self) -> dict[str, float]:
+        """The unlabelled dsv3_* values of /metrics."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         conn.request("GET", "/metrics")
-        values = dict(line.split()[:2] for line in conn.getresponse().read().decode().splitlines()
-                      if line.startswith("dsv3_decode_step"))
+        values = {name: float(value) for name, value, *_ in (line.split() for line in
+                  conn.getresponse().read().decode().splitlines()) if name.startswith("dsv3_") and "{" not in name}
         conn.close()
-        return float(values["dsv3_decode_steps_total"]), float(values["dsv3_decode_step_seconds_total"])
+        return values
 
     def close(self):
         self.proc.terminate()
@@ -153,16 +157,21 @@ def bench_server(server: Server, prompts, max_tokens: int, concurrency: int, **e
                 results.append(r)
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    steps, seconds = server.step_stats()
+    before = server.metric_values()
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    steps_after, seconds_after = server.step_stats()
-    return {"tokens": sum(n for _, n in results), "wall": wall, "ttft": [t for t, _ in results],
-            "step_ms": 1e3 * (seconds_after - seconds) / max(steps_after - steps, 1)}
+    delta = {k: v - before.get(k, 0.0) for k, v in server.metric_values().items()}
+    out = {"tokens": sum(n for _, n in results), "wall": wall, "ttft": [t for t, _ in results],
+           "step_ms": 1e3 * delta["dsv3_decode_step_seconds_total"] / max(delta["dsv3_decode_steps_total"], 1)}
+    if "dsv3_expert_cache_lookups_total" in delta:  # --expert_cache: the offloaded experts' cache over this run
+        out["cache"] = (1 - delta["dsv3_expert_cache_misses_total"] / max(delta["dsv3_expert_cache_lookups_total"], 1),
+                        delta["dsv3_expert_cache_bytes_moved_total"] / max(out["tokens"], 1),
+                        delta["dsv3_expert_cache_stall_seconds_total"])
+    return out
 
 
 def bench_prefix(checkpoint: str, args) -> None:
@@ -228,6 +237,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
     flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar"], "what to measure", flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
+    flags.DEFINE_integer("expert_cache", None, "concurrency mode: offload the routed experts behind a device cache "
+                         "of C per layer (generate() and the server), and report its hit rate, bytes moved per "
+                         "token and stall time", flag_values=fv)
 
 
 def main(argv=None) -> int:
@@ -240,9 +252,11 @@ def main(argv=None) -> int:
         return bench_grammar(checkpoint, args)
     prompts = prompts_for(2 * args.requests)
     print("sequential generate() ...", flush=True)
-    rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens))]
+    rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens,
+                                                        args.expert_cache))]
     print("starting experiments.serve (compiles before it listens) ...", flush=True)
-    server = Server(checkpoint, args.port, args.max_batch, max_seq_len=256)
+    offload = ("--offload_experts", f"--expert_cache={args.expert_cache}") if args.expert_cache else ()
+    server = Server(checkpoint, args.port, args.max_batch, 256, *offload)
     try:
         server.stream(prompts[0], 4)  # first request through the HTTP stack
         for c in sorted(int(c) for c in args.concurrency.split(",")):
@@ -257,8 +271,10 @@ def main(argv=None) -> int:
     for name, c, r in rows:
         tps = r["tokens"] / r["wall"]
         step = f"{r['step_ms']:9.1f}ms" if "step_ms" in r else f"{'':>11s}"
+        cache = "" if "cache" not in r else "  expert cache: hit rate {:.3f}, {:.0f} bytes/token, stall {:.2f}s".format(
+            *r["cache"])
         print(f"{name:24s} {c:4d} {len(r['ttft']):4d} {tps:10.1f} {np.mean(r['ttft']):9.3f}s "
-              f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f} {step}")
+              f"{np.median(r['ttft']):8.3f}s {tps / base:12.2f} {step}{cache}")
     alone = rows[0][2]["tokens"] / rows[0][2]["wall"] / base
     print(f"\ngenerate() / server at concurrency 1, output tokens/s: {alone:.2f}x (target <= 1.3x): "
           f"{'PASS' if alone <= 1.3 else 'FAIL'}")
