@@ -181,14 +181,14 @@ class ExpertOffload:
         index = np.concatenate([np.arange(size), np.full(new - size, -1)])
         self._resize(np.broadcast_to(index, (self.num_layers, new)))
 
-    def _shrink(self, need_LxE: np.ndarray) -> None:
-        """Back to C slots per layer: this step's experts first, then by the policy."""
+    def _shrink(self, need_LxE: np.ndarray, size: int) -> None:
+        """Down to `size` slots per layer: this step's experts first, then by the policy."""
         held = self.expert_in
         experts = np.maximum(held, 0)
         rank = np.take_along_axis(need_LxE, experts, 1).astype(np.int64) << 62
         rank += np.take_along_axis(self.last_used if self.policy == "lru" else self.uses, experts, 1)
         rank = np.where(held >= 0, rank, -1)
-        self._resize(np.argsort(-rank, axis=1, kind="stable")[:, :self.capacity])
+        self._resize(np.argsort(-rank, axis=1, kind="stable")[:, :size])
 
     def _serve(self, need_LxE: np.ndarray, demanded_LxE: np.ndarray) -> bool:
         """True if every needed expert is resident; else loads the first missing layer's (and, with
@@ -214,7 +214,7 @@ class ExpertOffload:
     def _run(self, step, needed, *args):
         """`step(*args)` until every expert its valid tokens chose was resident; its last output."""
         state, cache, *rest = args
-        start, demanded = time.perf_counter(), np.zeros_like(self.slot_of, bool)
+        start, demanded, size = time.perf_counter(), np.zeros_like(self.slot_of, bool), self.expert_in.shape[1]
         self._tick += 1
         for _ in range(2 * self.num_layers + 2):
             began = time.perf_counter()
@@ -231,11 +231,24 @@ class ExpertOffload:
         self.last_used[need] = self._tick
         self.uses += need
         shrink = time.perf_counter()
-        if self.expert_in.shape[1] > self.capacity:
-            self._shrink(need)
+        if self.expert_in.shape[1] > size:  # back to the slots the step began with (C but in a warm-up)
+            self._shrink(need, size)
             self._install()
         self.stats.stall_seconds += began - start + time.perf_counter() - shrink
         return out, cache
+
+    def slot_sizes(self):
+        """For a warm-up: yields each slot count a step may grow to (C, 2C, .. E), the slots grown to
+        it so that a step run now compiles for it; then back to C slots, the counters cleared."""
+        while True:
+            yield self.expert_in.shape[1]
+            if self.expert_in.shape[1] == self.num_experts:
+                break
+            self._grow(self.expert_in.shape[1] + 1)
+            self._install()
+        self._shrink(np.zeros_like(self.slot_of, bool), self.capacity)
+        self._install()
+        self.stats = CacheStats()
 
     def wrap(self, steps: Steps) -> Steps:
         """The compiled steps run through the cache (same arguments and results)."""

@@ -13,7 +13,7 @@ from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.inference.expert_cache import ExpertOffload
 from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
-from tests.inference.conftest import MAX_NEW, VOCAB, tiny_config
+from tests.inference.conftest import MAX_NEW, jax_compiles, tiny_config
 
 
 def offloaded(seed: int, cache_size: int, **options):
@@ -43,16 +43,19 @@ def test_served_requests_with_offloaded_experts_equal_the_resident_model(ragged_
     prompts, lengths = ragged_batch
     model, offload = offloaded(0, 16)
     runner = Runner(model, max_batch=2, max_seq_len=32, chunk=8, use_mtp=True, offload=offload)
+    runner.warm_up()
     eng = Engine(runner, load_tokenizer(), max_queue=8)
     eng.start()
     try:
         sinks = [Sink() for _ in prompts]
-        for prompt, n, sink in zip(prompts, lengths, sinks):
-            eng.submit(Request(prompt[:n].tolist(), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), sink))
-        for sink in sinks:
-            assert sink.done.wait(300), "a request never finished"
+        with jax_compiles() as compiles:
+            for prompt, n, sink in zip(prompts, lengths, sinks):
+                eng.submit(Request(prompt[:n].tolist(), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), sink))
+            for sink in sinks:
+                assert sink.done.wait(300), "a request never finished"
     finally:
         eng.shutdown()
+    assert compiles == [], "the warm-up compiles every step the cache runs"
     for reference, n, sink in zip(greedy_reference[0], lengths, sinks):
         assert sink.tokens == reference[n:n + MAX_NEW].tolist()
     text = eng.metrics.render(queue_length=0, slots_in_use=0)
