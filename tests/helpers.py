@@ -58,17 +58,17 @@ def repo_env(**extra: str) -> dict:
 def fake_device_env(devices: int | None = None, **extra: str) -> dict:
     """Environment for a child process with fake CPU devices.
 
-    With `devices`, XLA_FLAGS asks for that many; without, XLA_FLAGS is unset and the worker chooses
-    its device count itself (`extra` may still set it). No persistent compilation cache: a
-    multi-device executable loaded from the session's cache stalled in its first collective (all
-    devices waiting in rendezvous; jax 0.10.2, reproduced twice), while the same program compiled
-    afresh runs.
+    With `devices`, XLA_FLAGS asks for that many, compiled with `FAST_COMPILE`; without, XLA_FLAGS
+    is unset and the worker chooses its device count itself (`extra` may still set it). No
+    persistent compilation cache: a multi-device executable loaded from the session's cache stalled
+    in its first collective (all devices waiting in rendezvous; jax 0.10.2, reproduced twice), while
+    the same program compiled afresh runs.
     """
     env = repo_env(JAX_ENABLE_COMPILATION_CACHE="false")
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if devices is not None:
-        env["XLA_FLAGS"] = fake_device_flags(devices)
+        env["XLA_FLAGS"] = fake_device_flags(devices, fast_compile=True)
     env.update(extra)
     return env
 
