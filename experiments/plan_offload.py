@@ -59,13 +59,13 @@ def report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps: float 
     for label, chip, devices in TABLE:
         link = link_gbps * 1e9 if link_gbps else None
         r = offload_plan(cfg, chip, devices, context=context, headroom=headroom, link=link)
-        k = cfg.num_experts_per_token
+        k, source = cfg.num_experts_per_token, "--host_link_gbps" if link_gbps else HOST_LINKS[chip][1]
         fits = f"C = {r['cache']} of {cfg.num_routed_experts} per layer" if r["cache"] >= k else \
             f"does not fit (C = {r['cache']} < top_k = {k})"
         print(f"== {label}: per device {r['resident'] / 1e9:.1f} GB resident + {r['cache_bytes'] / 1e9:.1f} GB expert "
               f"cache of {r['hbm'] / 1e9:.0f} GB x {headroom:.0%}: {fits}; host RAM {r['host'] / 1e9:.0f} GB "
               f"({r['expert'] / 1e6:.1f} MB per expert); host link {r['link'] / 1e9:.0f} GB/s x {devices} "
-              f"({HOST_LINKS.get(chip, (0, '--host_link_gbps'))[1] if not link_gbps else '--host_link_gbps'})", file=out)
+              f"({source})", file=out)
         print("  tokens/s bound by the host link (one row, no MTP), by hit rate: " + ", ".join(
             f"{h:.2f}: {t:.1f} ({r['moved'][h] / 1e9:.2f} GB/token)" for h, t in r["tokens_per_s"].items()), file=out)
         rows.append(r)

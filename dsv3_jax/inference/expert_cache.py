@@ -252,7 +252,7 @@ class ExpertOffload:
 
     def wrap(self, steps: Steps) -> Steps:
         """The compiled steps run through the cache (same arguments and results)."""
-        def prefill(*args):
+        def prefill(*args):  # (state, cache, rows, window, start, lengths, carry, ...): the carry sums the chunks'
             before = np.asarray(args[6].expert_counts)
             return self._run(steps.prefill, lambda out: np.asarray(out[0].expert_counts) - before, *args)
 

@@ -120,7 +120,7 @@ class Metrics:
                [("", st.misses)])
         metric("expert_cache_hit_rate", "gauge", "1 - misses / lookups of the offloaded experts' device cache.",
                [("", st.hit_rate)])
-        metric("expert_cache_bytes_moved_total", "counter", "Expert weights copied host -> device (misses, prefetches).",
+        metric("expert_cache_bytes_moved_total", "counter", "Expert weights copied to the device (misses, prefetches).",
                [("", st.bytes_moved)])
         metric("expert_cache_bytes_per_token", "gauge", "Expert bytes moved per generated token.",
                [("", st.bytes_moved / max(self.generated_tokens, 1))])
