@@ -16,7 +16,9 @@ Orbax restores each array into its sharding (again per shard); parameters kept i
 (`--keep-fp8`) are dequantised shard by shard from the `fp8` item. With `weights=...` the
 projections are built quantized per shard from windows of any source (`quantized`).
 Every missing, extra, misshaped or wrongly typed tensor is an error naming the tensor and its file,
-raised from the headers before anything is read.
+raised from the headers before anything is read. One exception: a run or Orbax checkpoint without
+the lightning indexer (V3, V3.1) loaded with the indexer's fields as overrides (DSA's training
+stages start so) gets its indexers from the model's own init (`_init_missing_indexers`).
 """
 from __future__ import annotations
 
@@ -158,6 +160,26 @@ def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[Mo
     return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
 
 
+def _init_missing_indexers(stored: ModelConfig, model: DeepSeekV3, variables: dict, mesh, rules) -> set:
+    """The indexers' paths in `variables`, drawn by the model's init (`DeepSeekV3(cfg, Rngs(0))`
+    under jit: XLA drops the rest of the init) straight into their shardings, when `model` has
+    the lightning indexer and the `stored` source has none; else nothing."""
+    if stored.has_indexer or not model.config.has_indexer:
+        return set()
+    fresh = [p for p in variables if "indexer" in p]
+    place = placement(mesh, rules)
+
+    def init():
+        drawn = _variables(DeepSeekV3(model.config, rngs=nnx.Rngs(0)))
+        return {".".join(p): drawn[p][...] for p in fresh}
+
+    values = jax.jit(init, out_shardings={".".join(p): place(p, variables[p]) for p in fresh})()
+    for p in fresh:
+        variables[p].set_value(values[".".join(p)])
+    logging.info("lightning indexer initialised fresh: the source has none (%d parameters)", len(fresh))
+    return set(fresh)
+
+
 def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict, place, step: int | None = None,
                       manifest: dict[str, int] | None = None) -> None:
     """Orbax restore of the arrays `keys` names ({variable path: key path in `item`}), each straight
@@ -213,13 +235,14 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     meta = orbax_layout.read_meta(path)
     cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
     variables = _variables(model)
+    fresh = _init_missing_indexers(ModelConfig.from_dict(meta["model"]), model, variables, mesh, rules)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
     keys = {}
     for p, var in variables.items():
         key = ".".join(p)
-        if key in fp8_leaves or key in int_leaves:
+        if key in fp8_leaves or key in int_leaves or p in fresh:
             continue
         if p not in stored.arrays:
             raise CheckpointError(f"parameter {key} is missing from {stored.dir} (the config in "
@@ -300,10 +323,11 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quan
     projections `quantization` covers built quantized per shard."""
     _, model = _abstract_model(run.model_config(), dtype, config_overrides)
     variables = _variables(model)
+    fresh = _init_missing_indexers(run.model_config(), model, variables, mesh, rules)
     state = run_folder.StateParams(run)
     plan = quantization.plan(model) if quantization is not None else {}
-    _restore_item(state.reader, variables, {p: state.key(p) for p in variables}, plan, quantization, mesh, rules,
-                  run.step, integrity.read_manifest(run.step_dir), as_restored=True)
+    _restore_item(state.reader, variables, {p: state.key(p) for p in variables if p not in fresh}, plan, quantization,
+                  mesh, rules, run.step, integrity.read_manifest(run.step_dir), as_restored=True)
     return model
 
 

@@ -26,9 +26,11 @@ warm-up is the same model with `index_topk` at least the sequence length. Throug
 (prefill chunks, decode) sparse attention is not built yet: such a call raises.
 
 Hook for training the indexer: `expanded(..., indexer_terms=True)` returns (out, `IndexerTerms`):
-the indexer's logits [B, T, S] (float32, -inf off the causal, same-document keys) and the main
+the indexer's logits [B, T, S] (float32, -inf off the causal, same-document keys), the main
 attention's probabilities summed over the H heads [B, T, S] (float32, each row sums to H; zero off
-the keys attended), for a KL loss from the latter (normalised) to softmax(logits).
+the keys attended) and the keys selected, for the KL loss from the latter (normalised) to
+softmax(logits) over the selected keys (`indexer.indexer_kl`). The indexer reads its inputs detached
+(`stop_gradient`, the same values): only its own loss trains it, and that loss only it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class IndexerTerms(NamedTuple):
 
     logits: jax.Array  # float32 [B, T, S] the indexer's, -inf where not visible
     attn_probs: jax.Array  # float32 [B, T, S] the main attention's probabilities summed over heads
+    selected: jax.Array  # bool [B, T, S] the keys each query attends to (the indexer's top-k)
 
 
 def _attention_fn(impl: str, with_lse: bool = False):
@@ -189,14 +192,15 @@ class MLA(nnx.Module):
             out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
             return self._mm("BTHV,HVD->BTD", out, "wo")
         visible = causal_mask(segment_ids, *x_BxTxD.shape[:2])
-        logits = self.indexer(x_BxTxD, self.query_latent(x_BxTxD), cos, sin, visible)
+        detached = jax.lax.stop_gradient
+        logits = self.indexer(detached(x_BxTxD), detached(self.query_latent(x_BxTxD)), cos, sin, visible)
         keep = select_topk(logits, cfg.index_topk)
         out = self._mm("BTHV,HVD->BTD", xla_attention(q, k, v, softmax_scale=cfg.softmax_scale,
                                                       segment_ids=segment_ids, keep=keep), "wo")
         if not indexer_terms:
             return out
         probs = head_summed_probs(q, k, visible & keep[:, None], softmax_scale=cfg.softmax_scale)
-        return out, IndexerTerms(logits, probs)
+        return out, IndexerTerms(logits, probs, keep)
 
     def expanded_chunk(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
                        positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:

@@ -1,7 +1,8 @@
 """Pre-norm transformer block: x += MLA(norm(x)); x += FFN(norm(x)), FFN dense or MoE.
 
 With a latent cache the same block serves inference: MLA runs its absorbed form over the cache
-and the stack writes each layer's new entries in place (`run_stack`).
+and the stack writes each layer's new entries in place (`run_stack`). With `indexer_loss` (training
+DeepSeek Sparse Attention's indexer) a block also returns its indexer's KL to the main attention.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from flax import nnx
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
 from dsv3_jax.model.attention import MLA, LatentCache
+from dsv3_jax.model.indexer import indexer_kl
 from dsv3_jax.model.mlp import MLP
 from dsv3_jax.model.moe import MoE, RouterStats
 from dsv3_jax.model.norm import RMSNorm
@@ -41,20 +43,25 @@ class Block(nnx.Module):
                                                        param_dtype=pd, compute_dtype=cfg.compute_dtype, rngs=rngs,
                                                        fp8=cfg.fp8_matmul)
 
-    def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None, layer=None):
+    def __call__(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None = None, layer=None, *,
+                 indexer_loss: bool = False):
         """x [B, T, D] -> (x, router stats | None); with this layer's `cache` [B, S, ...] (or a stack
         [L, B, S, ...] read at `layer`) also the entries [B, T, ...] to store at `ctx.positions`:
-        (x, stats, entries)."""
-        a = self.attn(self.attn_norm(x_BxTxD), ctx.cos, ctx.sin, ctx.segment_ids, cache=cache,
-                      positions=ctx.positions, layer=layer)
-        a, entries = a if cache is not None else (a, None)
+        (x, stats, entries); with `indexer_loss` (no cache) the indexer's KL [] instead of entries."""
+        h = self.attn_norm(x_BxTxD)
+        if indexer_loss:
+            a, terms = self.attn.expanded(h, ctx.cos, ctx.sin, ctx.segment_ids, indexer_terms=True)
+            extra = indexer_kl(*terms, ctx.token_mask)
+        else:
+            a = self.attn(h, ctx.cos, ctx.sin, ctx.segment_ids, cache=cache, positions=ctx.positions, layer=layer)
+            a, extra = a if cache is not None else (a, None)
         x = x_BxTxD + a
         if isinstance(self.ffn, MoE):
             stacked = layer is not None and self.ffn.w1.ndim == 4  # run_stack's cached path: experts read in place
             y, stats = self.ffn(self.ffn_norm(x), ctx.token_mask, layer if stacked else None)
         else:
             y, stats = self.ffn(self.ffn_norm(x)), None
-        return (x + y, stats) if cache is None else (x + y, stats, entries)
+        return (x + y, stats) if extra is None else (x + y, stats, extra)
 
 
 def _routed_expert_weights(path, _) -> bool:
@@ -63,10 +70,11 @@ def _routed_expert_weights(path, _) -> bool:
 
 
 def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, cache: LatentCache | None = None,
-              unroll_max_layers: int = 0):
+              unroll_max_layers: int = 0, indexer_loss: bool = False):
     """Runs layer-stacked blocks with one scan (compile time flat in depth).
 
-    Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache): a
+    Returns (x, per-layer stats stacked on a leading axis or None for dense blocks, cache), or with
+    `indexer_loss` (x, stats, each layer's indexer KL [L]). A
     stacked `cache` [L, B, S, ...] is only read inside the scan (each layer attends to its slots
     before `ctx.positions` and to its own new entries) and every layer's entries are written at
     `ctx.positions` after it, in one scatter: carried through the scan instead, XLA:CPU copied the
@@ -91,14 +99,15 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
     num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
     def body(x, block):
-        return constrain(block)(x, ctx)
+        x, *per_layer = constrain(block)(x, ctx, indexer_loss=indexer_loss)
+        return x, tuple(per_layer)
 
     if remat:
         body = nnx.remat(body)
     unroll = 0 if num_layers <= unroll_max_layers else 1
     scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
-    x, stats = scan(x_BxTxD, blocks)
-    return x, stats, None
+    x, (stats, *kl_L) = scan(x_BxTxD, blocks)
+    return x, stats, kl_L[0] if indexer_loss else None
 
 
 def run_stack_pipelined(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, mesh,

@@ -7,8 +7,12 @@ index heads; the first qk_rope_head_dim dims of both roped (halves paired, not i
 w = x W_w / sqrt(I)
   logits[t, s] = sum_i w[t, i] * ReLU(q_i[t] . k[s] / sqrt(K))    (causal: -inf for s > t)
 and query t attends to the `index_topk` keys of largest logit (all of its keys when it has fewer).
-The top-k selection has no gradient: the indexer learns from its own loss (the KL from the main
-attention's distribution to softmax(logits)), never through the main model's.
+The top-k selection has no gradient: the indexer learns from its own loss, never through the main
+model's (DeepSeek-V3.2 report, continued pre-training), per query t over its selected keys S_t
+  L_I = sum_t KL(p_t || softmax(logits[t, S_t])),  p_t = sum_h attention_h[t, S_t] / H
+(`indexer_kl`, a mean over queries). Its input is detached (MLA.expanded), so this loss trains the
+indexer alone, and the target p carries no gradient either. With `index_topk` at least the sequence
+length S_t is every visible key: the dense warm-up stage.
 """
 
 from __future__ import annotations
@@ -56,3 +60,17 @@ def select_topk(logits_BxTxS: jax.Array, topk: int) -> jax.Array:
     _, idx_BxTxk = jax.lax.top_k(jax.lax.stop_gradient(logits_BxTxS), min(topk, logits_BxTxS.shape[-1]))
     chosen = jnp.put_along_axis(jnp.zeros(logits_BxTxS.shape, bool), idx_BxTxk, True, axis=-1, inplace=False)
     return chosen & jnp.isfinite(logits_BxTxS)
+
+
+def indexer_kl(logits_BxTxS: jax.Array, attn_probs_BxTxS: jax.Array, selected_BxTxS: jax.Array,
+               query_mask_BxT: jax.Array | None) -> jax.Array:
+    """[] mean over the queries of `query_mask` (None: all) of KL(p || softmax(logits)) over each
+    query's selected keys: p the main attention's head-summed probabilities L1-normalised (no
+    gradient), the indexer's logits renormalised over the same keys."""
+    p = jax.lax.stop_gradient(attn_probs_BxTxS)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    log_q = jax.nn.log_softmax(jnp.where(selected_BxTxS, logits_BxTxS, -1e30), axis=-1)  # finite: no 0 * inf
+    log_p = jnp.log(jnp.where(p > 0, p, 1.0))
+    kl_BxT = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)
+    m = jnp.ones(kl_BxT.shape, jnp.float32) if query_mask_BxT is None else query_mask_BxT.astype(jnp.float32)
+    return jnp.sum(kl_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)

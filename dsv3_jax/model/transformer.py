@@ -42,6 +42,7 @@ class ModelOutput(NamedTuple):
     mtp_router_stats: RouterStats | None  # leaves stacked [M, ...]
     cache: ModelCache | None = None  # the updated cache when one was given
     mtp_hidden: jax.Array | None = None  # [M, B, T, D] the MTP depths' head inputs (mtp_logits before the head)
+    indexer_loss: jax.Array | None = None  # [] the indexers' KL summed over the layers (and MTP depths run)
 
 
 def check_tokens(tokens, vocab_size: int) -> None:
@@ -96,7 +97,7 @@ class DeepSeekV3(nnx.Module):
 
     def forward(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, with_mtp: bool = True, cache: ModelCache | None = None,
-                token_mask: jax.Array | None = None) -> ModelOutput:
+                token_mask: jax.Array | None = None, indexer_loss: bool = False) -> ModelOutput:
         """Everything training needs from one pass, or one inference step with a `cache`.
 
         tokens int [B, T]; positions int [B, T] (default 0..T-1; packed rows restart them per
@@ -107,44 +108,58 @@ class DeepSeekV3(nnx.Module):
         With `cache`, the tokens sit at `positions` (consecutive per row, slot = position), attend
         to the cache slots before them and to each other, and their entries are written; the MTP
         depths are not run (drafting runs them one by one: `mtp_depth`). `segment_ids` must be None.
+
+        `indexer_loss` (a V3.2 model in training, no cache): every layer's MLA also returns its
+        lightning indexer's KL to the main attention (model/indexer.py), summed in `indexer_loss`.
         """
         cfg = self.config
         check_tokens(tokens_BxT, cfg.vocab_size)
-        if cache is not None and (with_mtp and self.mtp is not None or segment_ids is not None):
-            raise ValueError("forward with a cache takes with_mtp=False and no segment_ids")
+        if cache is not None and (with_mtp and self.mtp is not None or segment_ids is not None or indexer_loss):
+            raise ValueError("forward with a cache takes with_mtp=False, no segment_ids and no indexer_loss")
+        if indexer_loss and not cfg.has_indexer:
+            raise ValueError("indexer_loss needs a model with the lightning indexer (index_n_heads > 0)")
         ctx = self._context(tokens_BxT, positions, segment_ids, token_mask, cached=cache is not None)
         emb = self.embed_tokens(tokens_BxT)
         dense, moe = (None, None) if cache is None else (cache.dense, cache.moe)
         x, stats = emb, None
         if self.dense_layers is not None:
             x, _, dense = run_stack(self.dense_layers, x, ctx, remat=cfg.remat, cache=dense,
-                                    unroll_max_layers=cfg.unroll_max_layers)
+                                    unroll_max_layers=cfg.unroll_max_layers, indexer_loss=indexer_loss)
         if self.moe_layers is not None:
-            x, stats, moe = self._moe_stack(x, ctx, moe)
+            x, stats, moe = self._moe_stack(x, ctx, moe, indexer_loss)
+        if indexer_loss:  # the stacks' third outputs: per-layer KLs, not caches
+            kl = sum(jnp.sum(per_layer) for per_layer in (dense, moe) if per_layer is not None)
+            return self._outputs(x, emb, ctx, stats, with_mtp, indexer_kl=kl)
         new_cache = None if cache is None else cache._replace(dense=dense, moe=moe)
         return self._outputs(x, emb, ctx, stats, with_mtp, new_cache)
 
     def _outputs(self, x_BxTxD: jax.Array, emb_BxTxD: jax.Array, ctx: Context, stats: RouterStats | None,
-                 with_mtp: bool, cache: ModelCache | None = None) -> ModelOutput:
-        """The final norm, the main head and (`with_mtp`) the MTP depths after the layer stacks."""
+                 with_mtp: bool, cache: ModelCache | None = None, indexer_kl: jax.Array | None = None) -> ModelOutput:
+        """The final norm, the main head and (`with_mtp`) the MTP depths after the layer stacks;
+        `indexer_kl`: the stacks' summed indexer KL, to which the MTP depths' is added."""
         h = self.norm(x_BxTxD)
         mtp_h = mtp_logits = mtp_stats = None
         if with_mtp and self.mtp is not None:
-            mtp_h, mtp_stats = run_mtp(self.mtp, h, emb_BxTxD, ctx, remat=self.config.remat)
+            mtp_h, mtp_stats, *mtp_kl = run_mtp(self.mtp, h, emb_BxTxD, ctx, remat=self.config.remat,
+                                                indexer_loss=indexer_kl is not None)
             mtp_logits = self.logits(mtp_h)
-        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, cache, mtp_h)
+            indexer_kl = indexer_kl + jnp.sum(mtp_kl[0]) if mtp_kl else indexer_kl
+        return ModelOutput(self.logits(h), h, stats, mtp_logits, mtp_stats, cache, mtp_h, indexer_kl)
 
-    def _moe_stack(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None):
+    def _moe_stack(self, x_BxTxD: jax.Array, ctx: Context, cache: LatentCache | None, indexer_loss: bool = False):
         """The MoE layers: in pipeline stages on a mesh with a `pipeline` axis (training), else scanned."""
         cfg = self.config
         mesh = jax.sharding.get_abstract_mesh()  # the context mesh (jax.set_mesh), as in the MoE layer
         if cache is None and pipeline.is_active(mesh):  # layers in stages, microbatches scheduled over them
+            if indexer_loss:
+                raise ValueError("training the lightning indexer (indexer_loss) runs the MoE stack scanned: "
+                                 "use a mesh without a pipeline axis (config.mesh.pipeline=1)")
             x, stats = run_stack_pipelined(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, mesh=mesh,
                                            microbatches=cfg.pipeline_microbatches, repeats=cfg.pipeline_repeats,
                                            schedule=cfg.pipeline_schedule)
             return x, stats, None
         return run_stack(self.moe_layers, x_BxTxD, ctx, remat=cfg.remat, cache=cache,
-                         unroll_max_layers=cfg.unroll_max_layers)
+                         unroll_max_layers=cfg.unroll_max_layers, indexer_loss=indexer_loss)
 
     def forward_in_microbatches(self, tokens_BxT: jax.Array, head_fn, extras, *, positions: jax.Array,
                                 segment_ids: jax.Array, microbatches: int):

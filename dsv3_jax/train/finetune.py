@@ -1,6 +1,6 @@
 """Fine-tuning set-up for the trainer: LoRA adapters from `config.lora` (QLoRA: over a base held
-quantized, `lora.base_weights`), and `--init_from` a PEFT LoRA folder (its base model, then its
-adapters)."""
+quantized, `lora.base_weights`), `--init_from` a PEFT LoRA folder (its base model, then its
+adapters), and `train.trainable="indexer"`: only the lightning indexers learn (DSA's dense warm-up)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from absl import logging
 from flax import nnx
 
 from dsv3_jax.checkpoint import lora_export
+from dsv3_jax.config import ConfigError
 from dsv3_jax.model import lora
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.train import optimizer
@@ -50,9 +51,19 @@ def quantize_base(config, model: nnx.Module) -> nnx.Module:
     return model
 
 
+TRAINABLE = ("all", "indexer")
+
+
 def trainable(config, params: nnx.State) -> dict | None:
-    """The mask of the parameters that train: with a `config.lora` section the adapters, else None (all)."""
-    return optimizer.trainable_mask(params, nnx.LoRAParam) if "lora" in config else None
+    """The mask of the parameters that train: with a `config.lora` section the adapters; with
+    `train.trainable="indexer"` the lightning indexers'; else None (all)."""
+    which = config.train.get("trainable", "all")
+    if which not in TRAINABLE or which != "all" and "lora" in config:
+        raise ConfigError(f"config.train.trainable={which!r} must be one of {TRAINABLE} ('all' with a config.lora "
+                         "section, whose adapters are what trains)")
+    if "lora" in config:
+        return optimizer.trainable_mask(params, nnx.LoRAParam)
+    return optimizer.trainable_mask(params, "indexer") if which == "indexer" else None
 
 
 def adapt(config, model: nnx.Module, *, read_peft: bool = True, log: bool = False) -> None:

@@ -24,7 +24,8 @@ from absl import logging
 from flax import nnx
 
 from sharding import multihost
-from dsv3_jax import DeepSeekV3, ModelConfig, host, load_pretrained, paths
+from dsv3_jax import ConfigError, DeepSeekV3, ModelConfig, host, load_pretrained, paths
+from dsv3_jax.config import INDEXER_FIELDS
 from dsv3_jax.data import DataConfig, load_tokenizer, make_dataset, make_train_and_eval
 from dsv3_jax.train import balancing, checkpointing, metrics as metrics_lib, optimizer as optimizer_lib
 from dsv3_jax.train import finetune, run_config, sharded, state as state_lib, step as step_lib
@@ -59,7 +60,7 @@ def resolve_model(config, workdir: str, resume: bool) -> tuple[ModelConfig, Deep
 
     A resume keeps the run's architecture (model_config.json; another one asked for is a ModelChanged)
     and applies config.model's run fields, logging each change. --init_from loads the checkpoint's
-    architecture with config.model's run fields."""
+    architecture with config.model's run fields, and config.model's lightning indexer when it has one."""
     requested = host.tune_model(model_config(config))
     if resume:
         record = ModelConfig.from_dict(json.loads(paths.at(paths.join(workdir, "model_config.json")).read_text()))
@@ -82,6 +83,8 @@ def build_model(config, cfg: ModelConfig) -> DeepSeekV3:
     logging.info("initialising from %s: its architecture replaces config.model; the run fields (%s) come "
                  "from config.model", init_from, ", ".join(run_config.RUN_FIELDS))
     run = run_config.run_fields(cfg)
+    if cfg.has_indexer:  # DSA's stages: config.model's indexer (a source without one gets it fresh)
+        run.update({name: getattr(cfg, name) for name in INDEXER_FIELDS})
     # On a mesh each process reads only the shards its devices hold, placed as training places them.
     mesh = sharded.config_mesh(config)
     return load_pretrained(init_from, dtype=run.pop("param_dtype"), mesh=mesh if mesh.size > 1 else None,
@@ -191,6 +194,9 @@ def train(config) -> list[dict]:
                                       keep=tc.keep_checkpoints, async_save=not host.on_cpu())
     resume = ckpt.latest_step() is not None
     cfg, model = resolve_model(config, workdir, resume)
+    if config.loss.get("indexer_weight", 0.0) and not cfg.has_indexer:
+        raise ConfigError(f"config.loss.indexer_weight={config.loss.indexer_weight} trains the lightning indexer, "
+                          "which this model has none of: set config.model.index_n_heads, index_head_dim, index_topk")
     if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
         record = json.loads(config.to_json_best_effort())
         record["model"] = cfg.to_dict()
@@ -206,7 +212,8 @@ def train(config) -> list[dict]:
     # The state is donated on every platform: this loop reads nothing from a state once the next step
     # has it (on CPU saves are synchronous: an async save's host views would keep the buffers alive).
     step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
-                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True)
+                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True,
+                       indexer_weight=config.loss.get("indexer_weight", 0.0))
     first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
     eval_step = step_lib.make_eval_step(graphdef)
     if on_mesh is None:
@@ -320,8 +327,9 @@ class _NoWriter:
 
 def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak) -> dict:
     record = {"step": step}
-    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr", "dropped_fraction"):
-        record[key] = float(m[key])  # waits for this step: the window's clock stops after it, not at dispatch
+    for key in ("loss", "lm_loss", "mtp_loss", "balance_loss", "indexer_loss", "grad_norm", "lr", "dropped_fraction"):
+        if key in m:  # indexer_loss: only while the lightning indexer trains
+            record[key] = float(m[key])  # waits for this step: the window's clock stops after it, not at dispatch
     seconds = max(time.perf_counter() - t_window, 1e-9)
     steps = step - window_start
     record["tokens_per_sec"] = steps * tokens_per_step / seconds
@@ -335,7 +343,8 @@ def _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_s
 
 
 # The console line's fields, in order: record key, format of its value (keys not in the record are left out).
-_CONSOLE = (("loss", "loss {:.4f}"), ("lm_loss", "lm {:.4f}"), ("mtp_loss", "mtp {:.4f}"), ("eval_loss", "eval {:.4f}"),
+_CONSOLE = (("loss", "loss {:.4f}"), ("lm_loss", "lm {:.4f}"), ("mtp_loss", "mtp {:.4f}"),
+            ("indexer_loss", "indexer kl {:.4f}"), ("eval_loss", "eval {:.4f}"),
             ("pretrain_eval_loss", "pretrain-eval {:.4f}"), ("maxvio", "maxvio {:.3f}"), ("grad_norm", "gnorm {:.3f}"),
             ("lr", "lr {:.3g}"), ("tokens_per_sec", "{:.0f} tok/s"), ("mfu", "mfu {:.2%}"))
 

@@ -1,4 +1,6 @@
-"""Training losses (DeepSeek-V3 sections 2.2 and 2.1.2): next-token CE, MTP CE, balance loss.
+"""Training losses (DeepSeek-V3 sections 2.2 and 2.1.2): next-token CE, MTP CE, balance loss, and
+for a V3.2 model whose lightning indexer trains, the indexer's KL to the main attention
+(dsv3_jax/model/indexer.py; DeepSeek-V3.2's continued pre-training).
 
 Batches come from `dsv3_jax.data` as packed rows of T + 1 tokens; targets and masks are derived
 here from the segment ids, so a token never predicts one from another document. Chat batches also
@@ -28,10 +30,11 @@ HEAD_CHUNK_TOKENS = 256
 
 
 class Losses(NamedTuple):
-    total: jax.Array  # [] lm + mtp_weight * mtp + balance_weight * balance
+    total: jax.Array  # [] lm + mtp_weight * mtp + balance_weight * balance (+ indexer_weight * indexer)
     lm: jax.Array  # [] next-token cross-entropy, mean over valid tokens
     mtp: jax.Array  # [] MTP cross-entropy averaged over depths (0 without MTP)
     balance: jax.Array  # [] sequence-wise balance loss averaged over MoE layers, before alpha
+    indexer: jax.Array | float = 0.0  # [] the indexers' KL summed over layers, before its weight (0: not trained)
 
 
 class Head(NamedTuple):
@@ -104,8 +107,9 @@ def mtp_loss(mtp_logits_MxBxTxV: jax.Array, batch: dict, head: Head | None = Non
 
 
 def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: float,
-                    head: Head | None = None) -> Losses:
-    """Combines a `ModelOutput` into the DeepSeek-V3 training objective.
+                    head: Head | None = None, indexer_weight: float = 0.0) -> Losses:
+    """Combines a `ModelOutput` into the DeepSeek-V3 training objective, plus `indexer_weight` times
+    `output.indexer_loss` when the forward computed it.
 
     With `head` (`Head.of(model)`) the cross-entropies apply it to `output.hidden` and
     `output.mtp_hidden` (the logits are then unused and a jitted step never computes them).
@@ -116,8 +120,11 @@ def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: f
     main, depths = (output.logits, output.mtp_logits) if head is None else (output.hidden, output.mtp_hidden)
     lm = mean_cross_entropy(main, targets, mask, head)
     mtp = jnp.zeros((), jnp.float32) if depths is None else mtp_loss(depths, batch, head)
-    return objective(lm, mtp, (output.router_stats, output.mtp_router_stats), mtp_weight=mtp_weight,
-                     balance_weight=balance_weight)
+    parts = objective(lm, mtp, (output.router_stats, output.mtp_router_stats), mtp_weight=mtp_weight,
+                      balance_weight=balance_weight)
+    if output.indexer_loss is None:
+        return parts
+    return parts._replace(total=parts.total + indexer_weight * output.indexer_loss, indexer=output.indexer_loss)
 
 
 def objective(lm: jax.Array, mtp: jax.Array, router_stats, *, mtp_weight: float, balance_weight: float) -> Losses:

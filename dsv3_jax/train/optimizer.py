@@ -15,7 +15,8 @@ does (section 3.3.3); each update is computed in fp32 from the widened moments a
 stored state is rounded. Master weights and gradients stay fp32.
 
 Trainable subset: `trainable_mask` / `select` / `combine` give the optimizer only some parameters
-(LoRA adapters); the others are constants of the step, with no gradient and no moments.
+(LoRA adapters; the lightning indexers in DSA's dense warm-up); the others are constants of the
+step, with no gradient and no moments.
 """
 
 from __future__ import annotations
@@ -138,12 +139,17 @@ def make_optimizer(opt, total_steps: int, mask: dict) -> optax.GradientTransform
                        optax.scale_by_learning_rate(lr))
 
 
-def trainable_mask(param_state: nnx.State, wrt: type) -> dict:
+def trainable_mask(param_state: nnx.State, wrt: type | str) -> dict:
     """Pure dict of bools over the parameters, True for the variables of type `wrt` (for LoRA,
-    `nnx.LoRAParam`: the adapters train and the base stays frozen)."""
-    mask = _variable_mask(lambda v: isinstance(v, wrt), param_state)
+    `nnx.LoRAParam`: the adapters train and the base stays frozen) or, `wrt` a name, for those
+    inside every module of that name ("indexer": DSA's dense warm-up)."""
+    if isinstance(wrt, str):
+        mask = jax.tree_util.tree_map_with_path(lambda path, _: any(getattr(k, "key", None) == wrt for k in path),
+                                                nnx.to_pure_dict(param_state))
+    else:
+        mask = _variable_mask(lambda v: isinstance(v, wrt), param_state)
     if not any(jax.tree.leaves(mask)):
-        raise ValueError(f"no parameter of type {wrt.__name__} to train")
+        raise ValueError(f"no parameter {getattr(wrt, '__name__', wrt)!r} to train")
     return mask
 
 

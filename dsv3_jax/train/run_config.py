@@ -8,7 +8,9 @@ what it is, and how a start or a resume combines the command line with what the 
 - Model fields (every other field: shapes, vocabulary, layers, experts, MTP depth, rope) are
   fixed once a run exists. A resume takes them from the run's record (model_config.json), and a
   command line that asks for another value is an error naming the field and both values; with
-  --init_from the checkpoint's architecture replaces config.model's (a different value is logged).
+  --init_from the checkpoint's architecture replaces config.model's (a different value is logged),
+  except DeepSeek Sparse Attention's indexer fields when config.model sets them (DSA's training
+  stages: a V3.1-shaped source gets a fresh indexer, a warm-up run its sparse `index_topk`).
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ def _inputs(batch: dict) -> tuple[jax.Array, dict]:
     return inputs, {"positions": batch["positions"][:, :t], "segment_ids": batch["segment_ids"][:, :t]}
 
 
-def _forward(model, batch, *, with_mtp: bool):
+def _forward(model, batch, *, with_mtp: bool, indexer_loss: bool = False):
     inputs, where = _inputs(batch)
-    return model.forward(inputs, **where, with_mtp=with_mtp), losses.Head.of(model)
+    return model.forward(inputs, **where, with_mtp=with_mtp, indexer_loss=indexer_loss), losses.Head.of(model)
 
 
 def _counts(stats):
@@ -53,7 +53,8 @@ def _dropped_fraction(*stats) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: Callable, *,
                     mtp_weight: float, balance_weight: float, bias_update_speed: float,
-                    jit_kwargs: dict | None = None, donate: bool = False, trainable: dict | None = None):
+                    jit_kwargs: dict | None = None, donate: bool = False, trainable: dict | None = None,
+                    indexer_weight: float = 0.0):
     """Returns jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated with
     `donate` (the trainer's choice: it halves the state's memory, and the caller must then read
     nothing from a state once the next step has it, e.g. no async save's host views).
@@ -62,6 +63,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     `lm_loss`, `mtp_loss`, `balance_loss`, `grad_norm`, `lr`, `skipped` (this step's update was
     dropped), `consecutive_skips` (the new state's count, readable after the state is donated to
     the next step), `dropped_fraction` ((token, expert) pairs past the expert capacity; 0 when dropless), and `expert_counts` [L_moe, E] / `mtp_expert_counts` [M, E] where the model has them.
+
+    `indexer_weight` > 0 (a V3.2 model): the lightning indexers' KL to the main attention, summed
+    over layers, joins the loss with this weight and the metrics as `indexer_loss`.
 
     `trainable` (`optimizer.trainable_mask`; None: all): only those parameters are differentiated
     and updated (LoRA adapters); the rest enter the step as constants. `tx` and `state.opt_state`
@@ -74,9 +78,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         rows = batch["tokens"].shape[0]
         micro = pipeline.outer_microbatches(rows, jax.sharding.get_abstract_mesh(), model.config.outer_microbatches)
         if micro > 1:  # no device holds its whole batch's logits
+            if indexer_weight:
+                raise ValueError(f"loss.indexer_weight={indexer_weight}: the indexer trains without outer "
+                                 "microbatches (set config.model.outer_microbatches=1)")
             return _losses_in_microbatches(model, batch, micro, mtp_weight=mtp_weight, balance_weight=balance_weight)
-        out, head = _forward(model, batch, with_mtp=True)
-        parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight, head=head)
+        out, head = _forward(model, batch, with_mtp=True, indexer_loss=indexer_weight > 0)
+        parts = losses.training_losses(out, batch, mtp_weight=mtp_weight, balance_weight=balance_weight, head=head,
+                                       indexer_weight=indexer_weight)
         return parts.total, (parts, _counts(out.router_stats), _counts(out.mtp_router_stats),
                              _dropped_fraction(out.router_stats, out.mtp_router_stats))
 
@@ -102,6 +110,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         metrics = {"loss": loss, "lm_loss": parts.lm, "mtp_loss": parts.mtp, "balance_loss": parts.balance,
                    "grad_norm": grad_norm, "lr": schedule(state.step - state.skipped), "skipped": skip,
                    "consecutive_skips": new_state.consecutive_skips, "dropped_fraction": dropped}
+        if indexer_weight:
+            metrics["indexer_loss"] = parts.indexer
         if main_counts is not None:
             metrics["expert_counts"] = main_counts
         if mtp_counts is not None:

@@ -48,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss = ml_collections.ConfigDict()
     c.loss.mtp_weight = 0.3  # lambda on the MTP loss (paper: 0.3 for the first 10T tokens, then 0.1)
     c.loss.balance_weight = 1e-4  # alpha on the sequence-wise balance loss
+    c.loss.indexer_weight = 0.0  # V3.2: weight of the lightning indexers' KL to the main attention (0: not trained)
 
     c.balancing = ml_collections.ConfigDict()
     c.balancing.bias_update_speed = 1e-3  # gamma of the aux-loss-free bias update (0 switches it off)
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.steps = 1000  # total optimizer steps (flag --steps); the schedule spans them
     c.train.seed = 0  # parameter init and step RNG
     c.train.init_from = config_dict.placeholder(str)  # converted checkpoint / HF folder (flag --init_from)
+    c.train.trainable = "all"  # "all", or "indexer": only the lightning indexers learn (DSA's dense warm-up)
     c.train.log_every = 10  # steps between metrics.jsonl lines
     c.train.eval_every = 100  # steps between eval losses (0: never)
     c.train.eval_batches = 8  # held-out batches per eval
