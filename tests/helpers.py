@@ -42,8 +42,9 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 STALL_S = 180.0
 
 
-def fake_device_flags(devices: int = 8, *, fast_compile: bool = False) -> str:
-    """XLA_FLAGS for `devices` fake CPU devices; must be set before jax is imported."""
+def fake_device_flags(devices: int = 8, *, fast_compile: bool = True) -> str:
+    """XLA_FLAGS for `devices` fake CPU devices (compiled with `FAST_COMPILE` unless told not to);
+    must be set before jax is imported."""
     flags = f"{_COLLECTIVE_TIMEOUTS} --xla_force_host_platform_device_count={devices}"
     return f"{flags} {FAST_COMPILE}" if fast_compile else flags
 
@@ -68,7 +69,7 @@ def fake_device_env(devices: int | None = None, **extra: str) -> dict:
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if devices is not None:
-        env["XLA_FLAGS"] = fake_device_flags(devices, fast_compile=True)
+        env["XLA_FLAGS"] = fake_device_flags(devices)
     env.update(extra)
     return env
 

@@ -10,7 +10,7 @@ from tests.sharding import workers
 
 
 def _generate(tok, devices: int, *flags) -> list[str]:
-    env = workers.fake_device_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = workers.fake_device_env(devices)
     cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}",
            "--prompt=hello world", "--max_new_tokens=6", "--cache_dtype=float32", "--dtype=float32", *flags]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
