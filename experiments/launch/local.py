@@ -3,8 +3,8 @@ multi-host code path without a cluster (e.g. 2 processes x 4 fake CPU devices).
 
     python -m experiments.launch.local --processes 2 [--port 8476] [--dry_run] -- --workdir=runs/x ...
 
-Output of process 0 is shown; the others go to WORKDIR-less logs `launch_local.<i>.log` in the
-current folder. Exit code: the first non-zero one of the processes.
+Output of process 0 is shown; the others go to `launch_local.<i>.log` in --log_dir (default: the
+current folder). Exit code: the first non-zero one of the processes.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("processes", None, "training processes to start", required=True, flag_values=fv)
     flags.DEFINE_integer("port", hosts_lib.COORDINATOR_PORT, "the coordinator's port", flag_values=fv)
     flags.DEFINE_boolean("dry_run", False, "print each process's command and exit", flag_values=fv)
+    flags.DEFINE_string("log_dir", ".", "folder of the logs of processes 1..N-1 (launch_local.<i>.log)",
+                        flag_values=fv)
 
 
 def main(argv=None) -> int:
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
         for i, c in enumerate(cmds):
             print(f"[process {i}] {c.shell()}")
         return 0
-    logs = [None] + [open(f"launch_local.{i}.log", "w") for i in range(1, len(cmds))]
+    os.makedirs(args.log_dir, exist_ok=True)
+    logs = [None] + [open(os.path.join(args.log_dir, f"launch_local.{i}.log"), "w") for i in range(1, len(cmds))]
     procs = [subprocess.Popen(c.argv, env={**os.environ, **c.env}, stdout=log, stderr=log)
              for c, log in zip(cmds, logs)]
     codes = [proc.wait() for proc in procs]

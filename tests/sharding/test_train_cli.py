@@ -74,11 +74,13 @@ def test_launch_local_two_processes_of_one_device_train(tmp_path):
     model: every all-reduce of the step crosses processes (gloo), which pairs them by the order each
     process issues them, so both must issue them in the program's order (dsv3_jax/host.py)."""
     env = helpers.without_cluster(helpers.fake_device_env(XLA_FLAGS=helpers.fake_device_flags(1, fast_compile=True)))
-    out = helpers.run_module("experiments.launch.local", "--processes=2", f"--port={helpers.free_port()}", "--",
+    out = helpers.run_module("experiments.launch.local", "--processes=2", f"--port={helpers.free_port()}",
+                             f"--log_dir={tmp_path / 'logs'}", "--",
                              f"--workdir={tmp_path}", "--steps=2", "--config.data.seq_len=32",
                              "--config.data.batch_size=4", "--config.mesh.data=2", "--config.train.eval_every=0",
                              "--config.train.compilation_cache=", "--config.train.log_every=1", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "logs" / "launch_local.1.log").exists()
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == [1, 2] and all(r["loss"] > 0 for r in records)
