@@ -254,14 +254,6 @@ class ModelConfig:
     def has_indexer(self) -> bool:
         return self.index_n_heads > 0
 
-    def check_cached_attention(self) -> None:
-        """Raises for a model the latent-cache paths cannot run yet: V3.2's sparse attention through
-        the cache is not built, and running it dense there would be another model."""
-        if self.has_indexer:
-            raise ConfigError(f"index_n_heads={self.index_n_heads}: DeepSeek Sparse Attention through the latent "
-                              "cache (prefill, decode: generate, serve) is not built yet; a V3.2 model runs the "
-                              "cacheless forward only")
-
     # ---------------------------------------------------------- derived sizes
     @property
     def experts_per_group(self) -> int:

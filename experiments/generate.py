@@ -138,7 +138,6 @@ def main(argv=None) -> int:
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                                 quantize=args.quantize, quant_group=args.quant_group,
                                 expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
-        model.config.check_cached_attention()
         offload = cli.expert_offload(args, model)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))

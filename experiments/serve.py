@@ -86,7 +86,6 @@ def build(args):
     model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                             quantize=args.quantize, quant_group=args.quant_group,
                             expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
-    model.config.check_cached_attention()
     if args.weights:
         logging.info("projections held as %s (%s): %.1f MB of parameter arrays", args.weights,
                      args.quantize or model_quant.default_targets(args.weights), model_quant.parameter_bytes(model) / 1e6)

@@ -12,6 +12,9 @@ Cache dtypes (`cache_dtype`):
     per-128 ones, and int8 keeps 8 bits where e4m3 keeps 4 (with an exponent): a token's small
     latent values lose more, its large ones less (tests/inference/test_cache.py bounds both).
 
+V3.2 (the lightning indexer) adds the index key per token and layer (index_head_dim K): float32 /
+bfloat16 as they are, float8 (e4m3) / int8 with one fp32 scale per key, as the indexer kernel reads it.
+
 The cache is indexed by absolute position: slot s holds the token at position s. A call's tokens see
 the slots before their positions and their own new entries, never a slot past them: stale entries
 (rejected speculative tokens, a padded prefill chunk) need no rollback.
@@ -37,8 +40,8 @@ from sharding import expert_parallel
 CACHE_DTYPES = ("float32", "bfloat16", "float8", "int8")
 
 
-def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
-    """Per-token, per-layer arrays of the cache: name -> (trailing shape, dtype)."""
+def _latent_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """MLA's own arrays of `token_layout`."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -53,9 +56,20 @@ def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[in
     return {"latent": ((c,), dt), "k_pe": ((r,), dt)}
 
 
+def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """Per-token, per-layer arrays of the cache: name -> (trailing shape, dtype)."""
+    layout = _latent_layout(cfg, cache_dtype)
+    if cfg.has_indexer:
+        key_dtype = {"float8": jnp.float8_e4m3fn, "int8": jnp.int8}.get(cache_dtype, cache_dtype)
+        layout["index_k"] = ((cfg.index_head_dim,), jnp.dtype(key_dtype))
+        if cache_dtype in ("float8", "int8"):
+            layout["index_k_scale"] = ((1,), jnp.dtype(jnp.float32))
+    return layout
+
+
 def cache_bytes_per_token(cfg: ModelConfig, cache_dtype: str = "bfloat16") -> int:
     """Bytes the cache holds per token per layer: 1152 (bf16), 656 (float8) and 644 (int8) for the
-    671B preset."""
+    671B preset; V3.2 adds its index key (128 values: 256 bytes in bf16, 132 in float8 or int8)."""
     return sum(math.prod(shape) * dt.itemsize for shape, dt in token_layout(cfg, cache_dtype).values())
 
 
@@ -65,7 +79,8 @@ def _stack(cfg: ModelConfig, cache_dtype: str, layers: int, batch: int, slots: i
         return None
     arrays = {name: jnp.zeros((layers, batch, slots, *shape), dt)
               for name, (shape, dt) in token_layout(cfg, cache_dtype).items()}
-    return LatentCache(arrays["latent"], arrays.get("latent_scale"), arrays["k_pe"])
+    return LatentCache(arrays["latent"], arrays.get("latent_scale"), arrays["k_pe"], arrays.get("index_k"),
+                       arrays.get("index_k_scale"))
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, cache_dtype: str = "bfloat16", *,

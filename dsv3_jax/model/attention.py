@@ -23,7 +23,9 @@ every visible key per query and the expanded form attends only to each query's `
 keeps them all, so a call of at most `index_topk` tokens runs dense attention (the indexer is not
 run unless its terms are asked for) and its result is dense attention's exactly. A dense
 warm-up is the same model with `index_topk` at least the sequence length. Through the latent cache
-(prefill chunks, decode) sparse attention is not built yet: such a call raises.
+(prefill chunks, decode: `sparse_cached`) the indexer's keys are cached beside the latent, the
+queries' top-k is taken over the cached keys and the call's own, and the absorbed form attends
+over the gathered latent rows only (B x T x index_topk of them, whatever the cache length).
 
 Hook for training the indexer: `expanded(..., indexer_terms=True)` returns (out, `IndexerTerms`):
 the indexer's logits [B, T, S] (float32, -inf off the causal, same-document keys), the main
@@ -46,7 +48,7 @@ import pallas_kernels
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import lora, params
-from dsv3_jax.model.indexer import Indexer, select_topk
+from dsv3_jax.model.indexer import Indexer, cached_topk, select_topk
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
 from dsv3_jax.ops import latent_attention
@@ -66,11 +68,13 @@ class LatentCache(NamedTuple):
     position s). Arrays are [B, S, ...] for one layer, [L, B, S, ...] for a layer stack, or
     [B, W, ...] for the entries one call writes. The dtypes are the cache layout
     (`dsv3_jax.inference.cache`); a float8 latent comes with its per-128 scales, an int8 latent
-    with one scale per token."""
+    with one scale per token. A model with the lightning indexer also caches its key per token."""
 
     latent: jax.Array  # [(L,) B, S, C] float32 | bfloat16 | float8_e4m3fn | int8
     latent_scale: jax.Array | None  # [(L,) B, S, G] float32: G = ceil(C / 128) for float8, 1 for int8; else None
     k_pe: jax.Array  # [(L,) B, S, R] float32 | bfloat16
+    index_k: jax.Array | None = None  # [(L,) B, S, K] the indexer's keys (V3.2), in the cache dtype; else None
+    index_k_scale: jax.Array | None = None  # [(L,) B, S, 1] float32 for float8 / int8 index keys; else None
 
     @property
     def cache_dtype(self) -> str:
@@ -160,8 +164,8 @@ class MLA(nnx.Module):
         `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
-        if cache is not None:
-            self.cfg.check_cached_attention()
+        if cache is not None and self.cfg.has_indexer:
+            return self.sparse_cached(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
             return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None:
@@ -219,18 +223,48 @@ class MLA(nnx.Module):
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
 
+    def sparse_cached(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
+                      positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
+        """DeepSeek Sparse Attention through the cache: each query attends to its `index_topk` best
+        entries (`absorbed` over the gathered rows). While no query of the call sees more than
+        `index_topk` tokens that is each of them, and the dense cached form runs instead (its result
+        exactly). The entries to store carry the index keys too."""
+        cfg = self.cfg
+        if cache.index_k is None:
+            raise ValueError("a model with the lightning indexer (index_n_heads > 0) needs a cache with its index "
+                             "keys: build it with dsv3_jax.inference.init_cache for this config")
+        own_index_k = self.indexer.keys(x_BxTxD, cos, sin)
+        dense = self.expanded_chunk if x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH else self.absorbed
+        run_dense = functools.partial(dense, x_BxTxD, cos, sin, cache, positions_BxT, layer)
+        if cache.latent.shape[-2] <= cfg.index_topk:  # no position past index_topk exists
+            out, entries = run_dense()
+        else:
+            run_sparse = functools.partial(self.absorbed, x_BxTxD, cos, sin, cache, positions_BxT, layer, own_index_k)
+            out, entries = jax.lax.cond(jnp.max(positions_BxT) < cfg.index_topk, run_dense, run_sparse)
+        index_k, index_k_scale = latent_attention.encode_index_key(own_index_k, cache.cache_dtype)
+        return out, entries._replace(index_k=index_k, index_k_scale=index_k_scale)
+
     def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
-                 positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
-        """Queries in the latent space over the cache slots before `positions` and the call's own entries."""
+                 positions_BxT: jax.Array, layer=None, own_index_k: jax.Array | None = None
+                 ) -> tuple[jax.Array, LatentCache]:
+        """Queries in the latent space over the cache slots before `positions` and the call's own
+        entries; with the call's index keys `own_index_k` [B, T, K], over each query's top-k only."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         q_nope, q_pe = self.query(x_BxTxD, cos, sin)
         own = self.latent(x_BxTxD, cos, sin)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
         q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
-        attend = (latent_attention.attend_pallas if cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
-                  else latent_attention.attend)
-        o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, softmax_scale=cfg.softmax_scale, compute_dtype=dt,
-                       layer=layer)
+        pallas = cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
+        kw = dict(softmax_scale=cfg.softmax_scale, compute_dtype=dt, layer=layer)
+        if own_index_k is None:
+            attend = latent_attention.attend_pallas if pallas else latent_attention.attend
+            o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, **kw)
+        else:
+            q_index, w_index = self.indexer.queries(x_BxTxD, self.query_latent(x_BxTxD), cos, sin)
+            chosen = cached_topk(q_index, w_index, cache, own_index_k, positions_BxT, cfg.index_topk, layer=layer,
+                                 pallas=pallas)
+            attend = latent_attention.attend_sparse_pallas if pallas else latent_attention.attend_sparse
+            o_lat = attend(q_lat, q_pe, cache, own, chosen, **kw)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

@@ -1,6 +1,7 @@
 """DeepSeek-V3.2's lightning indexer: which keys each query's sparse attention reads (DSA).
 
-Letters: B batch, T query length, S key length, D model, Q q_lora_rank, I index heads, K index head dim.
+Letters: B batch, T query length, S key length (cache slots), W a cached call's tokens, D model,
+Q q_lora_rank, I index heads, K index head dim.
 
 q_I = c_q W_q (c_q: MLA's normalised query latent); k = LayerNorm(x W_k), one key head shared by all
 index heads; the first qk_rope_head_dim dims of both roped (halves paired, not interleaved);
@@ -25,7 +26,9 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
 from dsv3_jax.model.norm import LayerNorm
 from dsv3_jax.model.rope import apply_rope
+from dsv3_jax.ops.latent_attention import layer_slice
 from dsv3_jax.ops.linear import project
+import pallas_kernels
 
 
 class Indexer(nnx.Module):
@@ -41,17 +44,32 @@ class Indexer(nnx.Module):
         rot, rest = jnp.split(x, [self.cfg.qk_rope_head_dim], axis=-1)
         return jnp.concatenate([apply_rope(rot, cos, sin, interleave=False), rest], axis=-1)
 
+    def queries(self, x_BxTxD: jax.Array, c_q_BxTxQ: jax.Array, cos: jax.Array, sin: jax.Array):
+        """The index queries q [B, T, I, K] (roped) and their head weights w [B, T, I] float32."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        q_BxTxIxK = self._rope(project(c_q_BxTxQ, self.wq_b[...], contract=1, compute_dtype=dt), cos, sin)
+        w_BxTxI = project(x_BxTxD, self.weights_proj[...], contract=1, compute_dtype=jnp.float32)
+        return q_BxTxIxK, w_BxTxI * cfg.index_n_heads ** -0.5
+
+    def keys(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """The index key k [B, T, K] (normed, roped): what the index-key cache stores."""
+        dt = self.cfg.compute_dtype
+        return self._rope(self.k_norm(project(x_BxTxD, self.wk[...], contract=1, compute_dtype=dt)), cos, sin)
+
     def __call__(self, x_BxTxD: jax.Array, c_q_BxTxQ: jax.Array, cos: jax.Array, sin: jax.Array,
                  visible_Bx1xTxS: jax.Array) -> jax.Array:
         """x [B, T, D], MLA's query latent c_q [B, T, Q], cos/sin [B, T, R/2], visible bool
         [B, 1, T, S] (causal, same document) -> float32 index logits [B, T, S], -inf where not visible."""
-        cfg, dt, f32 = self.cfg, self.cfg.compute_dtype, jnp.float32
-        q_BxTxIxK = self._rope(project(c_q_BxTxQ, self.wq_b[...], contract=1, compute_dtype=dt), cos, sin)
-        k_BxSxK = self._rope(self.k_norm(project(x_BxTxD, self.wk[...], contract=1, compute_dtype=dt)), cos, sin)
-        w_BxTxI = project(x_BxTxD, self.weights_proj[...], contract=1, compute_dtype=f32) * cfg.index_n_heads ** -0.5
-        qk = jnp.einsum("BTIK,BSK->BTIS", q_BxTxIxK.astype(f32), k_BxSxK.astype(f32), preferred_element_type=f32)
-        logits = jnp.einsum("BTI,BTIS->BTS", w_BxTxI, jax.nn.relu(qk * cfg.index_head_dim ** -0.5))
+        q_BxTxIxK, w_BxTxI = self.queries(x_BxTxD, c_q_BxTxQ, cos, sin)
+        logits = index_logits(q_BxTxIxK, w_BxTxI, self.keys(x_BxTxD, cos, sin))
         return jnp.where(visible_Bx1xTxS[:, 0], logits, -jnp.inf)
+
+
+def index_logits(q_BxTxIxK: jax.Array, w_BxTxI: jax.Array, k_BxSxK: jax.Array) -> jax.Array:
+    """sum_i w[t, i] * ReLU(q_i[t] . k[s] / sqrt(K)) -> float32 [B, T, S] (no mask)."""
+    f32 = jnp.float32
+    qk = jnp.einsum("BTIK,BSK->BTIS", q_BxTxIxK.astype(f32), k_BxSxK.astype(f32), preferred_element_type=f32)
+    return jnp.einsum("BTI,BTIS->BTS", w_BxTxI, jax.nn.relu(qk * q_BxTxIxK.shape[-1] ** -0.5))
 
 
 def select_topk(logits_BxTxS: jax.Array, topk: int) -> jax.Array:
@@ -74,3 +92,27 @@ def indexer_kl(logits_BxTxS: jax.Array, attn_probs_BxTxS: jax.Array, selected_Bx
     kl_BxT = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)
     m = jnp.ones(kl_BxT.shape, jnp.float32) if query_mask_BxT is None else query_mask_BxT.astype(jnp.float32)
     return jnp.sum(kl_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def cached_topk(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, own_k_BxWxK: jax.Array, positions_BxW: jax.Array,
+                topk: int, *, layer=None, pallas: bool = False) -> jax.Array:
+    """The `topk` entries of largest logit for a cached call's W queries at consecutive `positions`,
+    over the cache slots before the call (its index keys `cache.index_k` of `layer`, [B, S, K]) and
+    the call's own exact keys up to each query -> int32 [B, W, min(topk, S + W)]: j < S is cache
+    slot j, S + w the call's own entry w, -1 none (fewer visible). `pallas` (one query per row):
+    the cached keys' logits from the indexer kernel."""
+    keys_BxSxK, scale_BxSx1 = layer_slice(cache.index_k, layer), layer_slice(cache.index_k_scale, layer)
+    s, f32 = keys_BxSxK.shape[1], jnp.float32
+    if pallas:
+        w_fold_BxI = w_BxWxI[:, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0
+        cached_BxWxS = pallas_kernels.indexer_scores(q_BxWxIxK[:, 0], w_fold_BxI, keys_BxSxK, positions_BxW[:, 0],
+                                                     k_scale=scale_BxSx1)[:, None]
+    else:
+        keys = keys_BxSxK.astype(f32) if scale_BxSx1 is None else keys_BxSxK.astype(f32) * scale_BxSx1
+        cached_BxWxS = jnp.where(jnp.arange(s) < positions_BxW[:, :1, None], index_logits(q_BxWxIxK, w_BxWxI, keys),
+                                 -jnp.inf)
+    own_visible_BxWxW = positions_BxW[:, None, :] <= positions_BxW[:, :, None]
+    own_BxWxW = jnp.where(own_visible_BxWxW, index_logits(q_BxWxIxK, w_BxWxI, own_k_BxWxK), -jnp.inf)
+    logits = jnp.concatenate([cached_BxWxS, own_BxWxW], axis=-1)
+    best, idx = jax.lax.top_k(logits, min(topk, logits.shape[-1]))
+    return jnp.where(jnp.isfinite(best), idx, -1)

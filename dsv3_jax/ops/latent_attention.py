@@ -34,6 +34,7 @@ from pallas_kernels import quantize_1x128
 
 FP8_BLOCK = 128  # latent values per fp8 scale
 INT8_MAX = 127.0  # symmetric int8: -127 .. 127, so 0 is exact and the range is even
+FP8_MAX = 448.0  # largest finite e4m3
 READ_BLOCK = 256  # cache slots per block read
 
 
@@ -121,7 +122,7 @@ def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
     """The online softmax (`step(carry, latent [B, P, C] dequantised to dt, k_pe [B, P, R],
     visible [B, P])`) over the cache slots before each row's first position, `block` slots at a
     time; blocks past every row's start are never read. Starts empty; acc_shape [B, H, W, *]."""
-    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache[:3]
     block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
     read = _reader(cache, layer, block)
     before_B = positions_BxW[:, 0]
@@ -208,15 +209,86 @@ def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, sof
     is sliced at `layer` first), merged with the token's own entry by log-sum-exp -> [B, 1, H, C]
     float32."""
     dt = compute_dtype
-    if layer is not None:
-        cache = [None if a is None else a[layer] for a in cache]
-    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = (layer_slice(a, layer) for a in cache[:3])
     q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
     latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8/int8: dequantised per block
     o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
                                                  softmax_scale=softmax_scale, return_lse=True,
                                                  kv_scale=per_128_scales(latent_BxSxC, scale_BxSxG))
+    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, None, softmax_scale, dt)
+
+
+def _merge_own(o_BxHxC, lse_BxH, q_lat_BxHxC, q_pe_BxHxR, own, own_kept_B, softmax_scale: float, dt) -> jax.Array:
+    """A decode kernel's (out, lse) over cache rows merged by log-sum-exp with the token's own entry
+    (where `own_kept` [B]; None: everywhere) -> [B, 1, H, C] float32."""
     own_latent, own_k_pe = own[0][:, 0].astype(dt), own[1][:, 0].astype(dt)
-    s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat, own_latent, preferred_element_type=jnp.float32)
-                 + jnp.einsum("BHR,BR->BH", q_pe.astype(dt), own_k_pe, preferred_element_type=jnp.float32))
-    return merge(o_BxHxC[:, None], lse_BxH[:, None], own_latent[:, None, None, :], (s_own_BxH * softmax_scale)[:, None])
+    s_own_BxH = (jnp.einsum("BHC,BC->BH", q_lat_BxHxC, own_latent, preferred_element_type=jnp.float32)
+                 + jnp.einsum("BHR,BR->BH", q_pe_BxHxR.astype(dt), own_k_pe, preferred_element_type=jnp.float32))
+    s_own_BxH = s_own_BxH * softmax_scale
+    if own_kept_B is not None:
+        s_own_BxH = jnp.where(own_kept_B[:, None], s_own_BxH, -jnp.inf)
+    return merge(o_BxHxC[:, None], lse_BxH[:, None], own_latent[:, None, None, :], s_own_BxH[:, None])
+
+
+def layer_slice(a: jax.Array | None, layer) -> jax.Array | None:
+    """One layer [B, S, ...] of a stacked cache array [L, B, S, ...] (`layer` None: `a` is one layer)."""
+    return a if a is None or layer is None else a[layer]
+
+
+def encode_index_key(k_BxWxK: jax.Array, cache_dtype: str) -> tuple[jax.Array, jax.Array | None]:
+    """Fresh index keys -> (key, scale [B, W, 1] | None) in the cache's dtypes: float32 / bfloat16 as
+    they are, int8 and e4m3 with one fp32 scale per key (amax / 127, amax / 448)."""
+    if cache_dtype == "int8":
+        return quantize_int8_per_token(k_BxWxK)
+    if cache_dtype != "float8":
+        return k_BxWxK.astype(cache_dtype), None
+    x = k_BxWxK.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def _gather(a: jax.Array | None, layer, slots_BxWxK: jax.Array) -> jax.Array | None:
+    """Rows a[(layer,) b, slots[b, w, k]] -> [B, W, K, ...]: one gather from the stack, no layer copy."""
+    if a is None:
+        return None
+    rows = jnp.arange(slots_BxWxK.shape[0])[:, None, None]
+    return a[rows, slots_BxWxK] if layer is None else a[layer, rows, slots_BxWxK]
+
+
+def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, softmax_scale: float, compute_dtype,
+                  layer=None) -> jax.Array:
+    """Softmax over each query's chosen entries only (DeepSeek Sparse Attention) -> o_lat [B, W, H, C]
+    float32. `chosen` [B, W, K] int: j < S is cache slot j, S + w the call's own entry w (`own` as in
+    `attend`: exact, not rounded), -1 none; every query has at least one. Reads B x W x K rows,
+    whatever the cache length."""
+    dt, f32 = compute_dtype, jnp.float32
+    latent, scale, k_pe = cache[:3]
+    s, w = latent.shape[-2], chosen_BxWxK.shape[1]
+    slots, mine = jnp.clip(chosen_BxWxK, 0, s - 1), jnp.clip(chosen_BxWxK - s, 0, w - 1)
+    from_own = (chosen_BxWxK >= s)[..., None]
+    rows = jnp.arange(chosen_BxWxK.shape[0])[:, None, None]
+    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt),
+                            dequantize(_gather(latent, layer, slots), _gather(scale, layer, slots), dt))
+    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), _gather(k_pe, layer, slots).astype(dt))
+    scores = (jnp.einsum("BWHC,BWKC->BWHK", q_lat_BxWxHxC.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
+              + jnp.einsum("BWHR,BWKR->BWHK", q_pe_BxWxHxR.astype(dt), k_pe_BxWxKxR, preferred_element_type=f32))
+    p = jax.nn.softmax(jnp.where(chosen_BxWxK[:, :, None, :] >= 0, scores * softmax_scale, -jnp.inf), axis=-1)
+    return jnp.einsum("BWHK,BWKC->BWHC", p.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
+
+
+def attend_sparse_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, softmax_scale: float,
+                         compute_dtype, layer=None) -> jax.Array:
+    """`attend_sparse` for one query per row: the sparse Pallas decode kernel over the chosen cache
+    rows, merged with the token's own entry (if chosen) by log-sum-exp -> [B, 1, H, C] float32."""
+    dt = compute_dtype
+    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = (layer_slice(a, layer) for a in cache[:3])
+    s, chosen_BxK = latent_BxSxC.shape[1], chosen_BxWxK[:, 0]
+    q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
+    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)
+    o_BxHxC, lse_BxH = pallas_kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt),
+                                                        jnp.where(chosen_BxK < s, chosen_BxK, -1),
+                                                        softmax_scale=softmax_scale,
+                                                        kv_scale=per_128_scales(latent_BxSxC, scale_BxSxG))
+    own_kept_B = jnp.any(chosen_BxK == s, axis=-1)
+    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, own_kept_B, softmax_scale, dt)
