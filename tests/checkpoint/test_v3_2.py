@@ -1,6 +1,7 @@
 """DeepSeek-V3.2: the lightning indexer and sparse attention against transformers'
-DeepseekV32ForCausalLM (fp32, index_topk 16, sequences shorter and longer than it), HF folders
-both ways, and the sparse forward below index_topk equal to the dense one."""
+DeepseekV32ForCausalLM (fp32, index_topk 16, queries with fewer and more keys than it), HF folders
+both ways, the sparse forward below index_topk equal to the dense one, and sparse attention through
+the latent cache (prefill chunks, decode, generate with and without MTP) against the forward."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from flax import nnx
 from dsv3_jax.checkpoint import load_pretrained
 from dsv3_jax.checkpoint.safetensors_io import HFCheckpoint
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.inference import generate, init_cache
 from dsv3_jax.model.attention import LatentCache
+from dsv3_jax.model.indexer import cached_topk
+from dsv3_jax.ops import latent_attention
 from dsv3_jax.model.rope import rope_angles
 from dsv3_jax.model.transformer import DeepSeekV3
 from tests.checkpoint.conftest import convert, tiny_cfg
@@ -23,14 +27,13 @@ TOPK = 16
 V32 = tiny_cfg(num_layers=2, num_mtp_layers=0, param_dtype="float32", index_n_heads=8, index_head_dim=32,
                index_topk=TOPK)
 TOKENS = np.random.default_rng(0).integers(0, V32.vocab_size, (2, 40)).astype(np.int32)
-LENGTHS = (TOPK // 2, 40)
-N = 24  # the hook's length: past index_topk  # below index_topk: dense attention; above: each query keeps 16 keys
+N = 24  # the MLA tests' length: past index_topk (queries from the 17th on keep 16 of their keys)
 
 
 @pytest.fixture(scope="module")
 def v32(tmp_path_factory):
     """{"folder": transformers' save_pretrained of a DeepseekV32ForCausalLM, "hf": the model,
-    "model": ours loaded from the folder, length: HF's fp32 logits of TOKENS[:, :length]}."""
+    "model": ours loaded from the folder, "logits": HF's fp32 logits of TOKENS}."""
     pytest.importorskip("torch")
     from tests.hf_reference import build_hf_model, hf_logits
 
@@ -38,21 +41,21 @@ def v32(tmp_path_factory):
     hf = build_hf_model(V32, seed=3)
     hf.save_pretrained(folder)
     out = {"folder": folder, "hf": hf, "model": load_pretrained(folder, "float32")}
-    return out | {t: hf_logits(hf, TOKENS[:, :t]) for t in LENGTHS}
+    return out | {"logits": hf_logits(hf, TOKENS)}
 
 
-@pytest.mark.parametrize("length", LENGTHS)
-def test_v32_logits_match_transformers(v32, length):
+def test_v32_logits_match_transformers(v32):
+    """40 tokens: the first 16 queries see fewer keys than index_topk (dense), the later ones keep 16."""
     assert v32["model"].config.index_topk == TOPK
-    assert np.abs(v32[length]).max() > 1.0
-    assert np.abs(np.asarray(v32["model"](TOKENS[:, :length])) - v32[length]).max() <= 1e-4
+    assert np.abs(v32["logits"]).max() > 1.0
+    assert np.abs(np.asarray(v32["model"](TOKENS)) - v32["logits"]).max() <= 1e-4
 
 
 def test_the_selection_matters_past_index_topk(v32):
     """The same weights attending densely (index_topk >= length) give other logits past 16 tokens:
     the parity above checks the selection, not dense attention."""
     dense = load_pretrained(v32["folder"], "float32", index_topk=64)
-    assert np.abs(np.asarray(dense(TOKENS)) - v32[40]).max() > 1e-2
+    assert np.abs(np.asarray(dense(TOKENS)) - v32["logits"]).max() > 1e-2
 
 
 def _first_attn(model):
@@ -61,37 +64,91 @@ def _first_attn(model):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
 
 
+@pytest.fixture(scope="module")
+def attns(v32):
+    """(the V3.2 model's first MLA, the same weights without the indexer: dense MLA)."""
+    sparse = v32["model"]
+    dense = nnx.eval_shape(lambda: DeepSeekV3(sparse.config.replace(index_n_heads=0, index_head_dim=0, index_topk=0),
+                                              rngs=nnx.Rngs(0)))  # every value replaced below
+    state = nnx.state(sparse)
+    for stack in ("dense_layers", "moe_layers"):
+        del state[stack]["attn"]["indexer"]
+    nnx.update(dense, state)
+    return _first_attn(sparse), _first_attn(dense)
+
+
 def _inputs(length: int):
     x = jnp.asarray(0.1 * np.random.default_rng(1).normal(size=(2, length, V32.hidden_size)), jnp.float32)  # no exp underflows to 0
     return (x, *rope_angles(jnp.broadcast_to(jnp.arange(length), (2, length)), V32))
 
 
-def test_below_index_topk_sparse_equals_dense_exactly(v32):
-    """A query with at most index_topk keys keeps all of them: the V3.2 model equals, bit for bit,
-    the dense model (index fields 0, no indexer) on the same weights below index_topk tokens; past
-    it, its MLA (the indexer run, its selection masking the scores) equals the dense MLA exactly on
-    the first index_topk queries and differs after."""
-    sparse = v32["model"]
-    dense_cfg = sparse.config.replace(index_n_heads=0, index_head_dim=0, index_topk=0)
-    dense = nnx.eval_shape(lambda: DeepSeekV3(dense_cfg, rngs=nnx.Rngs(0)))  # every value replaced below
-    state = nnx.state(sparse)
-    for stack in ("dense_layers", "moe_layers"):
-        del state[stack]["attn"]["indexer"]
-    nnx.update(dense, state)
-    short = TOKENS[:, :TOPK]
-    np.testing.assert_array_equal(np.asarray(sparse(short)), np.asarray(dense(short)))
-    x, cos, sin = _inputs(N)
-    out = np.asarray(_first_attn(sparse).expanded(x, cos, sin, indexer_terms=True)[0])
-    want = np.asarray(_first_attn(dense).expanded(x, cos, sin))
+def test_below_index_topk_sparse_equals_dense_exactly(attns):
+    """A query with at most index_topk keys keeps all of them: a call of index_topk tokens equals,
+    bit for bit, the dense MLA on the same weights; past it, the indexer run and its selection
+    masking the scores, it equals the dense MLA exactly on the first index_topk queries and differs
+    after."""
+    (sparse, dense), (x, cos, sin) = attns, _inputs(N)
+    short = x[:, :TOPK], cos[:, :TOPK], sin[:, :TOPK]
+    np.testing.assert_array_equal(np.asarray(sparse.expanded(*short)), np.asarray(dense.expanded(*short)))
+    out = np.asarray(sparse.expanded(x, cos, sin, indexer_terms=True)[0])
+    want = np.asarray(dense.expanded(x, cos, sin))
     np.testing.assert_array_equal(out[:, :TOPK], want[:, :TOPK])
     assert np.all(np.abs(out[:, TOPK:] - want[:, TOPK:]).max(axis=-1) > 0)
 
 
-def test_indexer_terms_hook(v32):
+def _cached(attn, x, cos, sin, widths, cache_dtype="float32"):
+    """MLA through one layer's latent cache, the call cut into calls of `widths` tokens -> [B, T, D]."""
+    cfg = V32 if hasattr(attn, "indexer") else V32.replace(index_n_heads=0, index_head_dim=0, index_topk=0)
+    cache = jax.tree.map(lambda a: a[0], init_cache(cfg, 2, 32, cache_dtype).dense)
+    outs, start, call = [], 0, nnx.jit(lambda m, *args, **kw: m(*args, **kw))
+    for w in widths:
+        positions = jnp.broadcast_to(jnp.arange(start, start + w), (2, w))
+        part = slice(start, start + w)
+        out, entries = call(attn, x[:, part], cos[:, part], sin[:, part], cache=cache, positions=positions)
+        outs.append(out)
+        cache = cache.write(entries, positions)
+        start += w
+    return np.asarray(jnp.concatenate(outs, axis=1))
+
+
+def test_sparse_attention_through_the_cache_equals_the_forward(attns):
+    """A 16-token prefill chunk then an 8-token call (verify: decode's absorbed form) through the fp32 cache:
+    within 1e-5 of the cacheless sparse forward (the HF-parity reference); while no query sees more
+    than index_topk tokens, bit-equal to the dense MLA's cached calls; past it, other outputs."""
+    (sparse, dense), (x, cos, sin) = attns, _inputs(N)
+    widths = (TOPK, N - TOPK)
+    out, want = _cached(sparse, x, cos, sin, widths), _cached(dense, x, cos, sin, widths)
+    np.testing.assert_allclose(out, np.asarray(sparse.expanded(x, cos, sin)), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out[:, :TOPK], want[:, :TOPK])
+    assert np.all(np.abs(out[:, TOPK:] - want[:, TOPK:]).max(axis=-1) > 1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float8"])
+def test_pallas_selection_and_sparse_decode_equal_the_gather_on_quantised_caches(cache_dtype):
+    """One decode query per row over a float8 / int8 cache (latent and index keys with their scales):
+    the indexer kernel's top-k equals the jnp scores' top-k, and the sparse decode kernel merged
+    with the token's own entry equals the gather of the same rows."""
+    b, s, h, c, r, i, k = 2, 40, 4, 32, 8, 2, 32
+    rng = np.random.default_rng(cache_dtype == "int8")
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    cache = LatentCache(*latent_attention.encode(normal(b, s, c), normal(b, s, r), cache_dtype),
+                        *latent_attention.encode_index_key(normal(b, s, k), cache_dtype))
+    own, own_k, positions = (normal(b, 1, c), normal(b, 1, r)), normal(b, 1, k), jnp.array([[33], [20]])
+    q_index, w_index = normal(b, 1, i, k), normal(b, 1, i)
+    chosen = cached_topk(q_index, w_index, cache, own_k, positions, TOPK)
+    np.testing.assert_array_equal(cached_topk(q_index, w_index, cache, own_k, positions, TOPK, pallas=True), chosen)
+    picked = np.asarray(chosen)[:, 0]  # [B, TOPK]: cache slots before the position, or s (own entry)
+    assert all(len(set(row)) == TOPK and all(j < p or j == s for j in row) for row, p in zip(picked, [33, 20]))
+    q_lat, q_pe = normal(b, 1, h, c), normal(b, 1, h, r)
+    kw = dict(softmax_scale=0.2, compute_dtype=jnp.float32)
+    np.testing.assert_allclose(latent_attention.attend_sparse_pallas(q_lat, q_pe, cache, own, chosen, **kw),
+                               latent_attention.attend_sparse(q_lat, q_pe, cache, own, chosen, **kw), atol=1e-5)
+
+
+def test_indexer_terms_hook(attns):
     """MLA's hook for training the indexer: the forward unchanged, the indexer's causal logits and
-    the main attention's probabilities summed over heads, over min(t + 1, index_topk) keys; the
-    cached path refuses a V3.2 model."""
-    attn, (x, cos, sin) = _first_attn(v32["model"]), _inputs(N)
+    the main attention's probabilities summed over heads, over min(t + 1, index_topk) keys."""
+    attn, (x, cos, sin) = attns[0], _inputs(N)
     out, terms = attn.expanded(x, cos, sin, indexer_terms=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(attn.expanded(x, cos, sin)))
     logits, probs = np.asarray(terms.logits), np.asarray(terms.attn_probs)
@@ -101,22 +158,24 @@ def test_indexer_terms_hook(v32):
     np.testing.assert_allclose(probs.sum(-1), V32.num_heads, rtol=1e-5)
     kept = (probs > 0).sum(-1)  # keys attended per query
     np.testing.assert_array_equal(kept, np.broadcast_to(np.minimum(np.arange(1, N + 1), TOPK), (2, N)))
-    with pytest.raises(ValueError, match="Sparse Attention through the latent cache .* not built yet"):
-        z = jnp.zeros((2, N, V32.kv_lora_rank))
-        attn(x[:, :1], cos[:, :1], sin[:, :1], cache=LatentCache(z, None, z[..., :V32.qk_rope_head_dim]),
-             positions=jnp.zeros((2, 1), jnp.int32))
 
 
-def test_generate_refuses_a_v32_folder_in_one_line(v32, capsys):
-    """Until sparse attention runs through the cache, generate (and serve, by the same check) exits
-    2 naming the reason instead of decoding densely."""
-    from dsv3_jax.data.chat import BUNDLED_CHAT_PATH
-    from experiments import generate
+def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
+    """Prompts of 30 and 9 tokens (past and below index_topk 16), prefill chunks of 16, greedy
+    decode with and without MTP drafts (the MTP layer has its own indexer): the full forward's
+    argmax, token by token."""
+    from tests.inference.conftest import full_forward_greedy, tiny_config
 
-    tokenizer = BUNDLED_CHAT_PATH.parent / "tokenizer.json"  # the bundled one
-    assert generate.main([f"--checkpoint={v32['folder']}", f"--tokenizer={tokenizer}", "--prompt=hi"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: index_n_heads=8: DeepSeek Sparse Attention through the latent cache")
+    model = DeepSeekV3(tiny_config(num_layers=2, index_n_heads=2, index_head_dim=32, index_topk=TOPK,
+                                   num_mtp_layers=1), rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(2).integers(0, model.config.vocab_size, (2, 30)).astype(np.int32)
+    lengths, max_new = np.array([30, 9], np.int32), 6
+    expected, gap = full_forward_greedy(model, prompts, lengths, max_new)
+    assert gap > 1e-4, f"reference argmax is a near-tie (gap {gap})"
+    for use_mtp in (False, True):
+        out = np.asarray(generate(model, prompts, max_new, lengths=lengths, prefill_chunk=TOPK, use_mtp=use_mtp))
+        for b, n in enumerate(lengths):
+            np.testing.assert_array_equal(out[b, :n + max_new], expected[b, :n + max_new], err_msg=f"{use_mtp=} {b=}")
 
 
 def test_v32_round_trip_through_our_checkpoint_loads_in_transformers(v32, tmp_path):
@@ -128,7 +187,7 @@ def test_v32_round_trip_through_our_checkpoint_loads_in_transformers(v32, tmp_pa
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
                                                              experts_implementation="eager").float().eval()
     assert type(back).__name__ == "DeepseekV32ForCausalLM"
-    np.testing.assert_array_equal(hf_logits(back, TOKENS), v32[40])
+    np.testing.assert_array_equal(hf_logits(back, TOKENS), v32["logits"])
 
 
 def test_v32_fp8_folder_with_mtp_round_trips_bit_exact(tmp_path):
