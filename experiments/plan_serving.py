@@ -23,7 +23,8 @@ Per device (GB = 1e9 bytes):
   split) x context. MLA's latent is shared by all heads, so `tensor` does not split it.
 - working set of the largest decode step (every slot, K = 1 + drafts tokens each): fp32 logits of
   the device's rows over the vocabulary shard, x 3 (logits, penalised, log-softmax); attention
-  scores and probabilities in fp32 over the device's heads and the context; one MoE layer's local
+  scores and probabilities in fp32 over the device's heads and the context (a V3.2 model: over
+  index_topk entries, plus the indexer's scores over the context and the gathered latent rows); one MoE layer's local
   routed experts in the compute dtype, whole along `mlp` (`expert_parallel` takes them so; counted
   in the compute dtype whatever the stored format: a dequantising kernel needs less); the
   expert-parallel exchange (`experiments/plan_memory.py`'s dropless receive rows, 6 x [R, D] and
@@ -211,8 +212,12 @@ def working_bytes(cfg: ModelConfig, mesh, dep: Deployment, batch: int, context: 
     local = cfg.num_routed_experts // p
     received = plan_memory.received_rows(cfg, rows, p, cfg.expert_capacity_factor)
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    attended = min(context, cfg.index_topk) if cfg.has_indexer else context  # DSA: each query's top-k only
     parts = {"logits (fp32, x 3)": 3.0 * 4 * rows * vocab,
-             "attention scores (fp32, x 2)": 2.0 * 4 * rows * heads * context}
+             "attention scores (fp32, x 2)": 2.0 * 4 * rows * heads * attended}
+    if cfg.has_indexer:
+        parts["indexer scores (fp32) and gathered latent rows"] = 4.0 * rows * (
+            context + attended * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
     if cfg.num_moe_layers:
         parts["one MoE layer's local experts (compute dtype)"] = 3.0 * cb * local * d * f
         parts["expert exchange and hidden rows"] = float(cb * received * (6 * d + 3 * f))
@@ -373,7 +378,8 @@ def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tup
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "tiny"], "ModelConfig preset", flag_values=fv)
+    flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "deepseek_v3_2", "tiny"], "ModelConfig preset",
+                      flag_values=fv)
     flags.DEFINE_enum("weights", "fp8", WEIGHTS, "how the projections are held", flag_values=fv)
     flags.DEFINE_enum("cache_dtype", "bfloat16", CACHE_DTYPES, "latent cache dtype", flag_values=fv)
     flags.DEFINE_string("chip", "h200", "one of " + ", ".join(c.name for c in CHIPS.values()), flag_values=fv)
@@ -402,7 +408,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        cfg = ModelConfig.deepseek_v3() if args.model == "deepseek_v3" else ModelConfig.tiny()
+        cfg = getattr(ModelConfig, args.model)()
         dtype = "float32" if args.weights == "fp32" else "bfloat16"
         cfg = cfg.replace(compute_dtype=dtype, param_dtype=dtype)
         if args.offload:

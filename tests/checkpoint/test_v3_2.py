@@ -204,3 +204,13 @@ def test_v32_fp8_folder_with_mtp_round_trips_bit_exact(tmp_path):
     assert convert("--to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf", "--fp8") == 0
     assert_same_tensors(tmp_path / "src", tmp_path / "hf")
     assert ModelConfig.from_hf_config(tmp_path / "hf").index_topk == 4
+
+
+def test_v32_cache_counts_the_index_key():
+    """Per token and layer, V3.2 adds its 128-value index key to MLA's latent row: in bf16 2 x 128
+    bytes; in float8 / int8 128 one-byte values and one fp32 scale."""
+    from dsv3_jax.inference import cache_bytes_per_token
+
+    v3, v32 = ModelConfig.deepseek_v3(), ModelConfig.deepseek_v3_2()
+    for cache_dtype, extra in (("bfloat16", 256), ("float8", 132), ("int8", 132), ("float32", 512)):
+        assert cache_bytes_per_token(v32, cache_dtype) == cache_bytes_per_token(v3, cache_dtype) + extra

@@ -1,0 +1,139 @@
+"""Prefill and decode cost against context length, dense MLA vs DeepSeek Sparse Attention (V3.2).
+
+    python -m benchmarks.bench_dsa [--contexts=128,256,512,1024,2048] [--topk=64] [--batch=2] [--repeats=3]
+
+(a) The abstract 671B (`ModelConfig.deepseek_v3_2()`, dense = the same with no indexer), per
+sequence over its 61 layers, contexts 4K .. 128K: a roofline estimate max(FLOPs / peak,
+bytes / bandwidth) on one H200 (989 TFLOP/s bf16, 4.8 TB/s) of the attention alone, as this
+package computes it: dense prefill in the expanded form (causal, per-head keys and values), dense
+decode absorbed over every cached row (bf16 cache: `cache_bytes_per_token`); DSA runs queries
+that see at most topk tokens dense, and for the others the indexer (I heads of K dims over every
+earlier token) and absorbed attention over topk gathered rows. Nothing is run for (a).
+
+(b) Measured on this host: a scaled-down model (attention-heavy: 16 heads, latent 256; index_topk
+`--topk`, 4 index heads of 64) with random weights, one jitted call per context: prefill = the
+whole context as one call into an empty fp32 cache; decode = one token per row at the last
+position of a full cache (as `generate` runs it). Best of `--repeats`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from flax import nnx
+
+from dsv3_jax import DeepSeekV3, ModelConfig, cli
+from dsv3_jax.inference import cache_bytes_per_token, init_cache
+from dsv3_jax.inference.decode import model_step
+
+H200_FLOPS, H200_BYTES_PER_S = 989e12, 4.8e12
+ABSTRACT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def no_indexer(cfg: ModelConfig) -> ModelConfig:
+    return cfg.replace(index_n_heads=0, index_head_dim=0, index_topk=0)
+
+
+def attention_cost(cfg: ModelConfig, context: int, decode: bool) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one layer's attention for one sequence: the token at `context` (decode)
+    or the `context` tokens of a prompt (prefill), dense or, with an indexer, sparse (queries that
+    see at most index_topk tokens run dense, as the cached path does)."""
+    h, c, r = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    row_bytes = cache_bytes_per_token(no_indexer(cfg), "bfloat16")
+    absorbed_flops = 2 * h * (2 * c + r)  # per (query, row): q_lat . c, q_pe . k_pe, then p @ c
+    if decode:
+        if not cfg.has_indexer:
+            return absorbed_flops * context, context * row_bytes
+        kept = min(context, cfg.index_topk)
+        index_flops = 2 * cfg.index_n_heads * cfg.index_head_dim * context
+        return index_flops + absorbed_flops * kept, context * cfg.index_head_dim * 2 + kept * row_bytes
+    dense_queries = min(context, cfg.index_topk) if cfg.has_indexer else context
+    dense_pairs = dense_queries * (dense_queries + 1) / 2
+    flops = 2 * h * (cfg.qk_head_dim + cfg.v_head_dim) * dense_pairs  # expanded, causal
+    nbytes = float(context * row_bytes)
+    sparse_queries = context - dense_queries
+    if sparse_queries:
+        index_pairs = (context * (context + 1) - dense_queries * (dense_queries + 1)) / 2
+        flops += 2 * cfg.index_n_heads * cfg.index_head_dim * index_pairs
+        flops += absorbed_flops * sparse_queries * cfg.index_topk
+        nbytes += sparse_queries * cfg.index_topk * row_bytes  # the gathered rows
+    return flops, nbytes
+
+
+def roofline_ms(cfg: ModelConfig, context: int, decode: bool) -> float:
+    flops, nbytes = attention_cost(cfg, context, decode)
+    return 1e3 * cfg.num_layers * max(flops / H200_FLOPS, nbytes / H200_BYTES_PER_S)
+
+
+def print_abstract(out=sys.stdout) -> None:
+    dsa = ModelConfig.deepseek_v3_2()
+    print(f"(a) 671B attention, {dsa.num_layers} layers, one sequence, H200 roofline (ms); index_topk "
+          f"{dsa.index_topk}, indexer {dsa.index_n_heads} x {dsa.index_head_dim}", file=out)
+    print(f"{'context':>8} {'prefill dense':>14} {'prefill DSA':>12} {'decode dense':>13} {'decode DSA':>11}", file=out)
+    for length in ABSTRACT_CONTEXTS:
+        cells = [roofline_ms(cfg, length, decode) for decode in (False, True) for cfg in (no_indexer(dsa), dsa)]
+        print(f"{length:>8} {cells[0]:>14.2f} {cells[1]:>12.2f} {cells[2]:>13.4f} {cells[3]:>11.4f}", file=out)
+
+
+def bench_config(topk: int, max_context: int) -> ModelConfig:
+    return ModelConfig.tiny(vocab_size=256, hidden_size=256, num_heads=16, kv_lora_rank=256, qk_nope_head_dim=64,
+                            qk_rope_head_dim=32, v_head_dim=64, num_layers=1, num_dense_layers=1, num_mtp_layers=0,
+                            index_n_heads=4, index_head_dim=64, index_topk=topk, yarn=None,
+                            max_position_embeddings=max_context)
+
+
+def _best(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def measure(cfg: ModelConfig, context: int, batch: int, repeats: int) -> tuple[float, float]:
+    """(prefill ms, decode ms) of `cfg` at `context` on this host."""
+    graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    step = jax.jit(lambda s, cache, tokens, pos: model_step(nnx.merge(graphdef, s), cache, tokens, pos)[::5])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, context)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(context), (batch, context))
+    empty = init_cache(cfg, batch, context, "float32")
+    prefill = _best(lambda: step(state, empty, tokens, positions), repeats)
+    full = step(state, empty, tokens, positions)[1]
+    last = jnp.full((batch, 1), context - 1)
+    decode = _best(lambda: step(state, full, tokens[:, -1:], last), repeats)
+    return prefill, decode
+
+
+def print_measured(contexts, topk: int, batch: int, repeats: int, out=sys.stdout) -> None:
+    dsa = bench_config(topk, max(contexts))
+    print(f"(b) measured on {jax.devices()[0].platform}: {dsa.num_heads} heads, latent {dsa.kv_lora_rank}, "
+          f"index_topk {topk}, batch {batch}, one layer (ms, best of {repeats})", file=out)
+    print(f"{'context':>8} {'prefill dense':>14} {'prefill DSA':>12} {'decode dense':>13} {'decode DSA':>11}", file=out)
+    for length in contexts:
+        (pd, dd), (ps, ds) = (measure(cfg, length, batch, repeats) for cfg in (no_indexer(dsa), dsa))
+        print(f"{length:>8} {pd:>14.2f} {ps:>12.2f} {dd:>13.3f} {ds:>11.3f}", file=out, flush=True)
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_list("contexts", ["128", "256", "512", "1024", "2048"], "measured context lengths", flag_values=fv)
+    flags.DEFINE_integer("topk", 64, "index_topk of the measured model", flag_values=fv)
+    flags.DEFINE_integer("batch", 2, "rows per call", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed calls per cell (the best is printed)", flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    print_abstract()
+    print_measured([int(c) for c in args.contexts], args.topk, args.batch, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
