@@ -13,11 +13,12 @@ earlier token) and absorbed attention over topk gathered rows. Nothing is run fo
 (b) Measured on this host: a scaled-down model (attention-heavy: 16 heads, latent 256; index_topk
 `--topk`, 4 index heads of 64) with random weights, one jitted call per context: prefill = the
 whole context as one call into an empty fp32 cache; decode = one token per row at the last
-position of a full cache (as `generate` runs it). Best of `--repeats`.
+position of a cache of random entries (the step `generate` runs). Best of `--repeats`.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -97,41 +98,61 @@ def _best(fn, repeats: int) -> float:
     return 1e3 * min(times)
 
 
-def measure(cfg: ModelConfig, context: int, batch: int, repeats: int) -> tuple[float, float]:
-    """(prefill ms, decode ms) of `cfg` at `context` on this host."""
+def _step(cfg: ModelConfig):
     graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    step = jax.jit(lambda s, cache, tokens, pos: model_step(nnx.merge(graphdef, s), cache, tokens, pos)[::5])
+    step = jax.jit(lambda s, cache, tokens, pos: model_step(nnx.merge(graphdef, s), cache, tokens, pos).logits)
+    return functools.partial(step, state)
+
+
+def prefill_ms(cfg: ModelConfig, context: int, batch: int, repeats: int) -> float:
+    """The whole context as one call into an empty cache."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, context)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(context), (batch, context))
-    empty = init_cache(cfg, batch, context, "float32")
-    prefill = _best(lambda: step(state, empty, tokens, positions), repeats)
-    full = step(state, empty, tokens, positions)[1]
-    last = jnp.full((batch, 1), context - 1)
-    decode = _best(lambda: step(state, full, tokens[:, -1:], last), repeats)
-    return prefill, decode
+    step, empty = _step(cfg), init_cache(cfg, batch, context, "float32")
+    return _best(lambda: step(empty, tokens, positions), repeats)
 
 
-def print_measured(contexts, topk: int, batch: int, repeats: int, out=sys.stdout) -> None:
-    dsa = bench_config(topk, max(contexts))
+def decode_ms(cfg: ModelConfig, context: int, batch: int, repeats: int) -> float:
+    """One token per row at the last position of a cache of `context` random entries."""
+    cache = init_cache(cfg, batch, context, "float32")
+    leaves, treedef = jax.tree.flatten(cache)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    cache = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)])
+    step, tokens = _step(cfg), jnp.ones((batch, 1), jnp.int32)
+    return _best(lambda: step(cache, tokens, jnp.full((batch, 1), context - 1)), repeats)
+
+
+def print_measured(prefill_contexts, decode_contexts, topk: int, batch: int, decode_batch: int, repeats: int,
+                   out=sys.stdout) -> None:
+    dsa = bench_config(topk, max(*prefill_contexts, *decode_contexts))
+    dense = no_indexer(dsa)
     print(f"(b) measured on {jax.devices()[0].platform}: {dsa.num_heads} heads, latent {dsa.kv_lora_rank}, "
-          f"index_topk {topk}, batch {batch}, one layer (ms, best of {repeats})", file=out)
-    print(f"{'context':>8} {'prefill dense':>14} {'prefill DSA':>12} {'decode dense':>13} {'decode DSA':>11}", file=out)
-    for length in contexts:
-        (pd, dd), (ps, ds) = (measure(cfg, length, batch, repeats) for cfg in (no_indexer(dsa), dsa))
-        print(f"{length:>8} {pd:>14.2f} {ps:>12.2f} {dd:>13.3f} {ds:>11.3f}", file=out, flush=True)
+          f"index_topk {topk}, one layer, fp32 cache (ms, best of {repeats})", file=out)
+    print(f"prefill, batch {batch}\n{'context':>8} {'dense':>10} {'DSA':>10}", file=out)
+    for length in prefill_contexts:
+        print(f"{length:>8} {prefill_ms(dense, length, batch, repeats):>10.2f} "
+              f"{prefill_ms(dsa, length, batch, repeats):>10.2f}", file=out, flush=True)
+    print(f"decode, batch {decode_batch}\n{'context':>8} {'dense':>10} {'DSA':>10}", file=out)
+    for length in decode_contexts:
+        print(f"{length:>8} {decode_ms(dense, length, decode_batch, repeats):>10.3f} "
+              f"{decode_ms(dsa, length, decode_batch, repeats):>10.3f}", file=out, flush=True)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_list("contexts", ["128", "256", "512", "1024", "2048"], "measured context lengths", flag_values=fv)
+    flags.DEFINE_list("contexts", ["128", "256", "512", "1024", "2048"], "measured prefill lengths", flag_values=fv)
+    flags.DEFINE_list("decode_contexts", ["128", "256", "512", "1024", "2048", "4096", "8192"],
+                      "measured decode cache lengths", flag_values=fv)
     flags.DEFINE_integer("topk", 64, "index_topk of the measured model", flag_values=fv)
-    flags.DEFINE_integer("batch", 2, "rows per call", flag_values=fv)
-    flags.DEFINE_integer("repeats", 3, "timed calls per cell (the best is printed)", flag_values=fv)
+    flags.DEFINE_integer("batch", 1, "rows per prefill call", flag_values=fv)
+    flags.DEFINE_integer("decode_batch", 8, "rows per decode step", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "timed calls per cell (the best is printed)", flag_values=fv)
 
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     print_abstract()
-    print_measured([int(c) for c in args.contexts], args.topk, args.batch, args.repeats)
+    print_measured([int(c) for c in args.contexts], [int(c) for c in args.decode_contexts], args.topk, args.batch,
+                   args.decode_batch, args.repeats)
     return 0
 
 
