@@ -227,8 +227,9 @@ class MLA(nnx.Module):
                       positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
         """DeepSeek Sparse Attention through the cache: each query attends to its `index_topk` best
         entries (`absorbed` over the gathered rows). While no query of the call sees more than
-        `index_topk` tokens that is each of them, and the dense cached form runs instead (its result
-        exactly). The entries to store carry the index keys too."""
+        `index_topk` tokens that is each of them, and the dense cached form runs instead (its
+        result, to the rounding of the branch's own compilation). The entries to store carry the
+        index keys too."""
         cfg = self.cfg
         if cache.index_k is None:
             raise ValueError("a model with the lightning indexer (index_n_heads > 0) needs a cache with its index "
