@@ -21,7 +21,8 @@ prompts that those devices do not divide is padded with copies of its last promp
 --weights holds the projections quantized as they load (load_pretrained(weights=...)): FP8 with
 its 128x128 blocks as stored (or quantized so), or int8/int4 with a scale per --quant_group rows;
 --quantize says which (default: every projection for fp8, the routed experts for int8/int4).
---offload_experts keeps the routed experts in host memory and C of them per MoE layer on the
+--offload_experts loads the routed experts straight into host memory (load_pretrained(
+offload_experts=True): never onto the accelerator) and keeps C of them per MoE layer on the
 device (dsv3_jax/inference/expert_cache.py: same tokens as with every expert resident); it prints
 the cache's hit rate, bytes moved per token and stall time.
 
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                                 quantize=args.quantize, quant_group=args.quant_group,
-                                expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
+                                expert_placement=args.expert_placement, redundant_experts=args.redundant_experts,
+                                offload_experts=args.offload_experts)
         offload = cli.expert_offload(args, model)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))

@@ -21,7 +21,8 @@ drives all the mesh's devices (a multi-host server would need every process to r
 --weights, --quantize and --quant_group are experiments.generate's: the projections held quantized as
 they load (load_pretrained(weights=...)), FP8 in 128x128 blocks or int8/int4 with a scale per
 --quant_group rows; with --mesh each quantized leaf (values and scales) is built per shard.
---offload_experts holds the routed experts in host memory behind a device cache of --expert_cache
+--offload_experts loads the routed experts straight into host memory (never onto the accelerator)
+and holds them there behind a device cache of --expert_cache
 per MoE layer (one device; dsv3_jax/inference/expert_cache.py); /metrics then reports the cache's
 hit rate, bytes moved per token and stall time (dsv3_expert_cache_*).
 """
@@ -85,7 +86,8 @@ def build(args):
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
     model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                             quantize=args.quantize, quant_group=args.quant_group,
-                            expert_placement=args.expert_placement, redundant_experts=args.redundant_experts)
+                            expert_placement=args.expert_placement, redundant_experts=args.redundant_experts,
+                            offload_experts=args.offload_experts)
     if args.weights:
         logging.info("projections held as %s (%s): %.1f MB of parameter arrays", args.weights,
                      args.quantize or model_quant.default_targets(args.weights), model_quant.parameter_bytes(model) / 1e6)

@@ -7,7 +7,8 @@ folder's base model). A PEFT folder itself is not a source here: training reads 
 
 The model is built abstractly (`nnx.eval_shape`, nothing allocated). Each parameter's sharding
 comes from `sharding/rules.py`, the table training uses (`NamedSharding(mesh, spec)` from its
-logical axes; one device without a mesh). From an HF folder every parameter is made with
+logical axes; one device without a mesh, where `offload_experts` puts the MoE layers' routed
+experts in host memory instead). From an HF folder every parameter is made with
 `build_array` (`jax.make_array_from_callback`, one block at a time): a block reads, from the
 memory-mapped safetensors, only the rows and columns of the index a device holds (FP8
 dequantised window by window), so a process reads and holds only its own devices' shards, never
@@ -51,21 +52,30 @@ def _variables(model: nnx.Module) -> dict[tuple[str, ...], nnx.Variable]:
             if isinstance(node, nnx.Variable)}
 
 
-def placement_of_axes(mesh, rules):
+ROUTED_EXPERTS = ("moe_layers.ffn.w1", "moe_layers.ffn.w3", "moe_layers.ffn.w2")  # the MoE layers' routed stacks
+
+
+@functools.cache
+def host_sharding() -> jax.sharding.SingleDeviceSharding:
+    """Where `offload_experts` builds the routed experts: host memory, as the CPU backend's device
+    (every JAX install has one), whose arrays `np.asarray` views without a copy."""
+    return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def placement_of_axes(mesh, rules, offload_experts: bool = False):
     """-> f(logical axes, shape, name) giving the sharding an array is built in: the rules table's
     `NamedSharding` on `mesh` (rules: a preset name, a {logical axis: mesh axes} dict or None for
-    the default preset), or this process's first device without a mesh."""
+    the default preset), or this process's first device without a mesh. `offload_experts` (no
+    mesh): the routed experts of the MoE layers (float, or a QArray's q and scale) in `host_sharding`."""
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return lambda axes, shape, name: device
+        host = host_sharding() if offload_experts else device
+        return lambda axes, shape, name: host if name.removesuffix(".q").removesuffix(".scale") in ROUTED_EXPERTS \
+            else device
+    if offload_experts:
+        raise ValueError("offload_experts loads onto one device and host memory: drop the mesh")
     table = sharding.get_rules(rules)
     return lambda axes, shape, name: sharding.named_sharding(tuple(axes), tuple(shape), mesh, table, name=name)
-
-
-def placement(mesh, rules):
-    """-> f(path, variable) giving the sharding a model variable is built in (`placement_of_axes`)."""
-    place = placement_of_axes(mesh, rules)
-    return lambda path, var: place(logical_axes(var), var.shape, ".".join(path))
 
 
 class Quantization:
@@ -86,10 +96,11 @@ class Quantization:
         return {path: (module, name, contract) for path, module, name, contract in
                 model_quant.targets(model, self.targets)}
 
-    def build(self, plan_entry, var, path, mesh, rules, src, raw=None, xp=np) -> None:
+    def build(self, plan_entry, var, path, place, src, raw=None, xp=np) -> None:
+        """`var` built quantized per shard in `place`'s shardings (`placement_of_axes`)."""
         module, name, contract = plan_entry
         qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
-                                       placement_of_axes(mesh, rules), build_array, src, raw, xp, self.scale_fmt)
+                                       place, build_array, src, raw, xp, self.scale_fmt)
         setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
 
 
@@ -111,7 +122,7 @@ def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
 
 
 def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, progress: bool | None = None,
-            quantization: Quantization | None = None, **config_overrides) -> DeepSeekV3:
+            quantization: Quantization | None = None, offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
     """Builds `DeepSeekV3` from an HF folder. `dtype` sets the parameter dtype (default: as stored,
     bfloat16 for FP8 checkpoints); the compute dtype follows it unless overridden. `quantization`:
     the projections it covers are built quantized per shard (stored FP8 kept as it is for `fp8`)."""
@@ -130,23 +141,23 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
             infos[n].fp8 for _, names in hf_names.leaf_slices(leaf) for n in names)  # stored e4m3: kept as it is
         raw = reader.raw_fp8(leaf) if keep else None
         _build_leaf(leaf, variables[leaf.path], functools.partial(reader.leaf_window, leaf), raw, quantization, plan,
-                    mesh, rules)
+                    placement_of_axes(mesh, rules, offload_experts))
     reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
     return model
 
 
-def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantization | None, plan: dict, mesh,
-                rules) -> None:
+def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantization | None, plan: dict,
+                place) -> None:
     """Parameter `leaf` built per shard from windows of its HF-oriented tensors (`window_of(dtype)`:
     an HF folder's, or a `--keep-fp8` checkpoint's `fp8` item): quantized where `plan` covers it
     (`raw`: the stored e4m3 windows to keep as they are), else in its dtype through `read_shard`."""
     if leaf.path in plan:
         src = quantized.hf_2d(window_of(np.dtype(np.float32)))
-        quantization.build(plan[leaf.path], var, leaf.path, mesh, rules, src, raw)
+        quantization.build(plan[leaf.path], var, leaf.path, place, src, raw)
         return
     target = np.dtype(jnp.dtype(var.dtype))
     window = window_of(target)
-    var.set_value(build_array(var.shape, target, placement(mesh, rules)(leaf.path, var),
+    var.set_value(build_array(var.shape, target, place(logical_axes(var), var.shape, ".".join(leaf.path)),
                               lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
 
 
@@ -160,20 +171,20 @@ def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[Mo
     return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
 
 
-def _init_missing_indexers(stored: ModelConfig, model: DeepSeekV3, variables: dict, mesh, rules) -> set:
+def _init_missing_indexers(stored: ModelConfig, model: DeepSeekV3, variables: dict, place) -> set:
     """The indexers' paths in `variables`, drawn by the model's init (`DeepSeekV3(cfg, Rngs(0))`
     under jit: XLA drops the rest of the init) straight into their shardings, when `model` has
     the lightning indexer and the `stored` source has none; else nothing."""
     if stored.has_indexer or not model.config.has_indexer:
         return set()
     fresh = [p for p in variables if "indexer" in p]
-    place = placement(mesh, rules)
 
     def init():
         drawn = _variables(DeepSeekV3(model.config, rngs=nnx.Rngs(0)))
         return {".".join(p): drawn[p][...] for p in fresh}
 
-    values = jax.jit(init, out_shardings={".".join(p): place(p, variables[p]) for p in fresh})()
+    shardings = {".".join(p): place(logical_axes(variables[p]), variables[p].shape, ".".join(p)) for p in fresh}
+    values = jax.jit(init, out_shardings=shardings)()
     for p in fresh:
         variables[p].set_value(values[".".join(p)])
     logging.info("lightning indexer initialised fresh: the source has none (%d parameters)", len(fresh))
@@ -206,7 +217,7 @@ def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict
 
 
 def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, plan: dict,
-                  quantization: Quantization | None, mesh, rules, step: int | None = None,
+                  quantization: Quantization | None, place, step: int | None = None,
                   manifest: dict[str, int] | None = None, as_restored: bool = False) -> None:
     """The variables `keys` names ({variable path: key path in `item`}) from one Orbax item, for
     converted checkpoints and training runs alike: those `plan` covers built quantized per shard
@@ -214,7 +225,8 @@ def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, pl
     `manifest` every array is checked against its checksum. `as_restored` (a run's weights): each
     window is cast to the parameter's dtype and quantized with jnp, the values `quantize_model`
     gives for the restored model (see `quantized`)."""
-    restore_variables(item, variables, {p: k for p, k in keys.items() if p not in plan}, placement(mesh, rules),
+    restore_variables(item, variables, {p: k for p, k in keys.items() if p not in plan},
+                      lambda path, var: place(logical_axes(var), var.shape, ".".join(path)),
                       step, manifest)
     if manifest is not None:
         item.check(step, manifest, [".".join(keys[p]) for p in plan])
@@ -224,18 +236,19 @@ def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, pl
         st = model_quant.stack_dims(logical_axes(var))
         src = quantized.ours_2d(lambda index, arr=arr, dtype=dtype: np.asarray(arr[index].read().result(), dtype),
                                 tuple(var.shape[st:]), entry[2])
-        quantization.build(entry, var, p, mesh, rules, src, xp=jnp if as_restored else np)
+        quantization.build(entry, var, p, place, src, xp=jnp if as_restored else np)
 
 
 def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
-               **config_overrides) -> DeepSeekV3:
+               offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
     """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`); with `quantization`,
     the projections it covers are built quantized per shard (the `fp8` item kept as it is for `fp8`)."""
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
     cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
     variables = _variables(model)
-    fresh = _init_missing_indexers(ModelConfig.from_dict(meta["model"]), model, variables, mesh, rules)
+    place = placement_of_axes(mesh, rules, offload_experts)
+    fresh = _init_missing_indexers(ModelConfig.from_dict(meta["model"]), model, variables, place)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
@@ -255,7 +268,7 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     manifest = integrity.read_manifest(path)
     if manifest is None:
         logging.warning("%s has no checksums (converted before they were recorded): not verified", path)
-    _restore_item(stored, variables, keys, {p: e for p, e in plan.items() if p in keys}, quantization, mesh, rules,
+    _restore_item(stored, variables, keys, {p: e for p, e in plan.items() if p in keys}, quantization, place,
                   manifest=(manifest or {}).get(orbax_layout.PARAMS))
     fp8_item = orbax_layout.ItemReader(path, orbax_layout.FP8)
     if manifest is not None:
@@ -266,14 +279,14 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     for p, (module, name, contract) in plan.items():
         if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
             qa = quantized.restore_quantized(variables[p], contract, quantization.fmt, quantization.group, ".".join(p),
-                                             placement_of_axes(mesh, rules), build_array, stored.array(p + ("q",)),
+                                             place, build_array, stored.array(p + ("q",)),
                                              stored.array(p + ("scale",)))
             setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(variables[p])))
     for leaf in hf_names.leaves(cfg):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
         if ".".join(leaf.path) in fp8_leaves:
             keep = leaf.path in plan and quantization.fmt == "fp8"
             _build_leaf(leaf, variables[leaf.path], functools.partial(_fp8_item_window, fp8_item, leaf.path),
-                        _fp8_item_raw(fp8_item, leaf.path) if keep else None, quantization, plan, mesh, rules)
+                        _fp8_item_raw(fp8_item, leaf.path) if keep else None, quantization, plan, place)
     return model
 
 
@@ -317,17 +330,18 @@ def _fp8_item_window(reader: orbax_layout.ItemReader, p: tuple[str, ...], target
 
 
 def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
-             **config_overrides) -> DeepSeekV3:
+             offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
     """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
     step's train state (`run_folder.StateParams`) like a converted checkpoint's `params`, the
     projections `quantization` covers built quantized per shard."""
     _, model = _abstract_model(run.model_config(), dtype, config_overrides)
     variables = _variables(model)
-    fresh = _init_missing_indexers(run.model_config(), model, variables, mesh, rules)
+    place = placement_of_axes(mesh, rules, offload_experts)
+    fresh = _init_missing_indexers(run.model_config(), model, variables, place)
     state = run_folder.StateParams(run)
     plan = quantization.plan(model) if quantization is not None else {}
     _restore_item(state.reader, variables, {p: state.key(p) for p in variables if p not in fresh}, plan, quantization,
-                  mesh, rules, run.step, integrity.read_manifest(run.step_dir), as_restored=True)
+                  place, run.step, integrity.read_manifest(run.step_dir), as_restored=True)
     return model
 
 
@@ -368,7 +382,8 @@ def _quantized_base(run, cfg, dtype, overrides):
 
 
 def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *, mesh=None, rules=None,
-              quantization: Quantization | None = None, **config_overrides) -> DeepSeekV3:
+              quantization: Quantization | None = None, offload_experts: bool = False,
+              **config_overrides) -> DeepSeekV3:
     """A PEFT LoRA folder's model with its adapters unmerged, what `PeftModel` runs: the base model
     (`base`, else the folder's base_model_name_or_path: `lora_export.peft_base`) loaded from any
     source here (with `quantization` held quantized, a QLoRA base), then adapters put where the
@@ -376,7 +391,8 @@ def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *,
     if mesh is not None:
         raise CheckpointError(f"{folder} is a PEFT adapter folder, which loads on one device (as a LoRA run does); "
                               "for a mesh merge it into its base first (peft's merge_and_unload, save_pretrained)")
-    model = _load_source(lora_export.peft_base(folder, base), dtype, None, rules, quantization, config_overrides)
+    model = _load_source(lora_export.peft_base(folder, base), dtype, None, rules, quantization, offload_experts,
+                         config_overrides)
     lora.apply(model, lora_export.peft_lora(model, folder))
     lora_export.import_peft(model, folder)
     return model
@@ -385,7 +401,7 @@ def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *,
 def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=None, weights: str | None = None,
                     quantize: str | None = None, quant_group: int = 128, base: str | os.PathLike | None = None,
                     expert_placement: str | None = None, redundant_experts: int | None = None,
-                    **config_overrides) -> DeepSeekV3:
+                    offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
     """Loads a pretrained DeepSeek-V3 from our Orbax checkpoint (`python -m dsv3_jax.convert`), an
     HF folder (`config.json` + safetensors), a training run's folder (its latest step) or step folder,
     or a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) over its base model.
@@ -409,8 +425,14 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     expert_placement, redundant_experts: an EPLB placement file (`python -m experiments.eplb`) and/or
       a count of redundant experts (alone: placed for a uniform load); the routed experts are laid
       out as its physical experts (dsv3_jax/model/moe.py:place_experts, sharding/eplb.py).
+    offload_experts: build the MoE layers' routed experts in host memory (`host_sharding`, no mesh),
+      never on the accelerator, for `inference.expert_cache.ExpertOffload` (which the model then
+      needs to run: it keeps a cache of them per layer on the device).
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
+    if offload_experts and (mesh is not None or expert_placement is not None or redundant_experts is not None):
+        raise ValueError("offload_experts loads onto one device without an expert placement: drop the mesh, "
+                         "expert_placement and redundant_experts")
     if expert_placement is not None or redundant_experts is not None:
         model = load_pretrained(path, dtype, mesh, rules=rules, weights=weights, quantize=quantize,
                                 quant_group=quant_group, base=base, **config_overrides)
@@ -425,23 +447,29 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
     if quantization is None and quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if lora_export.is_peft_folder(path):
-        return load_peft(path, base, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
+        return load_peft(path, base, dtype, mesh=mesh, rules=rules, quantization=quantization,
+                         offload_experts=offload_experts, **config_overrides)
     if base is not None:
         raise ValueError(f"base={os.fspath(base)!r} is the base model of a PEFT adapter folder; {path} is none "
                          "(it has no adapter_config.json)")
-    return _load_source(path, dtype, mesh, rules, quantization, config_overrides)
+    return _load_source(path, dtype, mesh, rules, quantization, offload_experts, config_overrides)
 
 
-def _load_source(path: str, dtype, mesh, rules, quantization: Quantization | None, config_overrides: dict):
+def _load_source(path: str, dtype, mesh, rules, quantization: Quantization | None, offload_experts: bool,
+                 config_overrides: dict):
     """The model of a run, an Orbax checkpoint or an HF folder (`load_pretrained`'s dispatch)."""
     if (run := run_folder.find(path)) is not None:  # a training run's folder or one of its steps
         if (section := run.config().get("lora")) is not None:  # a LoRA run: its base with its adapters
-            return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization, **config_overrides)
-        return load_run(run, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
+            return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization,
+                                 offload_experts=offload_experts, **config_overrides)
+        return load_run(run, dtype, mesh=mesh, rules=rules, quantization=quantization, offload_experts=offload_experts,
+                        **config_overrides)
     if orbax_layout.is_orbax_checkpoint(path):
-        return load_orbax(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
+        return load_orbax(path, dtype, mesh=mesh, rules=rules, quantization=quantization,
+                          offload_experts=offload_experts, **config_overrides)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
-        return load_hf(path, dtype, mesh=mesh, rules=rules, quantization=quantization, **config_overrides)
+        return load_hf(path, dtype, mesh=mesh, rules=rules, quantization=quantization, offload_experts=offload_experts,
+                       **config_overrides)
     raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
                           "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
                           "config.json and model.safetensors or model.safetensors.index.json, a training run's "

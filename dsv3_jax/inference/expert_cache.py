@@ -3,9 +3,13 @@
 Letters: L MoE layers, E routed experts, S device slots per layer (C, more while one step needs
 more), N tokens, K experts per token.
 
-The host store holds every routed expert of the MoE stack, one pytree per (layer, expert), in the
-`pinned_host` memory of the device where the platform has it (CPU and GPU list it; else numpy).
-The device holds slots [L, S, ...] of the same weights (float or quantized: a `QArray` is sliced
+The host store holds every routed expert of the MoE stack, one pytree per (layer, expert): numpy
+views of the stacks as they lie in host memory, so no second copy. `load_pretrained(...,
+offload_experts=True)` builds them there at load (the CPU backend's device, `load.host_sharding`),
+never on the accelerator; a model whose experts are still on its device (built in memory, or
+loaded without it) is copied to the host once here. That memory is pageable: a host -> device
+copy of an expert stages through a pinned buffer, where pinned (page-locked) memory would be read
+by the device's DMA directly but would have to hold a second copy of every expert. The device holds slots [L, S, ...] of the same weights (float or quantized: a `QArray` is sliced
 and written leaf by leaf) and a logical -> slot map [L, E, 1], installed as the MoE's EPLB replica
 map (`model.moe.ExpertReplicas`), whose physical experts are here the slots: the MoE routes as
 always, `routing.to_replicas` sends each (token, expert) row to its slot, and an expert that is not
@@ -80,11 +84,6 @@ def _gather(slots, index_LxS):
     return jax.tree.map(lambda a: a[layers, index_LxS], slots)
 
 
-def _host_memory(device):
-    kinds = {m.kind for m in device.addressable_memories()}
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
-
-
 class ExpertOffload:
     """Moves `model`'s routed MoE experts to the host and keeps `cache_size` of them per layer on the
     device (module docstring); `wrap` makes the inference core's steps use it. `policy`: "lru" or
@@ -105,18 +104,14 @@ class ExpertOffload:
             raise ValueError("offload_experts does not combine with an expert placement (redundant experts)")
         if lora.expert_adapters(moe)[0]:
             raise ValueError("offload_experts needs routed experts without LoRA adapters: merge the adapters first")
-        stacks = tuple(getattr(moe, name).get_value() for name in ROUTED)
-        devices = {d for leaf in jax.tree.leaves(stacks) for d in leaf.sharding.device_set}
+        devices = moe.gate.weight.get_value().sharding.device_set  # where the model computes
         if len(devices) != 1:
-            raise ValueError(f"offload_experts runs on one device; the routed experts lie on {len(devices)} "
-                             "(drop --mesh)")
-        device = devices.pop()
-        self.device = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+            raise ValueError(f"offload_experts runs on one device; the model lies on {len(devices)} (drop --mesh)")
+        self.device = jax.sharding.SingleDeviceSharding(*devices)
         self.moe, self.policy, self.prefetch = moe, policy, prefetch
         self.capacity, self.num_layers, self.num_experts = cache_size, cfg.num_moe_layers, e
-        host, whole = _host_memory(device), jax.device_get(stacks)
-        self.store = [[jax.tree.map(lambda a: a[l, x] if host is None else jax.device_put(a[l, x], host), whole)
-                       for x in range(e)] for l in range(self.num_layers)]
+        host = jax.device_get(tuple(getattr(moe, name).get_value() for name in ROUTED))  # views of host arrays
+        self.store = [[jax.tree.map(lambda a: a[l, x], host) for x in range(e)] for l in range(self.num_layers)]
         self.expert_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.store[0][0]))
         self.stats = CacheStats()
         self.slot_of = np.full((self.num_layers, e), -1, np.int32)  # -1: on the host only
@@ -124,7 +119,7 @@ class ExpertOffload:
         self.last_used = np.zeros((self.num_layers, e), np.int64)
         self.uses = np.zeros((self.num_layers, e), np.int64)
         self._tick = 0
-        self._slots = jax.device_put(jax.tree.map(lambda a: a[:, :cache_size], stacks), self.device)
+        self._slots = jax.device_put(jax.tree.map(lambda a: a[:, :cache_size], host), self.device)
         moe.replicas = nnx.data(ExpertReplicas(self._device_map(), logical_axes=(params.LAYERS, None, None)))
         self._install()
 
@@ -213,7 +208,8 @@ class ExpertOffload:
 
     def _run(self, step, needed, *args):
         """`step(*args)` until every expert its valid tokens chose was resident; its last output."""
-        state, cache, *rest = args
+        state = args[0]  # shares the model's variables, which the loads replace
+        cache, *rest = jax.device_put(args[1:], self.device)  # committed, as a rerun gets them: one compile
         start, demanded, size = time.perf_counter(), np.zeros_like(self.slot_of, bool), self.expert_in.shape[1]
         self._tick += 1
         for _ in range(2 * self.num_layers + 2):

@@ -1,33 +1,93 @@
-"""Routed experts offloaded behind a device cache: the same tokens as the model with every expert
-resident (the full-forward reference), through generate() and the serving engine, with MTP on and
-off, at cache sizes top_k (= E/4 here) and E; the cache's counters and its errors."""
+"""Routed experts offloaded behind a device cache: loaded straight into host memory
+(`load_pretrained(offload_experts=True)`: the placement puts exactly the routed experts there, for
+float and quantized weights), then the same tokens as the model with every expert resident (the
+full-forward reference), through generate() and the serving engine, with MTP on and off, at cache
+sizes top_k (= E/4 here) and E; the cache's counters and its errors."""
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from dsv3_jax import DeepSeekV3
+from dsv3_jax import load_pretrained
+from dsv3_jax.checkpoint import load
+from dsv3_jax.checkpoint.orbax_to_hf import write_hf
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.inference.expert_cache import ExpertOffload
+from dsv3_jax.model.params import logical_axes
 from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
-from tests.inference.conftest import MAX_NEW, jax_compiles, tiny_config
+from tests.inference.conftest import MAX_NEW, jax_compiles
 
 
-def offloaded(seed: int, cache_size: int, **options):
-    model = DeepSeekV3(tiny_config(), rngs=nnx.Rngs(seed))  # the `model` fixture's weights (seed 0)
+@pytest.fixture(scope="module")
+def hf_folder(model, tmp_path_factory):
+    """The `model` fixture's weights (seed 0) as an HF folder, written by the converter's writer."""
+    variables = {tuple(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+
+    class Params:
+        def read(self, path, index=()):
+            return np.asarray(variables[path].get_value())[index]
+
+    out = tmp_path_factory.mktemp("offload") / "hf"
+    write_hf({"model": model.config.to_dict()}, Params(), out, progress=False)
+    return str(out)
+
+
+def offloaded(hf_folder, cache_size: int, **options):
+    model = load_pretrained(hf_folder, offload_experts=True)
     return model, ExpertOffload(model, cache_size, **options)
 
 
-@pytest.mark.parametrize("policy,use_mtp", [("lru", False), ("lfu", True)])
-def test_offloaded_generation_equals_the_resident_model(ragged_batch, greedy_reference, policy, use_mtp):
-    """One row at a time, a one-token prefill chunk at C = top_k: a step needs top_k experts per layer
-    (2 top_k with an MTP draft: the slots grow for it, then shrink back to C)."""
+def host_placed(monkeypatch) -> set:
+    """Records the names of the arrays the loader's placement puts in `load.host_sharding`."""
+    names, place_of = set(), load.placement_of_axes
+
+    def recording(*args):
+        place = place_of(*args)
+
+        def where(axes, shape, name):
+            sharding = place(axes, shape, name)
+            if sharding is load.host_sharding():  # equal to the CPU device's own: told apart by identity
+                names.add(name)
+            return sharding
+        return where
+
+    monkeypatch.setattr(load, "placement_of_axes", recording)
+    return names
+
+
+def test_the_loader_builds_exactly_the_routed_experts_in_host_memory(model, hf_folder, monkeypatch):
+    routed = set(load.ROUTED_EXPERTS)
+    place, resident = load.placement_of_axes(None, None, True), load.placement_of_axes(None, None)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable):
+            name = ".".join(map(str, path))
+            for part in ("", ".q", ".scale"):  # a float leaf, or the QArray parts built under its name
+                assert (place(logical_axes(var), var.shape, name + part) is load.host_sharding()) == (name in routed)
+                assert resident(logical_axes(var), var.shape, name + part) is not load.host_sharding()
+    names = host_placed(monkeypatch)
+    for weights, parts in ((None, ("",)), ("int8", (".q", ".scale"))):
+        names.clear()
+        got = load_pretrained(hf_folder, weights=weights, offload_experts=True)
+        assert names == {r + p for r in routed for p in parts}, weights
+        want = load_pretrained(hf_folder, weights=weights)
+        for a, b in zip(jax.tree.leaves(nnx.state(got)), jax.tree.leaves(nnx.state(want)), strict=True):
+            np.testing.assert_array_equal(a, b)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    with pytest.raises(ValueError, match="offload_experts loads onto one device"):
+        load_pretrained(hf_folder, mesh=mesh, offload_experts=True)
+
+
+@pytest.mark.parametrize("policy,use_mtp,cache_size", [("lru", False, 4), ("lfu", True, 4), ("lru", False, 16)])
+def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch, greedy_reference, policy, use_mtp,
+                                                        cache_size):
+    """One row at a time, a one-token prefill chunk: at C = top_k a step needs top_k experts per layer
+    (2 top_k with an MTP draft: the slots grow for it, then shrink back to C); C = E loads each once."""
     prompts, lengths = ragged_batch
-    cache_size = 4  # top_k = E/4
-    model, offload = offloaded(0, cache_size, policy=policy)
+    model, offload = offloaded(hf_folder, cache_size, policy=policy)
     for row in range(len(prompts)):
         out = generate(model, prompts[row:row + 1], MAX_NEW, lengths=lengths[row:row + 1], use_mtp=use_mtp,
                        offload=offload, prefill_chunk=1)
@@ -38,10 +98,10 @@ def test_offloaded_generation_equals_the_resident_model(ragged_batch, greedy_ref
     assert offload.expert_in.shape[1] == cache_size  # back to C slots after the steps that needed more
 
 
-def test_served_requests_with_offloaded_experts_equal_the_resident_model(ragged_batch, greedy_reference):
+def test_served_requests_with_offloaded_experts_equal_the_resident_model(hf_folder, ragged_batch, greedy_reference):
     """C = E, MTP on, the engine's per-row sampling and log-probabilities."""
     prompts, lengths = ragged_batch
-    model, offload = offloaded(0, 16)
+    model, offload = offloaded(hf_folder, 16)
     runner = Runner(model, max_batch=2, max_seq_len=32, chunk=8, use_mtp=True, offload=offload)
     runner.warm_up()
     eng = Engine(runner, load_tokenizer(), max_queue=8)
@@ -78,14 +138,14 @@ class Sink:
 @pytest.mark.parametrize("cache_size,policy,message", [(3, "lru", "expert_cache=3 must lie in"),
                                                         (17, "lru", "expert_cache=17 must lie in"),
                                                         (4, "fifo", "policy 'fifo'")])
-def test_bad_cache_settings_are_named(cache_size, policy, message):
-    with pytest.raises(ValueError, match=message):
-        offloaded(0, cache_size, policy=policy)
+def test_bad_cache_settings_are_named(model, cache_size, policy, message):
+    with pytest.raises(ValueError, match=message):  # raised before the model is touched
+        ExpertOffload(model, cache_size, policy=policy)
 
 
-def test_eviction_takes_the_least_recently_or_least_often_used_expert():
+def test_eviction_takes_the_least_recently_or_least_often_used_expert(hf_folder):
     for policy, victim in (("lru", 2), ("lfu", 1)):
-        _, offload = offloaded(0, 4, policy=policy)
+        _, offload = offloaded(hf_folder, 4, policy=policy)
         offload.expert_in[0] = [5, 6, 7, 8]  # slots 0..3
         offload.last_used[0, [5, 6, 7, 8]] = [9, 4, 3, 8]  # expert 7 (slot 2) the least recent
         offload.uses[0, [5, 6, 7, 8]] = [9, 1, 5, 8]  # expert 6 (slot 1) the least used
