@@ -7,8 +7,10 @@ MTP depth's experts), the largest C whose slots [L_moe, C] (stored format) and o
 the compute dtype fit beside them in `headroom` of HBM, the host RAM the store takes, and the
 tokens/s the host link bounds at a hit rate h: a decode step of one row without MTP looks up K experts
 per MoE layer, so it moves L_moe K (1 - h) experts per token, and tokens/s <= links x link bytes/s /
-those bytes. An upper bound from the link alone (compute and latency come on top); the expert cache
-runs on one device, so a row of more devices is a plan, not a command that runs today.
+those bytes. An upper bound from the link alone (compute and latency come on top). The offloaded
+model loads its routed experts straight into host memory (`load_pretrained(offload_experts=True)`),
+so a device holds only the resident part and the slots; the expert cache runs on one device, so a
+row of more devices is a plan, not a command that runs today (no row has run on a GPU here).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps: float 
         fits = f"C = {r['cache']} of {cfg.num_routed_experts} per layer" if r["cache"] >= k else \
             f"does not fit (C = {r['cache']} < top_k = {k})"
         print(f"== {label}: per device {r['resident'] / 1e9:.1f} GB resident + {r['cache_bytes'] / 1e9:.1f} GB expert "
-              f"cache of {r['hbm'] / 1e9:.0f} GB x {headroom:.0%}: {fits}; host RAM {r['host'] / 1e9:.0f} GB "
+              f"cache of {r['hbm'] / 1e9:.0f} GB x {headroom:.0%}: {fits}; host RAM {r['host'] / 1e9:.0f} GB, loaded "
+              f"there directly "
               f"({r['expert'] / 1e6:.1f} MB per expert); host link {r['link'] / 1e9:.0f} GB/s x {devices} "
               f"({source})", file=out)
         print("  tokens/s bound by the host link (one row, no MTP), by hit rate: " + ", ".join(
