@@ -70,8 +70,11 @@ def placement_of_axes(mesh, rules, offload_experts: bool = False):
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         host = host_sharding() if offload_experts else device
-        return lambda axes, shape, name: host if name.removesuffix(".q").removesuffix(".scale") in ROUTED_EXPERTS \
-            else device
+
+        def place(axes, shape, name):
+            routed = name.removesuffix(".q").removesuffix(".scale") in ROUTED_EXPERTS  # float, or a QArray's parts
+            return host if routed else device
+        return place
     if offload_experts:
         raise ValueError("offload_experts loads onto one device and host memory: drop the mesh")
     table = sharding.get_rules(rules)
@@ -430,9 +433,9 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
       needs to run: it keeps a cache of them per layer on the device).
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
-    if offload_experts and (mesh is not None or expert_placement is not None or redundant_experts is not None):
-        raise ValueError("offload_experts loads onto one device without an expert placement: drop the mesh, "
-                         "expert_placement and redundant_experts")
+    if offload_experts and (expert_placement is not None or redundant_experts is not None):
+        raise ValueError("offload_experts does not combine with an expert placement: drop expert_placement and "
+                         "redundant_experts")
     if expert_placement is not None or redundant_experts is not None:
         model = load_pretrained(path, dtype, mesh, rules=rules, weights=weights, quantize=quantize,
                                 quant_group=quant_group, base=base, **config_overrides)

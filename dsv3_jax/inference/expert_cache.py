@@ -9,8 +9,9 @@ offload_experts=True)` builds them there at load (the CPU backend's device, `loa
 never on the accelerator; a model whose experts are still on its device (built in memory, or
 loaded without it) is copied to the host once here. That memory is pageable: a host -> device
 copy of an expert stages through a pinned buffer, where pinned (page-locked) memory would be read
-by the device's DMA directly but would have to hold a second copy of every expert. The device holds slots [L, S, ...] of the same weights (float or quantized: a `QArray` is sliced
-and written leaf by leaf) and a logical -> slot map [L, E, 1], installed as the MoE's EPLB replica
+by the device's DMA directly but would have to hold a second copy of every expert. The device
+holds slots [L, S, ...] of the same weights (float or quantized: a `QArray` is sliced and written
+leaf by leaf) and a logical -> slot map [L, E, 1], installed as the MoE's EPLB replica
 map (`model.moe.ExpertReplicas`), whose physical experts are here the slots: the MoE routes as
 always, `routing.to_replicas` sends each (token, expert) row to its slot, and an expert that is not
 resident maps to slot S, which sorts after every slot in no group, so it adds nothing. The model
