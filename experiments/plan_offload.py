@@ -1,5 +1,7 @@
-"""`experiments.plan_serving --offload`: deployments whose routed experts live in host RAM behind a
-device cache of C experts per MoE layer (`dsv3_jax/inference/expert_cache.py`).
+"""Plans the 671B int4 deployments whose routed experts live in host RAM behind a device cache of C
+experts per MoE layer (`dsv3_jax/inference/expert_cache.py`), before booking them:
+
+    python -m experiments.plan_offload [--context=32768] [--headroom=0.9] [--host_link_gbps=64]
 
 Per deployment: the bytes that stay on the devices (`plan_serving.plan` of the model without its
 routed MoE-stack experts: every other weight, the latent cache, the decode step's working set, the
@@ -18,7 +20,9 @@ from __future__ import annotations
 import math
 import sys
 
-from dsv3_jax import ModelConfig
+from absl import flags
+
+from dsv3_jax import ModelConfig, cli
 from experiments import plan_serving as ps
 
 # Host -> device bandwidth of one device's link, with its source (GB/s = 1e9 bytes/s, one direction).
@@ -73,3 +77,29 @@ def report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps: float 
             f"{h:.2f}: {t:.1f} ({r['moved'][h] / 1e9:.2f} GB/token)" for h, t in r["tokens_per_s"].items()), file=out)
         rows.append(r)
     return rows
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "deepseek_v3_1", "deepseek_v3_2"],
+                      "ModelConfig preset (its weights planned as int4)", flag_values=fv)
+    flags.DEFINE_integer("context", 32768, "tokens of latent cache per row", flag_values=fv)
+    flags.DEFINE_float("headroom", 0.9, "share of HBM the plan may use", flag_values=fv)
+    flags.DEFINE_float("host_link_gbps", None, "host -> device GB/s per device (default: the chip's PCIe link)",
+                       flag_values=fv)
+
+
+def main(argv=None) -> int:
+    args = cli.parse(define_flags, argv, __doc__)
+    if args.context <= 0 or not 0 < args.headroom <= 1 or (args.host_link_gbps is not None and args.host_link_gbps <= 0):
+        cli.usage(f"--context={args.context} must be positive, --headroom={args.headroom} in (0, 1] and "
+                  f"--host_link_gbps={args.host_link_gbps} positive")
+    try:
+        cfg = getattr(ModelConfig, args.model)().replace(compute_dtype="bfloat16", param_dtype="bfloat16")
+        report(cfg, context=args.context, headroom=args.headroom, link_gbps=args.host_link_gbps)
+    except ValueError as e:
+        return cli.fail(e)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.exit_with(main())

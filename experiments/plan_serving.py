@@ -4,7 +4,6 @@ the decode step lowered for the mesh.
     python -m experiments.plan_serving --model=deepseek_v3 --weights=fp8 --cache_dtype=bfloat16 \
         --chip=h200 --mesh=expert=8 --max_batch=64 --context=32768 [--platforms=cuda,tpu] [--use_mtp]
     python -m experiments.plan_serving --table      # the README's 671B deployments
-    python -m experiments.plan_serving --offload    # 671B int4, routed experts in host RAM
 
 Nothing is allocated: the model is its shapes (`nnx.eval_shape`), the mesh a
 `jax.sharding.AbstractMesh`, and the server's own decode step (`dsv3_jax/serving/runner.py`, the
@@ -64,7 +63,7 @@ from dsv3_jax.model.params import logical_axes
 from sharding.rules import key_name
 from dsv3_jax.serving import runner as runner_lib
 from dsv3_jax.serving.penalties import table_width
-from experiments import plan_memory, plan_offload
+from experiments import plan_memory
 
 GB = 1e9
 WEIGHTS = ("fp32", "bf16", "fp8", "int8", "int8_experts", "int4", "int4_experts")
@@ -395,10 +394,6 @@ def define_flags(fv: flags.FlagValues) -> None:
                          "memory_analysis() with the plan", flag_values=fv)
     flags.DEFINE_boolean("table", False, "the README's 671B deployments, each on its best candidate mesh (--chip, "
                          "--mesh, --weights ignored)", flag_values=fv)
-    flags.DEFINE_boolean("offload", False, "the 671B int4 deployments with routed experts in host RAM behind a "
-                         "device cache (experiments/plan_offload.py; --weights ignored: int4)", flag_values=fv)
-    flags.DEFINE_float("host_link_gbps", None, "with --offload: host -> device GB/s per device (default: the "
-                       "chip's PCIe link)", flag_values=fv)
 
 
 def parse_args(argv=None):
@@ -411,9 +406,6 @@ def main(argv=None) -> int:
         cfg = getattr(ModelConfig, args.model)()
         dtype = "float32" if args.weights == "fp32" else "bfloat16"
         cfg = cfg.replace(compute_dtype=dtype, param_dtype=dtype)
-        if args.offload:
-            plan_offload.report(cfg, context=args.context, headroom=args.headroom, link_gbps=args.host_link_gbps)
-            return 0
         deps = [Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
                            args.use_mtp, args.rules, args.group)]
         if args.table:
