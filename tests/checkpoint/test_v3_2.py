@@ -1,11 +1,13 @@
 """DeepSeek-V3.2: the lightning indexer and sparse attention against transformers'
 DeepseekV32ForCausalLM (fp32, index_topk 16, queries with fewer and more keys than it), HF folders
 both ways, the sparse forward below index_topk equal to the dense one, and sparse attention through
-the latent cache (prefill chunks, decode, generate with and without MTP) against the forward."""
+the latent cache (prefill chunks, decode, generate and the serving engine, with and without MTP)
+against the forward."""
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +18,14 @@ from flax import nnx
 from dsv3_jax.checkpoint import load_pretrained
 from dsv3_jax.checkpoint.safetensors_io import HFCheckpoint
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate, init_cache
 from dsv3_jax.model.attention import LatentCache
 from dsv3_jax.model.indexer import cached_topk
 from dsv3_jax.ops import latent_attention
 from dsv3_jax.model.rope import rope_angles
 from dsv3_jax.model.transformer import DeepSeekV3
+from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
 from tests.checkpoint.conftest import convert, tiny_cfg
 from tests.checkpoint.test_roundtrip import assert_same_tensors
 
@@ -172,8 +176,8 @@ def test_indexer_terms_hook(attns):
 
 def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
     """Prompts of 30 and 9 tokens (past and below index_topk 16), prefill chunks of 16, greedy
-    decode with and without MTP drafts (the MTP layer has its own indexer): the full forward's
-    argmax, token by token."""
+    decode with and without MTP drafts (the MTP layer has its own indexer), by generate() and by the
+    server's runner and engine: the full forward's argmax, token by token."""
     from tests.inference.conftest import full_forward_greedy, tiny_config
 
     model = DeepSeekV3(tiny_config(num_layers=2, index_n_heads=2, index_head_dim=32, index_topk=TOPK,
@@ -186,6 +190,31 @@ def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
         out = np.asarray(generate(model, prompts, max_new, lengths=lengths, prefill_chunk=TOPK, use_mtp=use_mtp))
         for b, n in enumerate(lengths):
             np.testing.assert_array_equal(out[b, :n + max_new], expected[b, :n + max_new], err_msg=f"{use_mtp=} {b=}")
+    # the server's path: both requests batched in the serving runner's slots, MTP drafts verified per slot
+    runner = Runner(model, max_batch=2, max_seq_len=64, chunk=TOPK, use_mtp=True)
+    engine = Engine(runner, load_tokenizer())
+    engine.start()
+    try:
+        sinks = [_Collector() for _ in lengths]
+        for b, n in enumerate(lengths):
+            engine.submit(Request(prompts[b, :n].tolist(), SamplingParams(max_tokens=max_new, ignore_eos=True), sinks[b]))
+        assert all(sink.done.wait(300) for sink in sinks), "a request never finished"
+    finally:
+        engine.shutdown()
+    for b, n in enumerate(lengths):
+        assert sinks[b].tokens == expected[b, n:n + max_new].tolist(), f"served request {b}"
+
+
+class _Collector:
+    """A request's streamed token ids, and when it finished."""
+
+    def __init__(self):
+        self.tokens, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        self.tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            self.done.set()
 
 
 def test_v32_round_trip_through_our_checkpoint_loads_in_transformers(v32, tmp_path):

@@ -81,12 +81,12 @@ def test_the_loader_builds_exactly_the_routed_experts_in_host_memory(model, hf_f
         load_pretrained(hf_folder, mesh=mesh, offload_experts=True)
 
 
-@pytest.mark.parametrize("policy,use_mtp", [("lru", False), ("lfu", True)])
-def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch, greedy_reference, policy, use_mtp):
-    """One row at a time, a one-token prefill chunk at C = top_k: a step needs top_k experts per layer
-    (2 top_k with an MTP draft: the slots grow for it, then shrink back to C)."""
+@pytest.mark.parametrize("cache_size,policy,use_mtp", [(4, "lru", False), (4, "lfu", True), (16, "lru", True)])
+def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch, greedy_reference, cache_size, policy,
+                                                        use_mtp):
+    """One row at a time, a one-token prefill chunk at C = top_k = E/4 (a step needs top_k experts per
+    layer, 2 top_k with an MTP draft: the slots grow for it, then shrink back to C) and at C = E."""
     prompts, lengths = ragged_batch
-    cache_size = 4  # top_k = E/4
     model, offload = offloaded(hf_folder, cache_size, policy=policy)
     for row in range(len(prompts)):
         out = generate(model, prompts[row:row + 1], MAX_NEW, lengths=lengths[row:row + 1], use_mtp=use_mtp,
