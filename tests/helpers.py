@@ -226,3 +226,17 @@ def http_json(url: str, body: dict | None = None) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+class TokenSink:
+    """An engine request's sink: the streamed token ids, the finish reason, and an event set at the end."""
+
+    def __init__(self):
+        self.tokens, self.done = [], threading.Event()
+        self.reason = None
+
+    def __call__(self, event):
+        self.tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            self.reason = event.finish_reason
+            self.done.set()

@@ -7,7 +7,6 @@ against the forward."""
 from __future__ import annotations
 
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from dsv3_jax.model.transformer import DeepSeekV3
 from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
 from tests.checkpoint.conftest import convert, tiny_cfg
 from tests.checkpoint.test_roundtrip import assert_same_tensors
+from tests.helpers import TokenSink
 
 TOPK = 16
 V32 = tiny_cfg(num_layers=2, num_mtp_layers=0, param_dtype="float32", index_n_heads=8, index_head_dim=32,
@@ -195,7 +195,7 @@ def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
     engine = Engine(runner, load_tokenizer())
     engine.start()
     try:
-        sinks = [_Collector() for _ in lengths]
+        sinks = [TokenSink() for _ in lengths]
         for b, n in enumerate(lengths):
             engine.submit(Request(prompts[b, :n].tolist(), SamplingParams(max_tokens=max_new, ignore_eos=True), sinks[b]))
         assert all(sink.done.wait(300) for sink in sinks), "a request never finished"
@@ -203,18 +203,6 @@ def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
         engine.shutdown()
     for b, n in enumerate(lengths):
         assert sinks[b].tokens == expected[b, n:n + max_new].tolist(), f"served request {b}"
-
-
-class _Collector:
-    """A request's streamed token ids, and when it finished."""
-
-    def __init__(self):
-        self.tokens, self.done = [], threading.Event()
-
-    def __call__(self, event):
-        self.tokens.extend(event.token_ids)
-        if event.finish_reason is not None:
-            self.done.set()
 
 
 def test_v32_round_trip_through_our_checkpoint_loads_in_transformers(v32, tmp_path):

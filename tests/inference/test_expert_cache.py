@@ -4,8 +4,6 @@ float and quantized weights), then the same tokens as the model with every exper
 full-forward reference), through generate() and the serving engine, with MTP on and off, at cache
 sizes top_k (= E/4 here) and E; the cache's counters and its errors."""
 
-import threading
-
 import jax
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from dsv3_jax.inference import generate
 from dsv3_jax.inference.expert_cache import ExpertOffload
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.serving import Engine, Request, Runner, SamplingParams
+from tests.helpers import TokenSink
 from tests.inference.conftest import MAX_NEW, jax_compiles
 
 
@@ -107,7 +106,7 @@ def test_served_requests_with_offloaded_experts_equal_the_resident_model(hf_fold
     eng = Engine(runner, load_tokenizer(), max_queue=8)
     eng.start()
     try:
-        sinks = [Sink() for _ in prompts]
+        sinks = [TokenSink() for _ in prompts]
         with jax_compiles() as compiles:
             for prompt, n, sink in zip(prompts, lengths, sinks):
                 eng.submit(Request(prompt[:n].tolist(), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), sink))
@@ -124,15 +123,6 @@ def test_served_requests_with_offloaded_experts_equal_the_resident_model(hf_fold
     assert offload.stats.loaded <= model.config.num_moe_layers * 16  # nothing evicted: each loaded once at most
     assert "dsv3_expert_cache_bytes_per_token" in text and "dsv3_expert_cache_stall_seconds_total" in text
 
-
-class Sink:
-    def __init__(self):
-        self.tokens, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.tokens.extend(ev.token_ids)
-        if ev.finish_reason is not None:
-            self.done.set()
 
 
 @pytest.mark.parametrize("cache_size,policy,message", [(3, "lru", "expert_cache=3 must lie in"),

@@ -14,7 +14,7 @@ from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import generate
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
 from dsv3_jax.serving.engine import EngineFailed
-from tests.helpers import app_in_thread, http_json
+from tests.helpers import TokenSink, app_in_thread, http_json
 from tests.inference.conftest import VOCAB, jax_compiles, tiny_config
 
 MAX_BATCH, CHUNK = 8, 16
@@ -45,18 +45,6 @@ def queue_limit(engine, max_queue: int):
         engine.max_queue = before
 
 
-class Collector:
-    def __init__(self):
-        self.tokens, self.done = [], threading.Event()
-        self.reason = None
-
-    def __call__(self, ev):
-        self.tokens.extend(ev.token_ids)
-        if ev.finish_reason is not None:
-            self.reason = ev.finish_reason
-            self.done.set()
-
-
 def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     """Different prompt lengths (two of them longer than a prefill chunk) and output lengths,
     submitted while others decode; 16 requests on 8 slots, so half of them reuse a freed slot."""
@@ -64,7 +52,7 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     lengths = [3, 8, 17, 30] * 4
     max_tokens = [4 + (5 * i) % 13 for i in range(16)]
     prompts = [rng.randint(0, VOCAB, n).tolist() for n in lengths]
-    sinks = [Collector() for _ in prompts]
+    sinks = [TokenSink() for _ in prompts]
     with queue_limit(engine, 16), jax_compiles() as compiles:
         for prompt, n, sink in zip(prompts, max_tokens, sinks):
             engine.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
@@ -91,7 +79,7 @@ def test_mtp_speculation_keeps_greedy_output(model):
         rng = np.random.RandomState(1)
         prompts = [rng.randint(0, VOCAB, n).tolist() for n in (3, 8, 17, 30, 8, 3)]
         max_tokens = [12, 9, 14, 7, 16, 11]
-        sinks = [Collector() for _ in prompts]
+        sinks = [TokenSink() for _ in prompts]
         for prompt, n, sink in zip(prompts, max_tokens, sinks):
             eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
         for sink in sinks:
@@ -106,7 +94,7 @@ def test_mtp_speculation_keeps_greedy_output(model):
 
 
 def test_cancel_frees_the_slot_at_once(engine):
-    sink = Collector()
+    sink = TokenSink()
     request = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), sink))
     deadline = time.time() + 120
     while len(sink.tokens) < 3 and time.time() < deadline:
@@ -120,7 +108,7 @@ def test_cancel_frees_the_slot_at_once(engine):
 def test_full_queue_refuses(engine):
     with queue_limit(engine, 0):
         with pytest.raises(QueueFull, match="queue is full"):
-            engine.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
+            engine.submit(Request([1], SamplingParams(max_tokens=1), TokenSink()))
     assert engine.max_queue == 4, "the shared engine's queue limit must be restored"
 
 
@@ -165,7 +153,7 @@ def test_failed_step_ends_requests_with_an_error_and_the_engine_recovers(model):
     eng.start()
     try:
         with serving(eng) as url:
-            first = [Collector() for _ in range(2)]
+            first = [TokenSink() for _ in range(2)]
             for sink in first:
                 eng.submit(Request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), sink))
             deadline = time.time() + 120
@@ -177,7 +165,7 @@ def test_failed_step_ends_requests_with_an_error_and_the_engine_recovers(model):
             status, health = http_json(url + "/health")
             assert status == 200 and health["resets"] == 1 and health["status"] in ("ok", "recovering")
             assert "injected: device step failed" in health["last_error"]
-            prompt, sink = [9, 4, 33, 2, 17], Collector()
+            prompt, sink = [9, 4, 33, 2, 17], TokenSink()
             eng.submit(Request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), sink))
             assert sink.done.wait(120) and sink.reason == "length"
             assert http_json(url + "/health")[1]["status"] == "ok"
@@ -194,7 +182,7 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
     try:
         with serving(eng) as url:
             runner.armed.set()
-            sink = Collector()
+            sink = TokenSink()
             eng.submit(Request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), sink))
             assert sink.done.wait(120) and sink.reason == "error"
             # The in-flight request ends before the reset runs, so /health says "recovering" until it fails.
@@ -204,13 +192,13 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
             status, health = health
             assert status == 503 and health["status"] == "failed" and "cannot allocate" in health["last_error"]
             with pytest.raises(EngineFailed, match="could not recover"):
-                eng.submit(Request([1], SamplingParams(max_tokens=1), Collector()))
+                eng.submit(Request([1], SamplingParams(max_tokens=1), TokenSink()))
     finally:
         eng.shutdown()
 
 
 def _run_one(eng, prompt, max_tokens, **params) -> list[int]:
-    sink = Collector()
+    sink = TokenSink()
     eng.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), sink))
     assert sink.done.wait(300) and sink.reason == "length"
     return sink.tokens
@@ -255,7 +243,7 @@ def test_generation_config_eos_ids_end_a_request(model, engine):
     reads from the checkpoint) ends a request as the tokenizer's EOS does."""
     prompt = [5, 9, 2, 7]
     alone = np.asarray(generate(model, np.array([prompt], np.int32), 6))[0, len(prompt):].tolist()
-    before, sink = engine.eos_ids, Collector()
+    before, sink = engine.eos_ids, TokenSink()
     engine.eos_ids = before + (alone[2],)
     try:
         engine.submit(Request(prompt, SamplingParams(max_tokens=6), sink))
