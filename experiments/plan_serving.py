@@ -4,6 +4,7 @@ the decode step lowered for the mesh.
     python -m experiments.plan_serving --model=deepseek_v3 --weights=fp8 --cache_dtype=bfloat16 \
         --chip=h200 --mesh=expert=8 --max_batch=64 --context=32768 [--platforms=cuda,tpu] [--use_mtp]
     python -m experiments.plan_serving --table      # the README's 671B deployments
+    python -m experiments.plan_serving --offload [--host_link_gbps=64]   # 671B int4, routed experts in host RAM
 
 Nothing is allocated: the model is its shapes (`nnx.eval_shape`), the mesh a
 `jax.sharding.AbstractMesh`, and the server's own decode step (`dsv3_jax/serving/runner.py`, the
@@ -38,6 +39,17 @@ all, e.g. 8 fake CPU devices; fp32/bf16 weights: the check is of the activations
 XLA:CPU would widen quantized weights)
 and prints XLA's per-device memory_analysis() beside the plan. Use fp32 there: XLA:CPU computes
 bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program does.
+
+`--offload` plans the 671B int4 deployments whose routed experts live in host RAM behind a device
+cache of C experts per MoE layer (`dsv3_jax/inference/expert_cache.py`). Per deployment: the bytes
+that stay on the devices (the plan above without the MoE stack's routed experts), the largest C
+whose slots [L_moe, C] (stored format) and one layer's C experts in the compute dtype fit beside
+them in `headroom` of HBM, the host RAM the experts take (the offloaded model loads them straight
+there), and the tokens/s the host link bounds at a hit rate h: a decode step of one row without
+MTP looks up K experts per MoE layer, so it moves L_moe K (1 - h) experts per token, and tokens/s
+<= devices x link bytes/s / those bytes, an upper bound from the link alone. The expert cache runs
+on one device, so a row of more devices is a plan, not a command that runs today. Google's Cloud
+TPU pages give no host-link bandwidth per chip: a TPU plan takes it from --host_link_gbps.
 """
 
 from __future__ import annotations
@@ -75,11 +87,14 @@ class Chip(NamedTuple):
     hbm_bytes: float
     platform: str  # what its programs are lowered for
     source: str
+    host_link_bytes: float | None = None  # host -> device bytes/s of one device's link (None: no public figure)
 
 
 CHIPS = {c.name.lower(): c for c in (
-    Chip("H100", 80e9, "cuda", "NVIDIA H100 Tensor Core GPU data sheet: SXM5, 80 GB HBM3"),
-    Chip("H200", 141e9, "cuda", "NVIDIA H200 Tensor Core GPU data sheet: 141 GB HBM3e"),
+    Chip("H100", 80e9, "cuda", "NVIDIA H100 Tensor Core GPU data sheet: SXM5, 80 GB HBM3; PCIe Gen5 x16, "
+         "128 GB/s both directions", 64e9),
+    Chip("H200", 141e9, "cuda", "NVIDIA H200 Tensor Core GPU data sheet: 141 GB HBM3e; PCIe Gen5 x16, "
+         "128 GB/s both directions", 64e9),
     Chip("B200", 180e9, "cuda", "NVIDIA DGX B200 data sheet: 1,440 GB HBM3e over 8 GPUs"),
     Chip("v5e", 16e9, "tpu", "Google Cloud TPU v5e documentation: 16 GB HBM2 per chip"),
     Chip("v5p", 95e9, "tpu", "Google Cloud TPU v5p documentation: 95 GB HBM2e per chip"),
@@ -376,6 +391,53 @@ def report(cfg: ModelConfig, dep: Deployment, *, headroom: float, platforms: tup
     return {"plan": p, "largest": largest, "lowered": lowered}
 
 
+# -- routed experts offloaded to host RAM (--offload) -------------------------------------------
+OFFLOAD_TABLE = (("671B int4, 1 x H200 + host RAM", "h200", 1), ("671B int4, 2 x H100 + host RAM", "h100", 2))
+HIT_RATES = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+
+def expert_bytes(cfg: ModelConfig, weights: str, group: int) -> float:
+    """One routed expert's w1, w3 ([D, F]) and w2 ([F, D]) in the weight format."""
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    w1_or_w3 = quantized_bytes((d, f), (0, 1), True, weights, group)
+    return 2 * w1_or_w3 + quantized_bytes((f, d), (0, 1), True, weights, group)
+
+
+def offload_plan(cfg: ModelConfig, chip: str, devices: int, *, weights: str = "int4", context: int = 32768,
+                 headroom: float = 0.9, link: float | None = None) -> dict:
+    """The offloaded deployment's bytes, its cache size C and the link's tokens/s bound (module docstring)."""
+    dep = Deployment(chip, {"expert": devices}, weights, max_batch=devices, context=context)
+    p = plan(cfg, dep, headroom=headroom, model=abstract_model(cfg))
+    layers, e, eb = cfg.num_moe_layers, cfg.num_routed_experts, expert_bytes(cfg, weights, dep.group)
+    resident = p.total - layers * e * eb / devices - p.working["one MoE layer's local experts (compute dtype)"]
+    per_slot = layers * eb + 3.0 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # + one layer's, bf16
+    cache = min(e, math.floor((headroom * p.hbm - resident) * devices / per_slot))
+    link = link if link is not None else CHIPS[chip].host_link_bytes
+    moved = {h: layers * cfg.num_experts_per_token * (1 - h) * eb for h in HIT_RATES}
+    return {"resident": resident, "cache": cache, "cache_bytes": cache * per_slot / devices,
+            "host": layers * e * eb, "expert": eb, "link": link,
+            "tokens_per_s": {h: devices * link / b for h, b in moved.items()}, "moved": moved, "hbm": p.hbm}
+
+
+def offload_report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps: float | None,
+                   out=sys.stdout) -> list:
+    rows = []
+    for label, chip, devices in OFFLOAD_TABLE:
+        r = offload_plan(cfg, chip, devices, context=context, headroom=headroom,
+                         link=link_gbps * 1e9 if link_gbps else None)
+        k, source = cfg.num_experts_per_token, "--host_link_gbps" if link_gbps else CHIPS[chip].source
+        fits = f"C = {r['cache']} of {cfg.num_routed_experts} per layer" if r["cache"] >= k else \
+            f"does not fit (C = {r['cache']} < top_k = {k})"
+        print(f"== {label}: per device {r['resident'] / GB:.1f} GB resident + {r['cache_bytes'] / GB:.1f} GB expert "
+              f"cache of {r['hbm'] / GB:.0f} GB x {headroom:.0%}: {fits}; host RAM {r['host'] / GB:.0f} GB, loaded "
+              f"there directly ({r['expert'] / 1e6:.1f} MB per expert); host link {r['link'] / GB:.0f} GB/s x "
+              f"{devices} ({source})", file=out)
+        print("  tokens/s bound by the host link (one row, no MTP), by hit rate: " + ", ".join(
+            f"{h:.2f}: {t:.1f} ({r['moved'][h] / GB:.2f} GB/token)" for h, t in r["tokens_per_s"].items()), file=out)
+        rows.append(r)
+    return rows
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "deepseek_v3_2", "tiny"], "ModelConfig preset",
                       flag_values=fv)
@@ -394,10 +456,19 @@ def define_flags(fv: flags.FlagValues) -> None:
                          "memory_analysis() with the plan", flag_values=fv)
     flags.DEFINE_boolean("table", False, "the README's 671B deployments, each on its best candidate mesh (--chip, "
                          "--mesh, --weights ignored)", flag_values=fv)
+    flags.DEFINE_boolean("offload", False, "the 671B int4 deployments with routed experts in host RAM behind a "
+                         "device cache (--chip, --mesh, --weights ignored)", flag_values=fv)
+    flags.DEFINE_float("host_link_gbps", None, "with --offload: host -> device GB/s per device (default: the "
+                       "chip's PCIe link)", flag_values=fv)
 
 
 def parse_args(argv=None):
-    return cli.with_mesh(cli.parse(define_flags, argv, __doc__))
+    args = cli.with_mesh(cli.parse(define_flags, argv, __doc__))
+    if args.context <= 0 or not 0 < args.headroom <= 1:
+        cli.usage(f"--context={args.context} must be positive and --headroom={args.headroom} in (0, 1]")
+    if args.host_link_gbps is not None and (not args.offload or args.host_link_gbps <= 0):
+        cli.usage(f"--host_link_gbps={args.host_link_gbps} is a positive GB/s of --offload's plan")
+    return args
 
 
 def main(argv=None) -> int:
@@ -406,6 +477,10 @@ def main(argv=None) -> int:
         cfg = getattr(ModelConfig, args.model)()
         dtype = "float32" if args.weights == "fp32" else "bfloat16"
         cfg = cfg.replace(compute_dtype=dtype, param_dtype=dtype)
+        if args.offload:
+            offload_report(cfg.replace(compute_dtype="bfloat16", param_dtype="bfloat16"), context=args.context,
+                           headroom=args.headroom, link_gbps=args.host_link_gbps)
+            return 0
         deps = [Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
                            args.use_mtp, args.rules, args.group)]
         if args.table:

@@ -96,13 +96,13 @@ def test_decode_step_lowers_expert_parallel(platform, weights, stored):
                                          platform).as_text()
 
 
-def test_plan_offload_command_prints_the_expert_bytes_host_ram_and_link_bound_of_the_671b():
-    """`python -m experiments.plan_offload` as the README runs it, checked against the 671B's shapes
+def test_offload_plan_command_prints_the_expert_bytes_host_ram_and_link_bound_of_the_671b():
+    """`python -m experiments.plan_serving --offload` as the README runs it, checked against the 671B's shapes
     counted here: an int4 expert is w1, w3, w2 of 7168 x 2048 at half a byte each plus one fp32 scale
     per 128 weights; the host holds 58 layers x 256 of them; a token at hit rate h moves 58 x 8 x (1 - h)."""
     import re
 
-    res = helpers.run_module("experiments.plan_offload", "--host_link_gbps=32")
+    res = helpers.run_module("experiments.plan_serving", "--offload", "--host_link_gbps=32")
     assert res.returncode == 0, res.stderr[-3000:]
     expert = 3 * 7168 * 2048 * (0.5 + 4 / 128)
     rows = re.findall(r"== 671B int4, (\d) x (H\d+).*?C = (\d+) of 256.*?host RAM (\d+) GB.*?\(([\d.]+) MB per expert\)"
@@ -113,4 +113,4 @@ def test_plan_offload_command_prints_the_expert_bytes_host_ram_and_link_bound_of
         assert int(host_gb) == round(58 * 256 * expert / 1e9)
         assert float(tokens) == pytest.approx(int(n) * 32e9 / (58 * 8 * 0.1 * expert), abs=0.06)
         assert 8 <= int(cache) < 256
-    assert helpers.run_module("experiments.plan_offload", "--headroom=2").returncode == 2
+    assert helpers.run_module("experiments.plan_serving", "--offload", "--headroom=2").returncode == 2
