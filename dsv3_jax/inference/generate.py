@@ -177,7 +177,9 @@ class Generation:
             out, self.cache = self.steps.decode(self.state, self.cache, self._all_rows, tokens, positions,
                                                 self._all_active, None, self.key, np.int32(self.stats.forwards + 1))
             self.stats.decode_traces = self.steps.traces["decode"] - traces_before.get("decode", 0)
-            emitted, accepted, tokens = np.asarray(out.emitted), np.asarray(out.accepted), out.next_tokens
+            # next_tokens back on the host, as the prefill's were: a device array (committed) would be a new
+            # input signature for the second step and compile the decode step again
+            emitted, accepted, tokens = np.asarray(out.emitted), np.asarray(out.accepted), np.asarray(out.next_tokens)
             seconds = time.perf_counter() - start
             self.stats.forwards += 1
             counted = active & self._requested

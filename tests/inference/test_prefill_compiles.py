@@ -58,6 +58,13 @@ def test_a_new_prompt_length_in_a_compiled_bucket_compiles_nothing(use_mtp):
         prompts = rng.randint(0, VOCAB, (2, length)).astype(np.int32)
         return generate(model, prompts, 3, lengths=np.array([length, 1]), prefill_chunk=16, use_mtp=use_mtp, **kw)
 
+    gen = Generation(model, rng.randint(0, VOCAB, (2, 20)).astype(np.int32), 6, lengths=np.array([20, 1]),
+                     prefill_chunk=16, use_mtp=use_mtp, temperature=0.7)
+    steps = iter(gen)
+    next(steps), next(steps)  # the prefill's token, then the first decode step (compiles it)
+    with jax_compiles() as later:
+        assert sum(1 for _ in steps) >= 1
+    assert later == [], "a decode step after the first compiled again (its inputs must keep one signature)"
     run(20, temperature=0.7)  # 20 + 3 new tokens: the 32-slot bucket, two chunks
     with jax_compiles() as compiles:
         for length in (17, 22, 27):  # + 3 new + 1 draft: all in the 32-slot bucket
