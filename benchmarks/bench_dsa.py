@@ -6,9 +6,10 @@
 sequence over its 61 layers, contexts 4K .. 128K: a roofline estimate max(FLOPs / peak,
 bytes / bandwidth) on one H200 (989 TFLOP/s bf16, 4.8 TB/s) of the attention alone, as this
 package computes it: dense prefill in the expanded form (causal, per-head keys and values), dense
-decode absorbed over every cached row (bf16 cache: `cache_bytes_per_token`); DSA runs queries
-that see at most topk tokens dense, and for the others the indexer (I heads of K dims over every
-earlier token) and absorbed attention over topk gathered rows. Nothing is run for (a).
+decode absorbed over every cached row (bf16 cache: `cache_bytes_per_token`); DSA as the cached
+path runs it: a prompt of at most topk tokens dense, a longer one as one call whose every query
+scores the indexer (I heads of K dims) over every cache slot and own entry, masked after rather
+than skipped, and attends to topk gathered rows. Nothing is run for (a).
 
 (b) Measured on this host: a scaled-down model (attention-heavy: 16 heads, latent 256; index_topk
 `--topk`, 4 index heads of 64) with random weights, one jitted call per context: prefill = the
@@ -42,8 +43,8 @@ def no_indexer(cfg: ModelConfig) -> ModelConfig:
 
 def attention_cost(cfg: ModelConfig, context: int, decode: bool) -> tuple[float, float]:
     """(FLOPs, bytes read) of one layer's attention for one sequence: the token at `context` (decode)
-    or the `context` tokens of a prompt (prefill), dense or, with an indexer, sparse (queries that
-    see at most index_topk tokens run dense, as the cached path does)."""
+    or the `context` tokens of a prompt as one call (prefill), dense or, with an indexer, sparse
+    (module docstring)."""
     h, c, r = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     row_bytes = cache_bytes_per_token(no_indexer(cfg), "bfloat16")
     absorbed_flops = 2 * h * (2 * c + r)  # per (query, row): q_lat . c, q_pe . k_pe, then p @ c
@@ -53,16 +54,15 @@ def attention_cost(cfg: ModelConfig, context: int, decode: bool) -> tuple[float,
         kept = min(context, cfg.index_topk)
         index_flops = 2 * cfg.index_n_heads * cfg.index_head_dim * context
         return index_flops + absorbed_flops * kept, context * cfg.index_head_dim * 2 + kept * row_bytes
-    dense_queries = min(context, cfg.index_topk) if cfg.has_indexer else context
-    dense_pairs = dense_queries * (dense_queries + 1) / 2
-    flops = 2 * h * (cfg.qk_head_dim + cfg.v_head_dim) * dense_pairs  # expanded, causal
-    nbytes = float(context * row_bytes)
-    sparse_queries = context - dense_queries
-    if sparse_queries:
-        index_pairs = (context * (context + 1) - dense_queries * (dense_queries + 1)) / 2
-        flops += 2 * cfg.index_n_heads * cfg.index_head_dim * index_pairs
-        flops += absorbed_flops * sparse_queries * cfg.index_topk
-        nbytes += sparse_queries * cfg.index_topk * row_bytes  # the gathered rows
+    if not cfg.has_indexer or context <= cfg.index_topk:  # no query sees more than index_topk: dense
+        flops = 2 * h * (cfg.qk_head_dim + cfg.v_head_dim) * context * (context + 1) / 2  # expanded, causal
+        return flops, float(context * row_bytes)
+    # one call into a cache of `context` slots, as `cached_topk` and `attend_sparse` run it: the indexer
+    # scores every query against every cache slot and every own entry (masked after, not skipped), and
+    # each query attends to index_topk gathered rows
+    flops = 2 * cfg.index_n_heads * cfg.index_head_dim * context * 2 * context
+    flops += absorbed_flops * context * cfg.index_topk
+    nbytes = context * row_bytes + context * cfg.index_topk * row_bytes  # the cache, then the gathered rows
     return flops, nbytes
 
 

@@ -198,9 +198,13 @@ class MLA(nnx.Module):
         visible = causal_mask(segment_ids, *x_BxTxD.shape[:2])
         detached = jax.lax.stop_gradient
         logits = self.indexer(detached(x_BxTxD), detached(self.query_latent(x_BxTxD)), cos, sin, visible)
-        keep = select_topk(logits, cfg.index_topk)
-        out = self._mm("BTHV,HVD->BTD", xla_attention(q, k, v, softmax_scale=cfg.softmax_scale,
-                                                      segment_ids=segment_ids, keep=keep), "wo")
+        if every_key_kept:  # the dense warm-up's terms: the selection is every visible key, no top-k to sort
+            keep = visible[:, 0]
+            out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
+        else:
+            keep = select_topk(logits, cfg.index_topk)
+            out = xla_attention(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids, keep=keep)
+        out = self._mm("BTHV,HVD->BTD", out, "wo")
         if not indexer_terms:
             return out
         probs = head_summed_probs(q, k, visible & keep[:, None], softmax_scale=cfg.softmax_scale)

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels import quantize_1x128
+from dsv3_jax.ops.quant import E4M3_MAX
 
 FP8_BLOCK = 128  # latent values per fp8 scale
 INT8_MAX = 127.0  # symmetric int8: -127 .. 127, so 0 is exact and the range is even
-FP8_MAX = 448.0  # largest finite e4m3
 READ_BLOCK = 256  # cache slots per block read
 
 
@@ -244,7 +244,7 @@ def encode_index_key(k_BxWxK: jax.Array, cache_dtype: str) -> tuple[jax.Array, j
         return k_BxWxK.astype(cache_dtype), None
     x = k_BxWxK.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
