@@ -100,6 +100,17 @@ def expert_offload(args, model):
     return ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
 
 
+def expert_slots_note(offload, chunk_flag: str) -> str | None:
+    """The line that says how many experts per MoE layer the device may hold during a step, when a
+    step's tokens can need more than --expert_cache (None otherwise, or without an offload)."""
+    if offload is None or offload.max_slots <= offload.capacity:
+        return None
+    fits = offload.capacity // offload.top_k  # tokens whose top-k experts fit in C slots
+    return (f"expert cache: a step may hold up to {offload.max_slots} of {offload.num_experts} experts per MoE layer on "
+            f"the device (--expert_cache={offload.capacity}); {chunk_flag}={1 << (fits.bit_length() - 1)} keeps one row's "
+            f"prefill within it")
+
+
 def with_mesh(args):
     """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
     try:

@@ -157,6 +157,8 @@ def main(argv=None) -> int:
         return cli.fail(e)
     if run:
         print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
+    if note := cli.expert_slots_note(offload, "--prefill_chunk"):
+        print(note, file=sys.stderr)
     stream = len(args.prompt) == 1
     generated: list[list[int]] = [[] for _ in args.prompt]
     if stream:

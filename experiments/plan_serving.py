@@ -414,7 +414,8 @@ def offload_plan(cfg: ModelConfig, chip: str, devices: int, *, weights: str = "i
     cache = min(e, math.floor((headroom * p.hbm - resident) * devices / per_slot))
     link = link if link is not None else CHIPS[chip].host_link_bytes
     moved = {h: layers * cfg.num_experts_per_token * (1 - h) * eb for h in HIT_RATES}
-    return {"resident": resident, "cache": cache, "cache_bytes": cache * per_slot / devices,
+    fits = cache // cfg.num_experts_per_token  # one row's prefill tokens whose top-k experts fit in C slots
+    return {"resident": resident, "cache": cache, "prefill_chunk": 1 << (fits.bit_length() - 1) if fits else 0, "cache_bytes": cache * per_slot / devices,
             "host": layers * e * eb, "expert": eb, "link": link,
             "tokens_per_s": {h: devices * link / b for h, b in moved.items()}, "moved": moved, "hbm": p.hbm}
 
@@ -426,7 +427,8 @@ def offload_report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps
         r = offload_plan(cfg, chip, devices, context=context, headroom=headroom,
                          link=link_gbps * 1e9 if link_gbps else None)
         k, source = cfg.num_experts_per_token, "--host_link_gbps" if link_gbps else CHIPS[chip].source
-        fits = f"C = {r['cache']} of {cfg.num_routed_experts} per layer" if r["cache"] >= k else \
+        fits = (f"C = {r['cache']} of {cfg.num_routed_experts} per layer, --prefill_chunk={r['prefill_chunk']} keeps "
+                f"a prefill within it") if r["cache"] >= k else \
             f"does not fit (C = {r['cache']} < top_k = {k})"
         print(f"== {label}: per device {r['resident'] / GB:.1f} GB resident + {r['cache_bytes'] / GB:.1f} GB expert "
               f"cache of {r['hbm'] / GB:.0f} GB x {headroom:.0%}: {fits}; host RAM {r['host'] / GB:.0f} GB, loaded "

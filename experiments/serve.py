@@ -99,6 +99,8 @@ def build(args):
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules,
                     offload=cli.expert_offload(args, model))
+    if note := cli.expert_slots_note(runner.offload, "--chunk"):
+        logging.info(note)
     start = time.perf_counter()
     runner.warm_up()
     logging.info("warm-up compiled every shape a request can meet in %.1fs: prefill chunks of %s tokens, decode "

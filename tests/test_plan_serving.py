@@ -99,16 +99,20 @@ def test_decode_step_lowers_expert_parallel(platform, weights, stored):
 def test_offload_plan_command_prints_the_expert_bytes_host_ram_and_link_bound_of_the_671b():
     """`python -m experiments.plan_serving --offload` as the README runs it, checked against the 671B's shapes
     counted here: an int4 expert is w1, w3, w2 of 7168 x 2048 at half a byte each plus one fp32 scale
-    per 128 weights; the host holds 58 layers x 256 of them; a token at hit rate h moves 58 x 8 x (1 - h)."""
+    per 128 weights; the host holds 58 layers x 256 of them; a token at hit rate h moves 58 x 8 x (1 - h);
+    a one-row prefill chunk of P tokens needs up to 8 P experts a layer, so P is the power of two with 8 P <= C."""
     import re
 
     res = helpers.run_module("experiments.plan_serving", "--offload", "--host_link_gbps=32")
     assert res.returncode == 0, res.stderr[-3000:]
     expert = 3 * 7168 * 2048 * (0.5 + 4 / 128)
-    rows = re.findall(r"== 671B int4, (\d) x (H\d+).*?C = (\d+) of 256.*?host RAM (\d+) GB.*?\(([\d.]+) MB per expert\)"
+    rows = re.findall(r"== 671B int4, (\d) x (H\d+).*?C = (\d+) of 256 per layer, --prefill_chunk=(\d+) keeps"
+                      r".*?host RAM (\d+) GB.*?\(([\d.]+) MB per expert\)"
                       r".*?\n.*?0\.90: ([\d.]+) ", res.stdout)
     assert [(n, chip) for n, chip, *_ in rows] == [("1", "H200"), ("2", "H100")], res.stdout
-    for n, _, cache, host_gb, expert_mb, tokens in rows:
+    for n, _, cache, chunk, host_gb, expert_mb, tokens in rows:
+        chunk = int(chunk)  # the largest power of two whose chunk's top-8 experts fit in C
+        assert chunk & (chunk - 1) == 0 and chunk * 8 <= int(cache) < 2 * chunk * 8
         assert float(expert_mb) == round(expert / 1e6, 1)
         assert int(host_gb) == round(58 * 256 * expert / 1e9)
         assert float(tokens) == pytest.approx(int(n) * 32e9 / (58 * 8 * 0.1 * expert), abs=0.06)

@@ -1,7 +1,7 @@
 """Routed experts offloaded to host memory behind a device cache of C experts per MoE layer.
 
-Letters: L MoE layers, E routed experts, S device slots per layer (C, more while one step needs
-more), N tokens, K experts per token.
+Letters: L MoE layers, E routed experts, S device slots per layer (C, up to S_max while one step
+needs more), N tokens, K experts per token, W prefill chunk, B rows, M MTP drafts.
 
 The host store holds every routed expert of the MoE stack, one pytree per (layer, expert): numpy
 views of the stacks as they lie in host memory, so no second copy. `load_pretrained(...,
@@ -26,14 +26,19 @@ cache it returned, whose entries at the step's positions it rewrites (tokens rea
 before their positions). The later layers of that pass routed from a hidden state that lacks only
 the missing experts' outputs: with `prefetch` their choices are loaded before the rerun, a
 predictor from this step's own routing. So a step costs at most L_moe + 1 passes, every pass is one
-of the same compiled programs (one per slot count S, and S only grows, in doublings of C up to E,
-for a step whose working set in some layer exceeds C, then shrinks back), and the answer is exact
-whatever the weights' format. An `io_callback` would return a fixed-shape transfer per layer and
+of the same compiled programs (one per slot count S: S grows, in doublings of C, for a step whose
+working set in some layer exceeds C, then shrinks back), and the answer is exact whatever the
+weights' format. An `io_callback` would return a fixed-shape transfer per layer and
 step, hits included; a layer loop on the host would be a second forward.
 
-A step needs its working set resident at once: a prefill chunk of W tokens may need up to
-min(W K, E) experts in a layer (a small `prefill_chunk` bounds it), a decode step of B rows and
-1 + M tokens each up to B (1 + M) K. The MTP depths' experts stay resident (one layer each).
+A step needs its working set resident at once: a prefill chunk of W tokens over B rows may need
+up to min(W B K, E) experts in a layer, a decode step of B rows and 1 + M tokens each up to
+min(B (1 + M) K, E). So the device holds C slots per layer, and up to S_max = the doubling of C
+that covers min(E, K max(W B, B (1 + M))) during a step whose working set exceeds C: `wrap` takes
+the steps' most tokens and sets it (`max_slots`), the warm-up compiles C .. S_max, and a step never
+grows past it. A small prefill chunk keeps the device's share small (W = C // K for one row keeps a
+prefill within C); with W B K >= E a step may hold the whole routed stack for its duration. The
+MTP depths' experts stay resident (one layer each).
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ class ExpertOffload:
             raise ValueError(f"offload_experts runs on one device; the model lies on {len(devices)} (drop --mesh)")
         self.device = jax.sharding.SingleDeviceSharding(*devices)
         self.moe, self.policy, self.prefetch = moe, policy, prefetch
-        self.capacity, self.num_layers, self.num_experts = cache_size, cfg.num_moe_layers, e
+        self.capacity, self.num_layers, self.num_experts, self.top_k = cache_size, cfg.num_moe_layers, e, k
+        self.max_slots = cache_size  # the most slots a step may grow to: set by `wrap`
         host = jax.device_get(tuple(getattr(moe, name).get_value() for name in ROUTED))  # views of host arrays
         self.store = [[jax.tree.map(lambda a: a[l, x], host) for x in range(e)] for l in range(self.num_layers)]
         self.expert_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.store[0][0]))
@@ -171,9 +177,15 @@ class ExpertOffload:
                  else np.lexsort((self.last_used[layer, experts], self.uses[layer, experts])))
         return int(free[order[0]])
 
+    def _covering(self, need: int) -> int:
+        """The slot count a step needing `need` experts in a layer runs at: C doubled until it covers them, at most E."""
+        return min(self.num_experts, self.capacity * 2 ** int(np.ceil(np.log2(max(need, self.capacity) / self.capacity))))
+
     def _grow(self, need: int) -> None:
-        size = self.expert_in.shape[1]
-        new = min(self.num_experts, size * 2 ** int(np.ceil(np.log2(need / size))))
+        size, new = self.expert_in.shape[1], self._covering(need)
+        if new > self.max_slots:
+            raise RuntimeError(f"a step needs {need} experts in a MoE layer, more than the {self.max_slots} slots "
+                               f"its tokens bound (wrap's `tokens`)")
         index = np.concatenate([np.arange(size), np.full(new - size, -1)])
         self._resize(np.broadcast_to(index, (self.num_layers, new)))
 
@@ -235,11 +247,11 @@ class ExpertOffload:
         return out, cache
 
     def slot_sizes(self):
-        """For a warm-up: yields each slot count a step may grow to (C, 2C, .. E), the slots grown to
-        it so that a step run now compiles for it; then back to C slots, the counters cleared."""
+        """For a warm-up: yields each slot count a step may grow to (C, 2C, .. `max_slots`), the slots grown
+        to it so that a step run now compiles for it; then back to C slots, the counters cleared."""
         while True:
             yield self.expert_in.shape[1]
-            if self.expert_in.shape[1] == self.num_experts:
+            if self.expert_in.shape[1] >= self.max_slots:
                 break
             self._grow(self.expert_in.shape[1] + 1)
             self._install()
@@ -247,8 +259,12 @@ class ExpertOffload:
         self._install()
         self.stats = CacheStats()
 
-    def wrap(self, steps: Steps) -> Steps:
-        """The compiled steps run through the cache (same arguments and results)."""
+    def wrap(self, steps: Steps, tokens: int) -> Steps:
+        """The compiled steps run through the cache (same arguments and results). `tokens`: the most
+        valid tokens one step runs (a prefill chunk's over its rows, a decode step's rows x (1 + drafts)),
+        which bound the slots a step may grow to: `max_slots` (module docstring)."""
+        self.max_slots = self._covering(min(self.num_experts, self.top_k * tokens))
+
         def prefill(*args):  # (state, cache, rows, window, start, lengths, carry, ...): the carry sums the chunks'
             before = np.asarray(args[6].expert_counts)
             return self._run(steps.prefill, lambda out: np.asarray(out[0].expert_counts) - before, *args)

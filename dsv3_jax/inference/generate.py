@@ -124,7 +124,8 @@ class Generation:
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
         if offload is not None:  # an `expert_cache.ExpertOffload` installed on this model
-            self.steps = offload.wrap(self.steps)
+            # a step's valid tokens: a prefill chunk's (at most the prompt's) over the rows, or a decode step's
+            self.steps = offload.wrap(self.steps, b * max(min(prefill_chunk, t), 1 + self.depths))
         self.rows = b if rows is None else rows
         self.model_config = cfg
         self.stats = GenerateStats()

@@ -122,7 +122,8 @@ class Runner:
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, logprobs=True), self.cache_sharding)
         self.offload = offload  # an `expert_cache.ExpertOffload` of this model: the steps run through its cache
         if offload is not None:
-            self.steps = offload.wrap(self.steps)
+            # a step's tokens: one row's prefill chunk, or every slot's decode step
+            self.steps = offload.wrap(self.steps, max(chunk, max_batch * (1 + self.drafts)))
 
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""

@@ -40,6 +40,17 @@ def offloaded(hf_folder, cache_size: int, **options):
     return model, ExpertOffload(model, cache_size, **options)
 
 
+def slot_counts(monkeypatch) -> list:
+    """Records the slots per layer the device holds after each resize (growth, shrink, warm-up)."""
+    sizes, resize = [], ExpertOffload._resize
+
+    def recording(self, index_LxS):
+        resize(self, index_LxS)
+        sizes.append(self.expert_in.shape[1])
+    monkeypatch.setattr(ExpertOffload, "_resize", recording)
+    return sizes
+
+
 def host_placed(monkeypatch) -> set:
     """Records the names of the arrays the loader's placement puts in `load.host_sharding`."""
     names, place_of = set(), load.placement_of_axes
@@ -82,11 +93,13 @@ def test_the_loader_builds_exactly_the_routed_experts_in_host_memory(model, hf_f
 
 @pytest.mark.parametrize("cache_size,policy,use_mtp", [(4, "lru", False), (4, "lfu", True), (16, "lru", True)])
 def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch, greedy_reference, cache_size, policy,
-                                                        use_mtp):
+                                                        use_mtp, monkeypatch):
     """One row at a time, a one-token prefill chunk at C = top_k = E/4 (a step needs top_k experts per
-    layer, 2 top_k with an MTP draft: the slots grow for it, then shrink back to C) and at C = E."""
+    layer, 2 top_k with an MTP draft: the slots grow for it, to 2 C and no further, then shrink back to
+    C) and at C = E."""
     prompts, lengths = ragged_batch
     model, offload = offloaded(hf_folder, cache_size, policy=policy)
+    sizes = slot_counts(monkeypatch)
     for row in range(len(prompts)):
         out = generate(model, prompts[row:row + 1], MAX_NEW, lengths=lengths[row:row + 1], use_mtp=use_mtp,
                        offload=offload, prefill_chunk=1)
@@ -95,6 +108,19 @@ def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch,
     assert st.steps * cfg.num_experts_per_token <= st.lookups <= st.steps * cfg.num_moe_layers * cfg.num_routed_experts
     assert 0 < st.misses <= st.loaded and st.bytes_moved == st.loaded * offload.expert_bytes
     assert offload.expert_in.shape[1] == cache_size  # back to C slots after the steps that needed more
+    # a step's tokens are one row's: 1 prefill token or 1 + drafts decode tokens, top_k = 4 experts each
+    assert max(sizes, default=cache_size) <= max(cache_size, min(16, 4 * (1 + use_mtp)))
+
+
+def test_the_slots_never_grow_past_what_a_step_s_tokens_can_choose(hf_folder, monkeypatch):
+    """A runner whose steps run 2 tokens (a 2-token chunk of one row; one slot's decode) at C = top_k = 4:
+    a step can choose at most 2 x 4 = 8 of the E = 16 experts a layer, so the warm-up compiles 4 and
+    8 slots, never 16, and is back at 4 after it."""
+    model, offload = offloaded(hf_folder, 4)
+    runner = Runner(model, max_batch=1, max_seq_len=16, chunk=2, use_mtp=False, offload=offload)
+    sizes = slot_counts(monkeypatch)
+    runner.warm_up()
+    assert sizes == [8, 4] and offload.expert_in.shape[1] == 4
 
 
 def test_served_requests_with_offloaded_experts_equal_the_resident_model(hf_folder, ragged_batch, greedy_reference):
