@@ -22,7 +22,6 @@ from absl import flags
 from absl import logging as absl_logging
 
 import sharding
-from dsv3_jax.inference.expert_cache import ExpertOffload
 
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)  # TensorStore appends its whole spec as JSON
 
@@ -87,17 +86,15 @@ def define_expert_flags(fv: flags.FlagValues, counted: str) -> None:
                       flag_values=fv)
 
 
-def expert_offload(args, model):
-    """The `ExpertOffload` --offload_experts asks for (None without it); a bad flag raises ValueError."""
+def check_offload_flags(args) -> None:
+    """--offload_experts / --expert_cache / --mesh, checked before a model loads; a bad one raises ValueError
+    (the policy is an enum flag, the cache size's range is checked by `ExpertOffload` against the model)."""
     if args.expert_cache is not None and not args.offload_experts:
         raise ValueError("--expert_cache sizes the offloaded experts' cache: add --offload_experts")
-    if not args.offload_experts:
-        return None
-    if args.expert_cache is None:
+    if args.offload_experts and args.expert_cache is None:
         raise ValueError("--offload_experts needs --expert_cache=C (experts per MoE layer on the device)")
-    if args.mesh:
+    if args.offload_experts and args.mesh:
         raise ValueError("--offload_experts runs on one device: drop --mesh")
-    return ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
 
 
 def expert_slots_note(offload, chunk_flag: str) -> str | None:

@@ -48,6 +48,7 @@ from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
 from dsv3_jax.data import load_tokenizer
 from dsv3_jax.inference import Generation
+from dsv3_jax.inference.expert_cache import ExpertOffload
 from dsv3_jax.inference.prefill import DEFAULT_CHUNK
 from dsv3_jax.inference.cache import cache_sharding, token_shards
 
@@ -134,13 +135,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     multihost.initialize()
     try:
+        cli.check_offload_flags(args)  # before the model loads
         run = run_folder.find(args.checkpoint)
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
         model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
                                 quantize=args.quantize, quant_group=args.quant_group,
                                 expert_placement=args.expert_placement, redundant_experts=args.redundant_experts,
                                 offload_experts=args.offload_experts)
-        offload = cli.expert_offload(args, model)
+        offload = (ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
+                   if args.offload_experts else None)
         own = os.path.join(args.checkpoint, "tokenizer.json")
         tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
         defaults = read_generation_config(args.checkpoint)

@@ -80,8 +80,10 @@ def build(args):
     from dsv3_jax.checkpoint import run_folder
     from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
     from dsv3_jax.model import quant as model_quant
+    from dsv3_jax.inference.expert_cache import ExpertOffload
     from dsv3_jax.serving import ChatTokenizer, Engine, Runner, make_app, tokenizer_file
 
+    cli.check_offload_flags(args)  # before the model loads
     run = run_folder.find(args.checkpoint)  # a training run or one of its steps: the run's tokenizer
     mesh = sharding.make_mesh(args.mesh) if args.mesh else None
     model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
@@ -98,7 +100,8 @@ def build(args):
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules,
-                    offload=cli.expert_offload(args, model))
+                    offload=ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
+                    if args.offload_experts else None)
     if note := cli.expert_slots_note(runner.offload, "--chunk"):
         logging.info(note)
     start = time.perf_counter()

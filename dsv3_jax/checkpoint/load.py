@@ -76,7 +76,8 @@ def placement_of_axes(mesh, rules, offload_experts: bool = False):
             return host if routed else device
         return place
     if offload_experts:
-        raise ValueError("offload_experts loads onto one device and host memory: drop the mesh")
+        raise ValueError("offload_experts loads onto one device and host memory: drop the mesh "
+                         "(--offload_experts does not combine with --mesh)")
     table = sharding.get_rules(rules)
     return lambda axes, shape, name: sharding.named_sharding(tuple(axes), tuple(shape), mesh, table, name=name)
 

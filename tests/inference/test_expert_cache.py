@@ -169,3 +169,15 @@ def test_eviction_takes_the_least_recently_or_least_often_used_expert(hf_folder)
         assert offload._victim(0, keep) == victim
         keep[[5, 6, 7, 8]] = True
         assert offload._victim(0, keep) is None  # every resident expert is needed by the step
+
+
+def test_the_offload_flags_are_checked_before_the_model_loads(tmp_path, capsys):
+    """A bad flag is named (exit 2) though the checkpoint does not exist: nothing was loaded first."""
+    from experiments import generate as generate_cli
+
+    missing = f"--checkpoint={tmp_path / 'none'}"
+    for flags, message in ((["--offload_experts"], "needs --expert_cache=C"),
+                           (["--expert_cache=4"], "add --offload_experts"),
+                           (["--offload_experts", "--expert_cache=4", "--mesh=expert=1"], "drop --mesh")):
+        assert generate_cli.main([missing, "--prompt=hi", *flags]) == 2
+        assert message in capsys.readouterr().err
