@@ -74,6 +74,10 @@ class CacheStats:
     def hit_rate(self) -> float:
         return 1.0 - self.misses / self.lookups if self.lookups else 0.0
 
+    def reset(self) -> None:
+        """Every counter back to zero, in place: the server's `Metrics` holds this object."""
+        self.__dict__.update(dataclasses.asdict(CacheStats()))
+
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(slots, expert, layer, slot):
@@ -257,7 +261,7 @@ class ExpertOffload:
             self._install()
         self._shrink(np.zeros_like(self.slot_of, bool), self.capacity)
         self._install()
-        self.stats = CacheStats()
+        self.stats.reset()
 
     def wrap(self, steps: Steps, tokens: int) -> Steps:
         """The compiled steps run through the cache (same arguments and results). `tokens`: the most
