@@ -224,44 +224,50 @@ class ExpertOffload:
         return False
 
     def _run(self, step, needed, *args):
-        """`step(*args)` until every expert its valid tokens chose was resident; its last output."""
+        """`step(*args)` until every expert its valid tokens chose was resident; its last output. The
+        slots are back at the count the step began with (C but in a warm-up) however it ends."""
         state = args[0]  # shares the model's variables, which the loads replace
         cache, *rest = jax.device_put(args[1:], self.device)  # committed, as a rerun gets them: one compile
         start, demanded, size = time.perf_counter(), np.zeros_like(self.slot_of, bool), self.expert_in.shape[1]
+        need = np.zeros_like(demanded)
         self._tick += 1
-        for _ in range(2 * self.num_layers + 2):
-            began = time.perf_counter()
-            out, cache = step(state, cache, *rest)
-            need = needed(out) > 0.5
-            self.stats.passes += 1
-            if self._serve(need, demanded):
-                break
-        else:
-            raise RuntimeError("the expert cache did not converge: the routing changed between identical passes")
-        self.stats.steps += 1
-        self.stats.lookups += int(need.sum())
-        self.stats.misses += int((demanded & need).sum())
-        self.last_used[need] = self._tick
-        self.uses += need
-        shrink = time.perf_counter()
-        if self.expert_in.shape[1] > size:  # back to the slots the step began with (C but in a warm-up)
-            self._shrink(need, size)
-            self._install()
+        try:
+            for _ in range(2 * self.num_layers + 2):
+                began = time.perf_counter()
+                out, cache = step(state, cache, *rest)
+                need = needed(out) > 0.5
+                self.stats.passes += 1
+                if self._serve(need, demanded):
+                    break
+            else:
+                raise RuntimeError("the expert cache did not converge: the routing changed between identical passes")
+            self.stats.steps += 1
+            self.stats.lookups += int(need.sum())
+            self.stats.misses += int((demanded & need).sum())
+            self.last_used[need] = self._tick
+            self.uses += need
+        finally:
+            shrink = time.perf_counter()
+            if self.expert_in.shape[1] > size:
+                self._shrink(need, size)
+                self._install()
         self.stats.stall_seconds += began - start + time.perf_counter() - shrink
         return out, cache
 
-    def slot_sizes(self):
-        """For a warm-up: yields each slot count a step may grow to (C, 2C, .. `max_slots`), the slots grown
-        to it so that a step run now compiles for it; then back to C slots, the counters cleared."""
-        while True:
-            yield self.expert_in.shape[1]
-            if self.expert_in.shape[1] >= self.max_slots:
-                break
-            self._grow(self.expert_in.shape[1] + 1)
+    def warm_up(self, compile_steps) -> None:
+        """Calls `compile_steps()` at each slot count a step may grow to (C, 2C, .. `max_slots`), the
+        slots grown to it, so that every step the cache runs is compiled; then back to C slots, the
+        counters cleared."""
+        try:
+            compile_steps()
+            while self.expert_in.shape[1] < self.max_slots:
+                self._grow(self.expert_in.shape[1] + 1)
+                self._install()
+                compile_steps()
+        finally:
+            self._shrink(np.zeros_like(self.slot_of, bool), self.capacity)
             self._install()
-        self._shrink(np.zeros_like(self.slot_of, bool), self.capacity)
-        self._install()
-        self.stats.reset()
+            self.stats.reset()
 
     def wrap(self, steps: Steps, tokens: int) -> Steps:
         """The compiled steps run through the cache (same arguments and results). `tokens`: the most

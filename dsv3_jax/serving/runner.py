@@ -193,12 +193,17 @@ class Runner:
         """Compiles every prefill width and decode bucket (on idle slots: their rows hold nothing yet)."""
         b = self.max_batch
         greedy = RowSampling.greedy(b, self.penalty_width)
-        for _ in self.offload.slot_sizes() if self.offload is not None else (None,):  # each expert slot count
+
+        def compile_steps():
             self.prefill_chunk(0, np.zeros(self.chunk, np.int32), 0, greedy)
             for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
                 self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
                            np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width),
                            self.free_bitmask[:n])
+        if self.offload is not None:
+            self.offload.warm_up(compile_steps)  # at each expert slot count a step may grow to
+        else:
+            compile_steps()
         if self.chunk <= self.max_seq_len:  # prefix-cache blocks: the cache rows of a full chunk
             self.write_block(0, 0, self.read_block(0, 0))
 

@@ -112,15 +112,22 @@ def test_offloaded_generation_equals_the_resident_model(hf_folder, ragged_batch,
     assert max(sizes, default=cache_size) <= max(cache_size, min(16, 4 * (1 + use_mtp)))
 
 
-def test_the_slots_never_grow_past_what_a_step_s_tokens_can_choose(hf_folder, monkeypatch):
+def test_the_slots_never_grow_past_what_a_step_s_tokens_can_choose(hf_folder):
     """A runner whose steps run 2 tokens (a 2-token chunk of one row; one slot's decode) at C = top_k = 4:
-    a step can choose at most 2 x 4 = 8 of the E = 16 experts a layer, so the warm-up compiles 4 and
-    8 slots, never 16, and is back at 4 after it."""
+    a step can choose at most 2 x 4 = 8 of the E = 16 experts a layer, so the warm-up compiles at 4 and
+    8 slots, never 16, and is back at 4 after it, also when a compile fails."""
     model, offload = offloaded(hf_folder, 4)
-    runner = Runner(model, max_batch=1, max_seq_len=16, chunk=2, use_mtp=False, offload=offload)
-    sizes = slot_counts(monkeypatch)
-    runner.warm_up()
-    assert sizes == [8, 4] and offload.expert_in.shape[1] == 4
+    Runner(model, max_batch=1, max_seq_len=16, chunk=2, use_mtp=False, offload=offload)
+    seen = []
+    offload.warm_up(lambda: seen.append(offload.expert_in.shape[1]))
+    assert seen == [4, 8] and offload.expert_in.shape[1] == 4
+
+    def failing():
+        if offload.expert_in.shape[1] > 4:
+            raise RuntimeError("compile failed")
+    with pytest.raises(RuntimeError, match="compile failed"):
+        offload.warm_up(failing)
+    assert offload.expert_in.shape[1] == 4
 
 
 def test_served_requests_with_offloaded_experts_equal_the_resident_model(hf_folder, ragged_batch, greedy_reference):
