@@ -350,9 +350,11 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quan
 
 
 def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=None,
-                  quantization: Quantization | None = None, **overrides) -> DeepSeekV3:
+                  quantization: Quantization | None = None, offload_experts: bool = False,
+                  **overrides) -> DeepSeekV3:
     """A LoRA run's model with its adapters unmerged (the model training ran): the base as
-    `load_run` reads it, the run's adapters (`section`: its lora config) put on and filled from the step."""
+    `load_run` reads it (its routed experts in host memory with `offload_experts`), the run's
+    adapters (`section`: its lora config) put on and filled from the step."""
     ckpt = run.run_dir
     if mesh is not None:
         raise CheckpointError(f"{ckpt} is a LoRA run, which loads on one device; for a mesh export it "
@@ -363,7 +365,8 @@ def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=No
     fields = {k: section[k] for k in ("rank", "alpha", "targets", "experts", "base_weights", "base_quantize")
               if k in section}
     cfg = lora.LoRAConfig(**fields)
-    model = _quantized_base(run, cfg, dtype, overrides) if cfg.quantized else load_run(run, dtype, **overrides)
+    model = (_quantized_base(run, cfg, dtype, offload_experts, overrides) if cfg.quantized
+             else load_run(run, dtype, offload_experts=offload_experts, **overrides))
     lora.apply(model, cfg)
     params = run_folder.StateParams(run)
     for var_path, var in nnx.iter_graph(model):
@@ -372,7 +375,7 @@ def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=No
     return model
 
 
-def _quantized_base(run, cfg, dtype, overrides):
+def _quantized_base(run, cfg, dtype, offload_experts, overrides):
     """A QLoRA run's base, quantized as the run held it: the run's --init_from loaded with its
     `base_weights` (the same quantization as the stored q and scales: deterministic)."""
     init_from = run.config().get("train", {}).get("init_from")
@@ -382,7 +385,7 @@ def _quantized_base(run, cfg, dtype, overrides):
         raise CheckpointError(f"{run.run_dir} is a QLoRA run (lora.base_weights={cfg.base_weights}) whose base "
                               f"--init_from={init_from!r} is no longer there; export it merged instead "
                               f"(python -m dsv3_jax.convert --to-hf --ckpt={run.run_dir} --out=DIR)")
-    return load_pretrained(init_from, dtype, **cfg.load_kwargs(), **overrides)
+    return load_pretrained(init_from, dtype, **cfg.load_kwargs(), offload_experts=offload_experts, **overrides)
 
 
 def load_peft(folder: str, base: str | os.PathLike | None = None, dtype=None, *, mesh=None, rules=None,
