@@ -139,13 +139,14 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
     variables = _variables(model)
     show = progress if progress is not None else len(reader.ckpt.names()) > 2000
     plan = quantization.plan(model) if quantization is not None else {}
+    place = placement_of_axes(mesh, rules, offload_experts)
     for leaf in tqdm(hf_names.leaves(cfg), desc=f"loading {os.path.basename(reader.folder)}", unit="param",
                      disable=not show):
         keep = leaf.path in plan and quantization.fmt == "fp8" and all(
             infos[n].fp8 for _, names in hf_names.leaf_slices(leaf) for n in names)  # stored e4m3: kept as it is
         raw = reader.raw_fp8(leaf) if keep else None
         _build_leaf(leaf, variables[leaf.path], functools.partial(reader.leaf_window, leaf), raw, quantization, plan,
-                    placement_of_axes(mesh, rules, offload_experts))
+                    place)
     reader.compare_mtp_copies(cfg, part=(jax.process_index(), jax.process_count()))  # each process its rows
     return model
 
