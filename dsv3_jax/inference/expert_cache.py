@@ -126,7 +126,8 @@ class ExpertOffload:
         self.expert_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.store[0][0]))
         self.stats = CacheStats()
         self.slot_of = np.full((self.num_layers, e), -1, np.int32)  # -1: on the host only
-        self.expert_in = np.full((self.num_layers, cache_size), -1, np.int32)  # -1: an empty slot
+        self.slot_of[:, :cache_size] = np.arange(cache_size)  # the slots start with experts 0 .. C - 1
+        self.expert_in = np.tile(np.arange(cache_size, dtype=np.int32), (self.num_layers, 1))  # -1: an empty slot
         self.last_used = np.zeros((self.num_layers, e), np.int64)
         self.uses = np.zeros((self.num_layers, e), np.int64)
         self._tick = 0
