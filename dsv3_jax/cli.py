@@ -103,8 +103,9 @@ def expert_slots_note(offload, chunk_flag: str) -> str | None:
     if offload is None or offload.max_slots <= offload.capacity:
         return None
     fits = offload.capacity // offload.top_k  # tokens whose top-k experts fit in C slots
-    return (f"expert cache: a step may hold up to {offload.max_slots} of {offload.num_experts} experts per MoE layer on "
-            f"the device (--expert_cache={offload.capacity}); {chunk_flag}={1 << (fits.bit_length() - 1)} keeps one row's "
+    chunk = 1 << (fits.bit_length() - 1)  # a power of two, as a prefill chunk is
+    return (f"expert cache: a step may hold up to {offload.max_slots} of {offload.num_experts} experts per MoE "
+            f"layer on the device (--expert_cache={offload.capacity}); {chunk_flag}={chunk} keeps one row's "
             f"prefill within it")
 
 

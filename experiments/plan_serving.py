@@ -415,7 +415,8 @@ def offload_plan(cfg: ModelConfig, chip: str, devices: int, *, weights: str = "i
     link = link if link is not None else CHIPS[chip].host_link_bytes
     moved = {h: layers * cfg.num_experts_per_token * (1 - h) * eb for h in HIT_RATES}
     fits = cache // cfg.num_experts_per_token  # one row's prefill tokens whose top-k experts fit in C slots
-    return {"resident": resident, "cache": cache, "prefill_chunk": 1 << (fits.bit_length() - 1) if fits else 0, "cache_bytes": cache * per_slot / devices,
+    chunk = 1 << (fits.bit_length() - 1) if fits else 0  # a power of two, as a prefill chunk is
+    return {"resident": resident, "cache": cache, "prefill_chunk": chunk, "cache_bytes": cache * per_slot / devices,
             "host": layers * e * eb, "expert": eb, "link": link,
             "tokens_per_s": {h: devices * link / b for h, b in moved.items()}, "moved": moved, "hbm": p.hbm}
 

@@ -127,7 +127,7 @@ class ExpertOffload:
         self.stats = CacheStats()
         self.slot_of = np.full((self.num_layers, e), -1, np.int32)  # -1: on the host only
         self.slot_of[:, :cache_size] = np.arange(cache_size)  # the slots start with experts 0 .. C - 1
-        self.expert_in = np.tile(np.arange(cache_size, dtype=np.int32), (self.num_layers, 1))  # -1: an empty slot
+        self.expert_in = np.tile(np.arange(cache_size, dtype=np.int32), (self.num_layers, 1))  # -1 marks an empty slot
         self.last_used = np.zeros((self.num_layers, e), np.int64)
         self.uses = np.zeros((self.num_layers, e), np.int64)
         self._tick = 0
@@ -183,8 +183,9 @@ class ExpertOffload:
         return int(free[order[0]])
 
     def _covering(self, need: int) -> int:
-        """The slot count a step needing `need` experts in a layer runs at: C doubled until it covers them, at most E."""
-        return min(self.num_experts, self.capacity * 2 ** int(np.ceil(np.log2(max(need, self.capacity) / self.capacity))))
+        """The slots a step needing `need` experts in a layer runs with: C doubled until it covers them, at most E."""
+        doublings = int(np.ceil(np.log2(max(need, self.capacity) / self.capacity)))
+        return min(self.num_experts, self.capacity * 2 ** doublings)
 
     def _grow(self, need: int) -> None:
         size, new = self.expert_in.shape[1], self._covering(need)
