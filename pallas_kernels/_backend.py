@@ -74,6 +74,24 @@ def pallas_call(be: Backend, kernel, *, name: str, out_shape, **grid):
                           **grid)
 
 
+def accumulate(acc_ref, o_ref, update, *, first, last, active=True) -> None:
+    """A TPU reduction over the last grid axis in VMEM scratch: `acc_ref` zeroed where `first`, set to
+    update(acc) where `active`, written to `o_ref` where `last` (`first`, `last`, `active` read before
+    the `pl.when`s: the interpreter cannot evaluate `pl.program_id` inside one)."""
+
+    @pl.when(first)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(active)
+    def _():
+        acc_ref[...] = update(acc_ref[...])
+
+    @pl.when(last)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
 def check_blocks(be: Backend, *, rows: tuple[str, ...] = (), lanes: tuple[str, ...] = (), **blocks: int) -> None:
     """Raises naming the first of `blocks` (name=size) that `be` cannot tile: on TPU the `rows`
     named must be multiples of 8 (sublanes) and the `lanes` of 128; Triton needs powers of two >= 16."""

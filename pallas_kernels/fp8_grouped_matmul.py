@@ -11,21 +11,40 @@ static: ceil(M / block_m) + G. Letters: M rows, G groups (experts), N out, K in.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import round_up
-from pallas_kernels.fp8_matmul import (BlockSizes, fp8_matmul_reference, pad_w_operands,
-                                       pad_x_operands, tpu_kernel, triton_block_loop)
+from pallas_kernels.fp8_matmul import BlockSizes, fp8_matmul_reference, pad_w_operands, pad_x_operands, tiled_call
 from pallas_kernels.quantize import TILE, check_scale_shapes
 
 
-def tile_layout(group_sizes, m: int, block_m: int):
-    """Row destinations in the tile-padded layout and per-tile (group, valid) metadata."""
+class TileLayout(NamedTuple):
+    """Rows of M padded per group to whole tiles of `block_m` rows: row m goes to row dest_M[m] of the
+    [num_tiles * block_m] layout (num_tiles * block_m past sum(group_sizes)); tile i holds group
+    tile_group[i]'s rows, or none (tile_valid[i] == 0, its group then the last used one: no new DMA)."""
+
+    dest_M: jax.Array
+    tile_group: jax.Array
+    tile_valid: jax.Array
+    num_tiles: int
+    block_m: int
+
+    def scatter(self, a_MxA):
+        """[M, A] -> [num_tiles * block_m, A] in the layout, zero rows elsewhere."""
+        rows = jnp.zeros((self.num_tiles * self.block_m, a_MxA.shape[1]), a_MxA.dtype)
+        return rows.at[self.dest_M].set(a_MxA, mode="drop")
+
+    def gather(self, out_PxA):
+        """The inverse: each row's result back in the row order of M, 0 past sum(group_sizes)."""
+        return jnp.take(out_PxA, self.dest_M, axis=0, mode="fill", fill_value=0)
+
+
+def tile_layout(group_sizes, m: int, block_m: int) -> TileLayout:
+    """The tile-padded layout of M rows in groups of `group_sizes` (over-full groups cut at M)."""
     g = group_sizes.shape[0]
     sizes = jnp.minimum(jnp.maximum(group_sizes.astype(jnp.int32), 0), m)
     ends = jnp.minimum(jnp.cumsum(sizes), m)  # rows past M (over-full groups) are dropped
@@ -44,30 +63,7 @@ def tile_layout(group_sizes, m: int, block_m: int):
     tile_valid = (tile_start < pad_ends[-1]).astype(jnp.int32)
     last_group = jnp.max(jnp.where(tile_valid == 1, tile_group, 0))
     tile_group = jnp.where(tile_valid == 1, tile_group, last_group)  # unused tiles: no new DMA
-    return dest, tile_group, tile_valid, num_tiles
-
-
-def _tpu_grouped_kernel(tg_ref, valid_ref, *refs, **kw):
-    del tg_ref  # consumed by the index maps
-    o_ref = refs[4]
-    valid, k, num_k = valid_ref[pl.program_id(0)], pl.program_id(2), pl.num_programs(2)
-
-    @pl.when(valid == 1)
-    def _():
-        tpu_kernel(*refs, k=k, num_k=num_k, **kw)
-
-    @pl.when(valid == 0)
-    def _():
-        o_ref[...] = jnp.zeros_like(o_ref)
-
-
-def _triton_grouped_kernel(tg_ref, valid_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k,
-                           n_padded, block_n, **kw):
-    i, j = pl.program_id(0), pl.program_id(1)
-    w_row0 = tg_ref[i] * n_padded + j * block_n
-    acc = triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, w_row0, num_k=num_k * valid_ref[i],
-                            block_n=block_n, **kw)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    return TileLayout(dest, tile_group, tile_valid, num_tiles, block_m)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "backend", "interpret"))
@@ -83,45 +79,14 @@ def fp8_grouped_matmul(x_q, x_scale, w_q, w_scale, group_sizes, *, out_dtype=jnp
         raise ValueError(f"{group_sizes.shape=} must be ({w_q.shape[0]},), one size per group")
     check_scale_shapes("x_q", x_q, x_scale, 1)
     check_scale_shapes("w_q", w_q, w_scale, TILE)
-    (m, k), (g, n, _) = x_q.shape, w_q.shape
-    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-    np_, kp = round_up(n, bn), round_up(k, bk)
-    subs, kbp = bk // TILE, kp // TILE
-    dest, tile_group, tile_valid, num_tiles = tile_layout(group_sizes, m, bm)
-    mp = num_tiles * bm
-    x = jnp.zeros((mp, k), x_q.dtype).at[dest].set(x_q, mode="drop")
-    xs = jnp.zeros((mp, x_scale.shape[1]), jnp.float32).at[dest].set(x_scale, mode="drop")
-    x, xs = pad_x_operands(x, xs, mp, kp)
+    (m, k), n = x_q.shape, w_q.shape[1]
+    np_, kp = round_up(n, bs.block_n), round_up(k, bs.block_k)
+    tiles = tile_layout(group_sizes, m, bs.block_m)
+    mp = tiles.num_tiles * bs.block_m
+    x, xs = pad_x_operands(tiles.scatter(x_q), tiles.scatter(x_scale.astype(jnp.float32)), mp, kp)
     w, ws = pad_w_operands(w_q, w_scale, np_, kp)  # [G,Np,Kp], [G,KBp,1,Np]
-    kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
-    out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
-    if be.style == "tpu":
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bk),
-            in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk, tg, v: (i, kk * v[i])),
-                      pl.BlockSpec((subs, bm, 1), lambda i, j, kk, tg, v: (kk * v[i], i, 0)),
-                      pl.BlockSpec((None, bn, bk), lambda i, j, kk, tg, v: (tg[i], j, kk * v[i])),
-                      pl.BlockSpec((None, subs, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
-        kernel = functools.partial(_tpu_grouped_kernel, **kw)
-    else:
-        w = w.reshape(g * np_, kp)
-        ws = jnp.moveaxis(ws, 0, 2).reshape(kbp, 1, g * np_)
-        grid_spec = pl.GridSpec(
-            grid=(num_tiles, np_ // bn),
-            in_specs=[pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                      pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
-                      pl.BlockSpec((g * np_, kp), lambda i, j: (0, 0)),
-                      pl.BlockSpec((kbp, 1, g * np_), lambda i, j: (0, 0, 0))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
-        kernel = functools.partial(_triton_grouped_kernel, num_k=kp // bk, n_padded=np_,
-                                   block_n=bn, **kw)
-    out = _backend.pallas_call(be, kernel, name="fp8_grouped_matmul", out_shape=out_shape,
-                               grid_spec=grid_spec)(tile_group, tile_valid, x, xs, w, ws)
-    return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
+    out = tiled_call(be, bs, x, xs, w, ws, tiles.tile_group, tiles.tile_valid, out_dtype, "fp8_grouped_matmul")
+    return tiles.gather(out[:, :n])
 
 
 def fp8_grouped_matmul_reference(x_q, x_scale, w_q, w_scale, group_sizes, *,

@@ -31,8 +31,8 @@ from pallas_kernels.quantize import TILE, check_scale_shapes
 def group_aligned_rows(group_sizes_G: jax.Array, m: int):
     """(dest_M, tile_group_TB): row m of the sorted rows goes to token dest[m] of a layout where
     each group starts on a 128 boundary; rows past sum(group_sizes) get an out-of-range dest."""
-    dest, tile_group, _, _ = tile_layout(group_sizes_G, m, TILE)
-    return dest, tile_group
+    tiles = tile_layout(group_sizes_G, m, TILE)
+    return tiles.dest_M, tiles.tile_group
 
 
 def _tpu_kernel(tg_ref, lhs_ref, ls_ref, rhs_ref, rs_ref, o_ref, acc_ref, *, dot_dtype):
@@ -41,15 +41,10 @@ def _tpu_kernel(tg_ref, lhs_ref, ls_ref, rhs_ref, rs_ref, o_ref, acc_ref, *, dot
     first = jnp.logical_or(b == 0, tg_ref[jnp.maximum(b - 1, 0)] != g)
     last = jnp.logical_or(b == nb - 1, tg_ref[jnp.minimum(b + 1, nb - 1)] != g)
 
-    @pl.when(first)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+    def update(acc):
+        return acc + scaled_block_dot(lhs_ref[...], rhs_ref[...], ls_ref[...], rs_ref[...], dot_dtype)
 
-    acc_ref[...] += scaled_block_dot(lhs_ref[...], rhs_ref[...], ls_ref[...], rs_ref[...], dot_dtype)
-
-    @pl.when(last)
-    def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    _backend.accumulate(acc_ref, o_ref, update, first=first, last=last)
 
 
 def _triton_kernel(start_ref, count_ref, lhs_ref, ls_ref, rhs_ref, rs_ref, o_ref, *, dot_dtype):

@@ -56,37 +56,29 @@ def scaled_block_dot(x_blk, w_blk, xs_col, ws_row, dot_dtype):
     return dot_f32(x_blk, w_blk, "NT") * xs_col.astype(jnp.float32) * ws_row.astype(jnp.float32)
 
 
-def tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype, k, num_k):
-    """Grid (..., K/bk) with K last: accumulate in VMEM scratch, write on the last K step.
+def _tpu_kernel(tg_ref, valid_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref, *, subs, dot_dtype):
+    """Grid (row tiles, N blocks, K blocks), K last: accumulate in VMEM scratch, write on the last K
+    step. A row tile of no group (valid 0) adds nothing and writes zeros."""
+    del tg_ref  # consumed by the index maps
+    k, num_k = pl.program_id(2), pl.num_programs(2)
 
-    `k`, `num_k`: the K grid index and extent, read by the caller (the interpreter cannot
-    evaluate `pl.program_id` inside a `pl.when`)."""
+    def update(acc):
+        for s in range(subs):
+            sl = slice(s * TILE, (s + 1) * TILE)
+            acc += scaled_block_dot(x_ref[:, sl], w_ref[:, sl], xs_ref[s], ws_ref[s], dot_dtype)
+        return acc
 
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    acc = acc_ref[...]
-    for s in range(subs):
-        sl = slice(s * TILE, (s + 1) * TILE)
-        acc += scaled_block_dot(x_ref[:, sl], w_ref[:, sl], xs_ref[s], ws_ref[s], dot_dtype)
-    acc_ref[...] = acc
-
-    @pl.when(k == num_k - 1)
-    def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    _backend.accumulate(acc_ref, o_ref, update, first=k == 0, last=k == num_k - 1,
+                        active=valid_ref[pl.program_id(0)] == 1)
 
 
-def _dense_tpu_kernel(*refs, **kw):
-    tpu_kernel(*refs, k=pl.program_id(2), num_k=pl.num_programs(2), **kw)
+def _triton_kernel(tg_ref, valid_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, n_padded, subs,
+                   dot_dtype, block_n):
+    """In-kernel K loop over full-K refs (Triton: no scratch); the tile's weight rows start at its
+    group's block of `w_ref`, and a row tile of no group runs no step."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    w_row0 = tg_ref[i] * n_padded + j * block_n
 
-
-def triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, w_row0, *, num_k, subs, dot_dtype,
-                      block_n):
-    """In-kernel K loop over full-K refs (Triton: no scratch); returns the fp32 [bm,bn] tile.
-
-    `w_row0` is the first weight row (and per-row scale) of this tile inside `w_ref`/`ws_ref`;
-    `num_k` may be traced (0 skips the tile)."""
     def body(k, acc):
         for s in range(subs):
             kb = k * subs + s
@@ -97,11 +89,7 @@ def triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, w_row0, *, num_k, subs, dot_
         return acc
 
     acc0 = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)
-    return lax.fori_loop(0, num_k, body, acc0)
-
-
-def _triton_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, **kw):
-    o_ref[...] = triton_block_loop(x_ref, xs_ref, w_ref, ws_ref, 0, **kw).astype(o_ref.dtype)
+    o_ref[...] = lax.fori_loop(0, num_k * valid_ref[i], body, acc0).astype(o_ref.dtype)
 
 
 def pad_x_operands(x_q, x_scale, rows: int, kp: int):
@@ -130,12 +118,48 @@ def pad_w_operands(w_q, w_scale, np_: int, kp: int):
     return w, jnp.swapaxes(ws, -1, -2)[..., :, None, :]
 
 
+def tiled_call(be: _backend.Backend, bs: BlockSizes, x, xs, w, ws, tile_group, tile_valid, out_dtype, name: str):
+    """The kernel over padded operands, x [Mp,Kp], xs [KBp,Mp,1], w [G,Np,Kp], ws [G,KBp,1,Np]: row
+    tile i through group tile_group[i]'s weight (tile_valid[i] == 0: zeros) -> [Mp,Np]. The tile ->
+    group map arrives by scalar prefetch on TPU, as an ordinary input on Triton."""
+    (mp, kp), (g, np_, _) = x.shape, w.shape
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    num_tiles, subs, kbp = mp // bm, bk // TILE, kp // TILE
+    kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
+    if be.style == "tpu":
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bk),
+            in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk, tg, v: (i, kk * v[i])),
+                      pl.BlockSpec((subs, bm, 1), lambda i, j, kk, tg, v: (kk * v[i], i, 0)),
+                      pl.BlockSpec((None, bn, bk), lambda i, j, kk, tg, v: (tg[i], j, kk * v[i])),
+                      pl.BlockSpec((None, subs, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
+        kernel = functools.partial(_tpu_kernel, **kw)
+    else:
+        w = w.reshape(g * np_, kp)
+        ws = jnp.moveaxis(ws, 0, 2).reshape(kbp, 1, g * np_)
+        grid_spec = pl.GridSpec(
+            grid=(num_tiles, np_ // bn),
+            in_specs=[pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
+                      pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
+                      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                      pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
+                      pl.BlockSpec((g * np_, kp), lambda i, j: (0, 0)),
+                      pl.BlockSpec((kbp, 1, g * np_), lambda i, j: (0, 0, 0))],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
+        kernel = functools.partial(_triton_kernel, num_k=kp // bk, n_padded=np_, block_n=bn, **kw)
+    return _backend.pallas_call(be, kernel, name=name, out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+                                grid_spec=grid_spec)(tile_group, tile_valid, x, xs, w, ws)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "backend", "interpret"))
 def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
                block_sizes: BlockSizes | None = None, backend=None, interpret=None):
     """x_q [M,K] e4m3, x_scale [M,KB] f32, w_q [N,K] e4m3, w_scale [NB,KB] or [N,KB] f32 -> [M,N].
 
     Partial edge blocks are zero padded inside; `backend`/`interpret` override the dispatcher.
+    The grouped kernel's, with every row tile in the one group.
     """
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
@@ -147,30 +171,10 @@ def fp8_matmul(x_q, x_scale, w_q, w_scale, *, out_dtype=jnp.bfloat16,
     (m, k), n = x_q.shape, w_q.shape[0]
     mp, np_, kp = round_up(m, bs.block_m), round_up(n, bs.block_n), round_up(k, bs.block_k)
     x, xs = pad_x_operands(x_q, x_scale, mp, kp)
-    w, ws = pad_w_operands(w_q, w_scale, np_, kp)
-    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-    subs, kbp = bk // TILE, kp // TILE
-    kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
-    if be.style == "tpu":
-        grid = (mp // bm, np_ // bn, kp // bk)
-        kernel = functools.partial(_dense_tpu_kernel, **kw)
-        in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
-                    pl.BlockSpec((subs, bm, 1), lambda i, j, k: (k, i, 0)),
-                    pl.BlockSpec((bn, bk), lambda i, j, k: (j, k)),
-                    pl.BlockSpec((subs, 1, bn), lambda i, j, k: (k, 0, j))]
-        out_spec = pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))
-        scratch = [pltpu.VMEM((bm, bn), jnp.float32)]
-    else:
-        grid = (mp // bm, np_ // bn)
-        kernel = functools.partial(_triton_kernel, num_k=kp // bk, block_n=bn, **kw)
-        in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                    pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
-                    pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
-                    pl.BlockSpec((kbp, 1, bn), lambda i, j: (0, 0, j))]
-        out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-        scratch = []
-    out = _backend.pallas_call(be, kernel, name="fp8_matmul", out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-                               grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch)(x, xs, w, ws)
+    w, ws = pad_w_operands(w_q[None], w_scale[None], np_, kp)
+    num_tiles = mp // bs.block_m
+    out = tiled_call(be, bs, x, xs, w, ws, jnp.zeros((num_tiles,), jnp.int32), jnp.ones((num_tiles,), jnp.int32),
+                     out_dtype, "fp8_matmul")
     return out[:m, :n]
 
 

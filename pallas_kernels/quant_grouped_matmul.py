@@ -72,23 +72,15 @@ def _dequant_group(q_rows, scale_1xN, fmt, dtype):
 def _tpu_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, acc_ref, *, fmt, group):
     del tg_ref  # consumed by the index maps
     i, k, num_k = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    valid = valid_ref[i]
     rows = group // 2 if fmt == "int4" else group
 
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(valid == 1)
-    def _():
+    def update(acc):
         x = x_ref[...]
         w = jnp.concatenate([_dequant_group(q_ref[j * rows:(j + 1) * rows, :], s_ref[j], fmt, x.dtype)
                              for j in range(s_ref.shape[0])], axis=0)  # [bk, bn]
-        acc_ref[...] += dot_f32(x, w)
+        return acc + dot_f32(x, w)
 
-    @pl.when(k == num_k - 1)
-    def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    _backend.accumulate(acc_ref, o_ref, update, first=k == 0, last=k == num_k - 1, active=valid_ref[i] == 1)
 
 
 def _triton_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, *, fmt, group, groups_per_expert, block_n):
@@ -158,9 +150,9 @@ def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
     np_ = round_up(n, bn)
     kp = round_up(k, bs.block_k)
     pack = 2 if fmt == "int4" else 1
-    dest, tile_group, tile_valid, num_tiles = tile_layout(group_sizes, m, bm)
-    mp = num_tiles * bm
-    xt = pad_axis(jnp.zeros((mp, k), x.dtype).at[dest].set(x, mode="drop"), 1, kp)
+    tiles = tile_layout(group_sizes, m, bm)
+    num_tiles = tiles.num_tiles
+    xt = pad_axis(tiles.scatter(x), 1, kp)
     q = pad_axis(pad_axis(q, 1, kp // pack), 2, np_)  # padded rows: zero weights
     s = pad_axis(pad_axis(w_scale.astype(jnp.float32), 1, kp // group), 2, np_)
     if be.style == "tpu":
@@ -173,7 +165,7 @@ def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
         kernel = functools.partial(_tpu_kernel, fmt=fmt, group=group)
-        operands = (tile_group, tile_valid, xt, q, s[:, :, None, :])
+        operands = (xt, q, s[:, :, None, :])
     else:
         gk = kp // group
         grid_spec = pl.GridSpec(
@@ -185,10 +177,11 @@ def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
                       pl.BlockSpec((g * gk, np_), lambda i, j: (0, 0))],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
         kernel = functools.partial(_triton_kernel, fmt=fmt, group=group, groups_per_expert=gk, block_n=bn)
-        operands = (tile_group, tile_valid, xt, q.reshape(g * kp // pack, np_), s.reshape(g * gk, np_))
+        operands = (xt, q.reshape(g * kp // pack, np_), s.reshape(g * gk, np_))
     out = _backend.pallas_call(be, kernel, name=f"{fmt}_grouped_matmul",
-                               out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid_spec=grid_spec)(*operands)
-    return jnp.take(out[:, :n], dest, axis=0, mode="fill", fill_value=0)
+                               out_shape=jax.ShapeDtypeStruct((num_tiles * bm, np_), out_dtype),
+                               grid_spec=grid_spec)(tiles.tile_group, tiles.tile_valid, *operands)
+    return tiles.gather(out[:, :n])
 
 
 def _frozen_fwd(static, x, w_q, w_scale, group_sizes):
