@@ -42,10 +42,15 @@ class BlockSizes:
 
     def validate(self, be: _backend.Backend) -> None:
         _backend.check_blocks(be, lanes=("block_kv",), block_kv=self.block_kv)
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"{self.num_splits=} must be >= 1")
-        if self.block_h is not None and (self.block_h < 16 or self.block_h != _backend.next_pow2(self.block_h)):
-            raise ValueError(f"{self.block_h=} must be a power of two >= 16")
+        check_splits_and_heads(self.num_splits, self.block_h)
+
+
+def check_splits_and_heads(num_splits: int | None, block_h: int | None) -> None:
+    """The split-KV decode kernels' shared tunables: `num_splits` >= 1, `block_h` a power of two >= 16."""
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{num_splits=} must be >= 1")
+    if block_h is not None and (block_h < 16 or block_h != _backend.next_pow2(block_h)):
+        raise ValueError(f"{block_h=} must be a power of two >= 16")
 
 
 def _online_step(carry, q_lat, q_pe, kv, kp, visible, scale):
@@ -140,8 +145,59 @@ def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
     _finish(carry, o_ref, lse_ref)
 
 
-def _combine_splits(o_BxSPxHxR, lse_BxSPxH):
-    """Merges per-split normalised outputs by their LSEs; rows with no positions give 0, -inf."""
+def check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale) -> None:
+    """Raises unless q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P] and kv_scale
+    [B,S,ceil(R/128)] (or None) agree."""
+    b, h, r = q_latent.shape
+    s, p = kv_latent.shape[1], q_pe.shape[2]
+    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
+        raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
+                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
+    if kv_scale is not None and kv_scale.shape != (b, s, -(-r // 128)):
+        raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
+
+
+def split_layout(be: _backend.Backend, q_latent, q_pe, n: int, block: int, num_splits: int | None,
+                 quantized: bool):
+    """How `n` keys in blocks of `block` are cut into splits: (splits, blocks per split, the queries
+    padded to the style's tiles: ql [B,Hp,Rp], qp [B,Hp,Pp], Rp whole 128-value scale groups for a
+    quantised cache)."""
+    (h, r), p = q_latent.shape[1:], q_pe.shape[2]
+    splits = num_splits or max(1, min(8, -(-n // (4 * block))))  # up to 8 splits of at least 4 blocks
+    hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
+    rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
+    rp = round_up(rp, 128) if quantized else rp
+    ql = pad_axis(pad_axis(q_latent, 1, hp), 2, rp)
+    qp = pad_axis(pad_axis(q_pe, 1, hp), 2, pp)
+    return splits, -(-n // (splits * block)), ql, qp
+
+
+def head_specs(be: _backend.Backend, block_h: int | None, ql, qp):
+    """BlockSpecs of the queries and of the per-split (out, lse) on a grid (B, splits, x): a TPU program
+    takes every head; a Triton program `block_h` of them (None: 16), x being its head block.
+    Returns (query specs, output specs, head blocks)."""
+    hp, rp, pp = ql.shape[1], ql.shape[2], qp.shape[2]
+    tpu = be.style == "tpu"
+    bh = hp if tpu else min(hp, block_h or 16)
+
+    def q_map(bi, si, x, *prefetch):  # x: the grid's last axis, a key block on TPU, a head block on Triton
+        return bi, 0 if tpu else x, 0
+
+    def o_map(bi, si, x, *prefetch):
+        return bi, si, 0 if tpu else x, 0
+
+    return ([pl.BlockSpec((None, bh, rp), q_map), pl.BlockSpec((None, bh, pp), q_map)],
+            [pl.BlockSpec((None, None, bh, rp), o_map), pl.BlockSpec((None, None, bh, 1), o_map)], hp // bh)
+
+
+def run_splits(be: _backend.Backend, kernel, grid_spec, inputs, *, name: str, ql, splits: int, h: int, r: int):
+    """The kernel's per-split (out, lse) for queries padded to `ql` [B,Hp,Rp], merged by their LSEs:
+    rows with no positions give 0, -inf. -> (out [B,H,R] f32, lse [B,H] f32)."""
+    b, hp, rp = ql.shape
+    out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
+    o_part, lse_part = _backend.pallas_call(be, kernel, name=name, out_shape=out_shape, grid_spec=grid_spec)(*inputs)
+    o_BxSPxHxR, lse_BxSPxH = o_part[:, :, :h, :r], lse_part[:, :, :h, 0]
     m = jnp.max(lse_BxSPxH, axis=1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_BxSPxH - m)
@@ -165,26 +221,16 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
     bs.validate(be)
+    check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale)
     b, h, r = q_latent.shape
-    s, p = kv_latent.shape[1], q_pe.shape[2]
-    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
-        raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
-                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
+    s = kv_latent.shape[1]
     if lengths.shape != (b,):
         raise ValueError(f"{lengths.shape=} must be ({b},)")
     fp8 = kv_scale is not None
-    if fp8 and kv_scale.shape != (b, s, -(-r // 128)):
-        raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
     bk = bs.block_kv
-    splits = bs.num_splits or max(1, min(8, -(-s // (4 * bk))))  # up to 8 splits of at least 4 blocks
-    bps = -(-s // (splits * bk))
+    splits, bps, ql, qp = split_layout(be, q_latent, q_pe, s, bk, bs.num_splits, fp8)
+    hp, rp, pp = ql.shape[1], ql.shape[2], qp.shape[2]
     sp = splits * bps * bk
-    hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
-    rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
-    if fp8:  # whole 128-value scale groups in a block row
-        rp = round_up(rp, 128)
-    ql = pad_axis(pad_axis(q_latent, 1, hp), 2, rp)
-    qp = pad_axis(pad_axis(q_pe, 1, hp), 2, pp)
     kv = pad_axis(pad_axis(kv_latent, 1, sp), 2, rp)
     kp = pad_axis(pad_axis(k_pe, 1, sp), 2, pp)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
@@ -193,41 +239,29 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     if fp8:
         inputs.append(pad_axis(pad_axis(kv_scale.astype(jnp.float32), 1, sp), 2, rp // 128))
     g = rp // 128
-    out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
+    q_specs, o_specs, head_blocks = head_specs(be, bs.block_h, ql, qp)
     if be.style == "tpu":
         def kv_map(bi, si, j, len_ref):  # clamp to the last needed block: skipped blocks cost no DMA
             last = jnp.maximum(pl.cdiv(len_ref[bi], bk) - 1, 0)
             return bi, jnp.minimum(si * bps + j, last), 0
-        q_map = lambda bi, si, j, len_ref: (bi, 0, 0)
-        o_map = lambda bi, si, j, len_ref: (bi, si, 0, 0)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(b, splits, bps),
-            in_specs=[pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map),
-                      pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
+            in_specs=q_specs + [pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
                      + ([pl.BlockSpec((None, bk, g), kv_map)] if fp8 else []),
-            out_specs=[pl.BlockSpec((None, None, hp, rp), o_map),
-                       pl.BlockSpec((None, None, hp, 1), o_map)],
+            out_specs=o_specs,
             scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
                             pltpu.VMEM((hp, rp), jnp.float32)])
         kernel = functools.partial(_tpu_kernel, **kw)
     else:
-        bh = min(hp, bs.block_h or 16)
-        q_map = lambda bi, si, hi: (bi, hi, 0)
         kv_map = lambda bi, si, hi: (bi, 0, 0)
-        o_map = lambda bi, si, hi: (bi, si, hi, 0)
         grid_spec = pl.GridSpec(
-            grid=(b, splits, hp // bh),
-            in_specs=[pl.BlockSpec((b,), lambda bi, si, hi: (0,)),
-                      pl.BlockSpec((None, bh, rp), q_map), pl.BlockSpec((None, bh, pp), q_map),
-                      pl.BlockSpec((None, sp, rp), kv_map), pl.BlockSpec((None, sp, pp), kv_map)]
+            grid=(b, splits, head_blocks),
+            in_specs=[pl.BlockSpec((b,), lambda bi, si, hi: (0,))] + q_specs
+                     + [pl.BlockSpec((None, sp, rp), kv_map), pl.BlockSpec((None, sp, pp), kv_map)]
                      + ([pl.BlockSpec((None, sp, g), kv_map)] if fp8 else []),
-            out_specs=[pl.BlockSpec((None, None, bh, rp), o_map),
-                       pl.BlockSpec((None, None, bh, 1), o_map)])
+            out_specs=o_specs)
         kernel = functools.partial(_triton_kernel, **kw)
-    o_part, lse_part = _backend.pallas_call(be, kernel, name="mla_decode", out_shape=out_shape,
-                                            grid_spec=grid_spec)(*inputs)
-    out, lse = _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
+    out, lse = run_splits(be, kernel, grid_spec, inputs, name="mla_decode", ql=ql, splits=splits, h=h, r=r)
     return (out, lse) if return_lse else out
 
 

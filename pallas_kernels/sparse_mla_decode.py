@@ -38,8 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import pad_axis, round_up
-from pallas_kernels.mla_decode import _combine_splits, _dequant, _finish, _init, _online_step
+from pallas_kernels._backend import pad_axis
+from pallas_kernels.mla_decode import (_dequant, _finish, _init, _online_step, check_cache_shapes,
+                                       check_splits_and_heads, head_specs, run_splits, split_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +55,7 @@ class BlockSizes:
 
     def validate(self, be: _backend.Backend) -> None:
         _backend.check_blocks(be, lanes=("block_k",), block_k=self.block_k_for(be))
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"{self.num_splits=} must be >= 1")
-        if self.block_h is not None and (self.block_h < 16 or self.block_h != _backend.next_pow2(self.block_h)):
-            raise ValueError(f"{self.block_h=} must be a power of two >= 16")
+        check_splits_and_heads(self.num_splits, self.block_h)
 
     def block_k_for(self, be: _backend.Backend) -> int:
         return self.block_k or (128 if be.style == "tpu" else 64)
@@ -126,18 +124,6 @@ def _triton_kernel(idx_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
     _finish(lax.fori_loop(0, blocks_per_split, body, _init(*o_ref.shape)), o_ref, lse_ref)
 
 
-def _check_shapes(q_latent, q_pe, kv_latent, k_pe, indices, kv_scale):
-    b, h, r = q_latent.shape
-    s, p = kv_latent.shape[1], q_pe.shape[2]
-    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
-        raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
-                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
-    if indices.ndim != 2 or indices.shape[0] != b or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ValueError(f"indices must be integer [B={b}, K], got {indices.dtype} {indices.shape}")
-    if kv_scale is not None and kv_scale.shape != (b, s, -(-r // 128)):
-        raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
-
-
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "block_sizes", "backend", "interpret"))
 def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, indices_BxK, *,
                       softmax_scale: float, kv_scale=None, block_sizes: BlockSizes | None = None,
@@ -149,58 +135,45 @@ def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, i
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
     bs.validate(be)
-    _check_shapes(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, indices_BxK, kv_scale)
+    check_cache_shapes(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, kv_scale)
     b, h, r = q_latent_BxHxR.shape
-    s, p, k = kv_latent_BxSxR.shape[1], q_pe_BxHxP.shape[2], indices_BxK.shape[1]
+    if indices_BxK.ndim != 2 or indices_BxK.shape[0] != b or not jnp.issubdtype(indices_BxK.dtype, jnp.integer):
+        raise ValueError(f"indices must be integer [B={b}, K], got {indices_BxK.dtype} {indices_BxK.shape}")
+    s, k = kv_latent_BxSxR.shape[1], indices_BxK.shape[1]
     quantized = kv_scale is not None
     bk = bs.block_k_for(be)
-    splits = bs.num_splits or max(1, min(8, -(-k // (4 * bk))))  # up to 8 splits of at least 4 blocks
-    bps = -(-k // (splits * bk))
+    splits, bps, ql, qp = split_layout(be, q_latent_BxHxR, q_pe_BxHxP, k, bk, bs.num_splits, quantized)
+    hp, rp, pp = ql.shape[1], ql.shape[2], qp.shape[2]
     per_split = bps * bk
-    hp = _backend.next_pow2(max(h, 16)) if be.style == "triton" else round_up(h, 8)
-    rp, pp = _backend.pad_feature(be, r), _backend.pad_feature(be, p)
-    rp = round_up(rp, 128) if quantized else rp  # whole 128-value scale groups in a row
     idx = indices_BxK.astype(jnp.int32)
     idx = pad_axis(jnp.where((idx >= 0) & (idx < s), idx, -1), 1, splits * per_split, value=-1)
-    ql = pad_axis(pad_axis(q_latent_BxHxR, 1, hp), 2, rp)
-    qp = pad_axis(pad_axis(q_pe_BxHxP, 1, hp), 2, pp)
     cache = [pad_axis(kv_latent_BxSxR, 2, rp), pad_axis(k_pe_BxSxP, 2, pp)]
     if quantized:
         cache.append(pad_axis(kv_scale.astype(jnp.float32), 2, rp // 128))
     kw = dict(scale=float(softmax_scale), block_k=bk, blocks_per_split=bps, quantized=quantized)
-    out_shape = [jax.ShapeDtypeStruct((b, splits, hp, rp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, splits, hp, 1), jnp.float32)]
+    q_specs, o_specs, head_blocks = head_specs(be, bs.block_h, ql, qp)
     if be.style == "tpu":
-        q_map = lambda bi, si, j: (bi, 0, 0)
-        o_map = lambda bi, si, j: (bi, si, 0, 0)
         grid_spec = pl.GridSpec(
             grid=(b, splits, bps),
-            in_specs=[pl.BlockSpec((None, None, 1, per_split), o_map, memory_space=pltpu.SMEM),
-                      pl.BlockSpec((None, None, 1, bk), lambda bi, si, j: (bi, si * bps + j, 0, 0)),
-                      pl.BlockSpec((None, hp, rp), q_map), pl.BlockSpec((None, hp, pp), q_map)]
-                     + [pl.BlockSpec(memory_space=pl.ANY)] * len(cache),
-            out_specs=[pl.BlockSpec((None, None, hp, rp), o_map), pl.BlockSpec((None, None, hp, 1), o_map)],
+            in_specs=[pl.BlockSpec((None, None, 1, per_split), lambda bi, si, j: (bi, si, 0, 0),
+                                   memory_space=pltpu.SMEM),
+                      pl.BlockSpec((None, None, 1, bk), lambda bi, si, j: (bi, si * bps + j, 0, 0))]
+                     + q_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(cache),
+            out_specs=o_specs,
             scratch_shapes=[pltpu.VMEM((2, bk, a.shape[2]), a.dtype) for a in cache]
                            + [pltpu.SemaphoreType.DMA((len(cache), 2)), pltpu.VMEM((hp, 1), jnp.float32),
                               pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, rp), jnp.float32)])
         inputs = [idx.reshape(b, splits, 1, per_split), idx.reshape(b, splits * bps, 1, bk), ql, qp, *cache]
         kernel = functools.partial(_tpu_kernel, **kw)
     else:
-        bh = min(hp, bs.block_h or 16)
-        q_map = lambda bi, si, hi: (bi, hi, 0)
-        cache_map = lambda bi, si, hi: (bi, 0, 0)
         grid_spec = pl.GridSpec(
-            grid=(b, splits, hp // bh),
-            in_specs=[pl.BlockSpec((None, splits * per_split), lambda bi, si, hi: (bi, 0)),
-                      pl.BlockSpec((None, bh, rp), q_map), pl.BlockSpec((None, bh, pp), q_map)]
-                     + [pl.BlockSpec((None, s, a.shape[2]), cache_map) for a in cache],
-            out_specs=[pl.BlockSpec((None, None, bh, rp), lambda bi, si, hi: (bi, si, hi, 0)),
-                       pl.BlockSpec((None, None, bh, 1), lambda bi, si, hi: (bi, si, hi, 0))])
+            grid=(b, splits, head_blocks),
+            in_specs=[pl.BlockSpec((None, splits * per_split), lambda bi, si, hi: (bi, 0))] + q_specs
+                     + [pl.BlockSpec((None, s, a.shape[2]), lambda bi, si, hi: (bi, 0, 0)) for a in cache],
+            out_specs=o_specs)
         inputs = [idx, ql, qp, *cache]
         kernel = functools.partial(_triton_kernel, **kw)
-    o_part, lse_part = _backend.pallas_call(be, kernel, name="sparse_mla_decode", out_shape=out_shape,
-                                            grid_spec=grid_spec)(*inputs)
-    return _combine_splits(o_part[:, :, :h, :r], lse_part[:, :, :h, 0])
+    return run_splits(be, kernel, grid_spec, inputs, name="sparse_mla_decode", ql=ql, splits=splits, h=h, r=r)
 
 
 def sparse_mla_decode_reference(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, indices_BxK, *,
