@@ -92,26 +92,26 @@ def indexer_scores(q_BxNxD, w_BxN, k_BxSxD, lengths_B, *, k_scale=None, block_si
     lengths = jnp.clip(lengths_B.astype(jnp.int32), 0, s)
     kernel = functools.partial(_kernel, block_s=bk, quantized=quantized)
     out_shape = jax.ShapeDtypeStruct((b, 1, sp), jnp.float32)
+    def k_map(bi, j, *len_ref):  # TPU (lengths prefetched): clamped to the last visible block, no DMA past it
+        if len_ref:
+            j = jnp.minimum(j, jnp.maximum(pl.cdiv(len_ref[0][bi], bk) - 1, 0))
+        return bi, j, 0
+
+    def per_row(bi, j, *len_ref):
+        return bi, 0, 0
+
+    def along_s(bi, j, *len_ref):  # a key block's scales, the same block as its keys
+        return bi, 0, k_map(bi, j, *len_ref)[1]
+
+    in_specs = [pl.BlockSpec((None, npad, dp), per_row), pl.BlockSpec((None, npad, 1), per_row),
+                pl.BlockSpec((None, bk, dp), k_map)] + ([pl.BlockSpec((None, 1, bk), along_s)] if quantized else [])
+    out_specs = pl.BlockSpec((None, 1, bk), lambda bi, j, *len_ref: (bi, 0, j))
     if be.style == "tpu":
-        def k_map(bi, j, len_ref):  # clamp to the last visible block: blocks past it cost no DMA
-            return bi, jnp.minimum(j, jnp.maximum(pl.cdiv(len_ref[bi], bk) - 1, 0)), 0
-        in_specs = [pl.BlockSpec((None, npad, dp), lambda bi, j, len_ref: (bi, 0, 0)),
-                    pl.BlockSpec((None, npad, 1), lambda bi, j, len_ref: (bi, 0, 0)),
-                    pl.BlockSpec((None, bk, dp), k_map)]
-        if quantized:
-            in_specs.append(pl.BlockSpec((None, 1, bk), lambda bi, j, len_ref: (bi, 0, k_map(bi, j, len_ref)[1])))
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, sp // bk), in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, 1, bk), lambda bi, j, len_ref: (bi, 0, j)))
+        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(b, sp // bk), in_specs=in_specs,
+                                                 out_specs=out_specs)
     else:
-        in_specs = [pl.BlockSpec((b,), lambda bi, j: (0,)),
-                    pl.BlockSpec((None, npad, dp), lambda bi, j: (bi, 0, 0)),
-                    pl.BlockSpec((None, npad, 1), lambda bi, j: (bi, 0, 0)),
-                    pl.BlockSpec((None, bk, dp), lambda bi, j: (bi, j, 0))]
-        if quantized:
-            in_specs.append(pl.BlockSpec((None, 1, bk), lambda bi, j: (bi, 0, j)))
-        grid_spec = pl.GridSpec(grid=(b, sp // bk), in_specs=in_specs,
-                                out_specs=pl.BlockSpec((None, 1, bk), lambda bi, j: (bi, 0, j)))
+        grid_spec = pl.GridSpec(grid=(b, sp // bk), in_specs=[pl.BlockSpec((b,), lambda bi, j: (0,))] + in_specs,
+                                out_specs=out_specs)
     scores = _backend.pallas_call(be, kernel, name="indexer_scores", out_shape=out_shape,
                                   grid_spec=grid_spec)(lengths, *inputs)
     return scores[:, 0, :s]
