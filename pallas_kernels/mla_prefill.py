@@ -46,56 +46,45 @@ class BlockSizes:
         _backend.check_blocks(be, rows=("block_q",), lanes=("block_k",), block_q=block_q, block_k=block_k)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Op:
-    """A [B, H|1, T, X] (seq_axis 2) or [B, 1, 1, T] (seq_axis 3) kernel operand."""
-
-    seq_axis: int
-    per_head: bool
+def _block_shape(shape, blk):
+    """An operand's block: [B, H|1, T, X] operands are cut along T (rows), [B, 1, 1, T] segment ids
+    of the keys along their last axis (lanes). T >= 8 after padding, so the two never coincide."""
+    return (None, None, 1, blk) if shape[2] == 1 else (None, None, blk, shape[3])
 
 
-_SEQ_ROWS, _SEQ_COLS = 2, 3
+def _index(shape, b, h, seq_idx):
+    h = h if shape[1] > 1 else 0  # a [B, 1, ...] operand serves every head
+    return (b, h, 0, seq_idx) if shape[2] == 1 else (b, h, seq_idx, 0)
 
 
-def _block_shape(op: _Op, shape, blk):
-    return (None, None, blk, shape[3]) if op.seq_axis == _SEQ_ROWS else (None, None, 1, blk)
-
-
-def _index(op: _Op, b, h, seq_idx):
-    h = h if op.per_head else 0
-    return (b, h, seq_idx, 0) if op.seq_axis == _SEQ_ROWS else (b, h, 0, seq_idx)
-
-
-def _slice(ref, op: _Op, idx, blk):
+def _slice(ref, idx, blk):
     start = pl.multiple_of(idx * blk, blk)
-    return ref[pl.ds(start, blk), :] if op.seq_axis == _SEQ_ROWS else ref[:, pl.ds(start, blk)]
+    return ref[:, pl.ds(start, blk)] if ref.shape[0] == 1 else ref[pl.ds(start, blk), :]
 
 
 def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer_blk, inner_blk,
                 inner_range: Callable, dims):
     """Runs `finish(fold(step, inner blocks in inner_range(o)), outer)` for every outer block.
 
-    outer/inner: sequences of (array, _Op); out_shapes: [B,H,T,X] ShapeDtypeStructs blocked like
-    the outer rows; init() -> tuple of fp32 carries; step(carry, outer_vals, inner_vals, o, i).
+    outer/inner: sequences of [B, H|1, T, X] or [B, 1, 1, T] arrays; out_shapes: [B,H,T,X]
+    ShapeDtypeStructs blocked like the outer rows; init() -> tuple of fp32 carries;
+    step(carry, outer_vals, inner_vals, o, i).
     """
     b, h, t = dims
     n_outer, n_inner = t // outer_blk, t // inner_blk
-    o_arrays, o_ops = zip(*outer)
-    i_arrays, i_ops = zip(*inner)
     n_o, n_i, n_out = len(outer), len(inner), len(out_shapes)
-    out_op = _Op(_SEQ_ROWS, True)
     carry_shapes = [c.shape for c in jax.eval_shape(init)]
     if be.style == "tpu":
         def clamp(o, i):
             lo, hi = inner_range(o)
             return jnp.clip(i, lo, jnp.maximum(hi - 1, lo))
-        in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
-                                 lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, o))
-                    for a, op in outer]
-        in_specs += [pl.BlockSpec(_block_shape(op, a.shape, inner_blk),
-                                  lambda bi, hi_, o, i, op=op: _index(op, bi, hi_, clamp(o, i)))
-                     for a, op in inner]
-        out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
+        in_specs = [pl.BlockSpec(_block_shape(a.shape, outer_blk),
+                                 lambda bi, hi_, o, i, shape=a.shape: _index(shape, bi, hi_, o))
+                    for a in outer]
+        in_specs += [pl.BlockSpec(_block_shape(a.shape, inner_blk),
+                                  lambda bi, hi_, o, i, shape=a.shape: _index(shape, bi, hi_, clamp(o, i)))
+                     for a in inner]
+        out_specs = [pl.BlockSpec(_block_shape(s.shape, outer_blk),
                                   lambda bi, hi_, o, i: (bi, hi_, o, 0)) for s in out_shapes]
 
         def kernel(*refs):
@@ -124,11 +113,11 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
         grid = (b, h, n_outer, n_inner)
         scratch = [pltpu.VMEM(s, jnp.float32) for s in carry_shapes]
     else:
-        in_specs = [pl.BlockSpec(_block_shape(op, a.shape, outer_blk),
-                                 lambda o, bi, hi_, op=op: _index(op, bi, hi_, o)) for a, op in outer]
-        in_specs += [pl.BlockSpec(_block_shape(op, a.shape, a.shape[op.seq_axis]),
-                                  lambda o, bi, hi_, op=op: _index(op, bi, hi_, 0)) for a, op in inner]
-        out_specs = [pl.BlockSpec(_block_shape(out_op, s.shape, outer_blk),
+        in_specs = [pl.BlockSpec(_block_shape(a.shape, outer_blk),
+                                 lambda o, bi, hi_, shape=a.shape: _index(shape, bi, hi_, o)) for a in outer]
+        in_specs += [pl.BlockSpec(_block_shape(a.shape, t),
+                                  lambda o, bi, hi_, shape=a.shape: _index(shape, bi, hi_, 0)) for a in inner]
+        out_specs = [pl.BlockSpec(_block_shape(s.shape, outer_blk),
                                   lambda o, bi, hi_: (bi, hi_, o, 0)) for s in out_shapes]
 
         def kernel(*refs):
@@ -138,7 +127,7 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
             lo, hi = inner_range(o)
 
             def body(i, carry):
-                i_vals = [_slice(r, op, i, inner_blk) for r, op in zip(i_refs, i_ops)]
+                i_vals = [_slice(r, i, inner_blk) for r in i_refs]
                 return step(carry, o_vals, i_vals, o, i)
 
             carry = lax.fori_loop(lo, hi, body, init())
@@ -147,7 +136,7 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
 
         grid, scratch = (n_outer, b, h), []
     return _backend.pallas_call(be, kernel, name=name, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
-                                out_specs=out_specs, scratch_shapes=scratch)(*o_arrays, *i_arrays)
+                                out_specs=out_specs, scratch_shapes=scratch)(*outer, *inner)
 
 
 def _scores(q, k, q_seg, k_seg, q0, k0, scale):
@@ -208,9 +197,6 @@ class _Cfg:
     be: _backend.Backend
 
 
-_ROWS_H, _ROWS_1, _COLS_1 = _Op(_SEQ_ROWS, True), _Op(_SEQ_ROWS, False), _Op(_SEQ_COLS, False)
-
-
 def _causal_hi(o, bq, bk, n_k):  # kv blocks [0, hi) touch q block o
     return jnp.minimum(pl.cdiv((o + 1) * bq, bk), n_k)
 
@@ -222,8 +208,7 @@ def _forward(q, k, v, q_seg, k_seg, cfg: _Cfg):
         cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, cfg=cfg),
         init=lambda: (jnp.full((cfg.bq, 1), MASK_VALUE, jnp.float32),
                       jnp.zeros((cfg.bq, 1), jnp.float32), jnp.zeros((cfg.bq, dv), jnp.float32)),
-        finish=_fwd_finish, outer=[(q, _ROWS_H), (q_seg, _ROWS_1)],
-        inner=[(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)],
+        finish=_fwd_finish, outer=[q, q_seg], inner=[k, v, k_seg],
         out_shapes=[jax.ShapeDtypeStruct((b, h, t, dv), q.dtype),
                     jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)],
         outer_blk=cfg.bq, inner_blk=cfg.bk, dims=(b, h, t),
@@ -245,8 +230,7 @@ def _flash_bwd(cfg: _Cfg, res, do):
     b, h, t, d_qk = q.shape
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     do = do.astype(q.dtype)
-    q_side = [(q, _ROWS_H), (q_seg, _ROWS_1), (do, _ROWS_H), (lse, _ROWS_H), (delta, _ROWS_H)]
-    kv_side = [(k, _ROWS_H), (v, _ROWS_H), (k_seg, _COLS_1)]
+    q_side, kv_side = [q, q_seg, do, lse, delta], [k, v, k_seg]
     (dq,) = _flash_call(
         cfg.be, name="mla_prefill_dq", step=functools.partial(_dq_step, cfg=cfg),
         init=lambda: (jnp.zeros((cfg.bq, d_qk), jnp.float32),),
