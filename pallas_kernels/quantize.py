@@ -94,6 +94,3 @@ def check_scale_shapes(name: str, q: jax.Array, scale: jax.Array, row_tile: int)
     if tuple(scale.shape[-2:]) != want:
         raise ValueError(f"{name} scale has shape {scale.shape}; expected trailing dims {want} "
                          f"for {name} of shape {q.shape} (tiles of {row_tile}x{TILE})")
-
-
-__all__ = ["quantize_1x128", "quantize_128x128", "dequantize_1x128", "dequantize_128x128"]

@@ -69,15 +69,6 @@ def dequantize(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None, dtype) ->
     return (latent_BxSxC.astype(jnp.float32) * scale).astype(dtype)
 
 
-def per_128_scales(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None) -> jax.Array | None:
-    """The cache's scales as one per 128 latent values (the Pallas decode kernel's layout): an int8
-    token's one scale repeated over its ceil(C / 128) blocks; fp8 scales as they are."""
-    if scale_BxSxG is None or latent_BxSxC.dtype != jnp.int8:
-        return scale_BxSxG
-    blocks = -(-latent_BxSxC.shape[-1] // FP8_BLOCK)
-    return jnp.broadcast_to(scale_BxSxG, (*scale_BxSxG.shape[:-1], blocks))
-
-
 def _softmax_step(carry, s_BxHxWxP, values, eq: str, dt):
     """One block of P keys of the online softmax: carry = (max [B,H,W], sum [B,H,W], acc [B,H,W,*]),
     scores already scaled and masked (-inf), `values` contracted with the probabilities by `eq`."""
@@ -203,19 +194,28 @@ def merge(out_a_BxWxHxV, lse_a_BxWxH, out_b_BxWxHxV, lse_b_BxWxH) -> jax.Array:
     return out / (w_a + w_b)[..., None]
 
 
-def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
-                  compute_dtype, layer=None) -> jax.Array:
-    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache (a stack
-    is sliced at `layer` first), merged with the token's own entry by log-sum-exp -> [B, 1, H, C]
-    float32."""
-    dt = compute_dtype
+def _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, dt):
+    """What a Pallas decode kernel takes for one query per row: (q_lat [B, H, C] in dt, q_pe [B, H, R]
+    fp32, latent [B, S, C] (8-bit as stored, else in dt), k_pe [B, S, R] in dt, the latent's scales
+    as one per 128 values or None) of one layer (a stack is sliced at `layer` first)."""
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = (layer_slice(a, layer) for a in cache[:3])
     q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
-    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)  # fp8/int8: dequantised per block
-    o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt), positions_BxW[:, 0],
-                                                 softmax_scale=softmax_scale, return_lse=True,
-                                                 kv_scale=per_128_scales(latent_BxSxC, scale_BxSxG))
-    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, None, softmax_scale, dt)
+    if scale_BxSxG is None:
+        return q_lat, q_pe, latent_BxSxC.astype(dt), k_pe_BxSxR.astype(dt), None
+    if latent_BxSxC.dtype == jnp.int8:  # an int8 token's one scale repeated over its ceil(C / 128) blocks
+        blocks = -(-latent_BxSxC.shape[-1] // FP8_BLOCK)
+        scale_BxSxG = jnp.broadcast_to(scale_BxSxG, (*scale_BxSxG.shape[:-1], blocks))
+    return q_lat, q_pe, latent_BxSxC, k_pe_BxSxR.astype(dt), scale_BxSxG
+
+
+def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
+                  compute_dtype, layer=None) -> jax.Array:
+    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache, merged with
+    the token's own entry by log-sum-exp -> [B, 1, H, C] float32."""
+    q_lat, q_pe, latent, k_pe, scale = _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, compute_dtype)
+    o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe, positions_BxW[:, 0],
+                                                 softmax_scale=softmax_scale, return_lse=True, kv_scale=scale)
+    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, None, softmax_scale, compute_dtype)
 
 
 def _merge_own(o_BxHxC, lse_BxH, q_lat_BxHxC, q_pe_BxHxR, own, own_kept_B, softmax_scale: float, dt) -> jax.Array:
@@ -281,14 +281,10 @@ def attend_sparse_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, 
                          compute_dtype, layer=None) -> jax.Array:
     """`attend_sparse` for one query per row: the sparse Pallas decode kernel over the chosen cache
     rows, merged with the token's own entry (if chosen) by log-sum-exp -> [B, 1, H, C] float32."""
-    dt = compute_dtype
-    latent_BxSxC, scale_BxSxG, k_pe_BxSxR = (layer_slice(a, layer) for a in cache[:3])
-    s, chosen_BxK = latent_BxSxC.shape[1], chosen_BxWxK[:, 0]
-    q_lat, q_pe = q_lat_BxWxHxC[:, 0].astype(dt), q_pe_BxWxHxR[:, 0].astype(jnp.float32)
-    latent = latent_BxSxC if scale_BxSxG is not None else latent_BxSxC.astype(dt)
-    o_BxHxC, lse_BxH = pallas_kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe_BxSxR.astype(dt),
-                                                        jnp.where(chosen_BxK < s, chosen_BxK, -1),
-                                                        softmax_scale=softmax_scale,
-                                                        kv_scale=per_128_scales(latent_BxSxC, scale_BxSxG))
+    q_lat, q_pe, latent, k_pe, scale = _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, compute_dtype)
+    s, chosen_BxK = latent.shape[1], chosen_BxWxK[:, 0]
+    indices_BxK = jnp.where(chosen_BxK < s, chosen_BxK, -1)  # the own entry (S) is merged below
+    o_BxHxC, lse_BxH = pallas_kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe, indices_BxK,
+                                                        softmax_scale=softmax_scale, kv_scale=scale)
     own_kept_B = jnp.any(chosen_BxK == s, axis=-1)
-    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, own_kept_B, softmax_scale, dt)
+    return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, own_kept_B, softmax_scale, compute_dtype)
