@@ -160,19 +160,12 @@ class Engine:
                     self._free(slot)
             self._finish(request, "cancelled", emit=False)
 
-    def slots_in_use(self) -> int:
-        with self.cond:
-            return sum(r is not None for r in self.slots)
-
-    def queue_length(self) -> int:
-        with self.cond:
-            return len(self.waiting)
-
     def health(self) -> dict:
         """{"status": "ok" | "recovering" | "failed", "last_error": the last failed step's error or None,
-        "resets": resets so far}."""
+        "resets": resets so far, "slots_in_use": slots holding a request, "queue_length": requests waiting}."""
         with self.cond:
-            return {"status": self.state, "last_error": self.last_error, "resets": self.resets}
+            return {"status": self.state, "last_error": self.last_error, "resets": self.resets,
+                    "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting)}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
@@ -337,14 +330,11 @@ class Engine:
         for token in tokens:
             kept.append(token)
             request.generated.append(token)
-            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-                reason = "stop"
-                if p.include_stop_str_in_output:
-                    text += request.stream.push([token])
-            else:
+            stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+            if not stop_token or p.include_stop_str_in_output:
                 text += request.stream.push([token])
-                if request.stream.stopped:
-                    reason = "stop"
+            if stop_token or request.stream.stopped:
+                reason = "stop"
             if reason is None and request.matcher is not None and request.matcher.advance(token):
                 reason = "stop"  # the grammar is complete
             if reason is None and len(request.generated) >= p.max_tokens:

@@ -231,28 +231,22 @@ class Grammars:
     def _completer(self) -> Completer:
         return Completer(self._lltokenizer, self.vocab_size, self._tokenizer.eos_id)
 
-    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+    def check(self, grammar: str, field: str = "grammar") -> llguidance.LLMatcher:
+        """The compiled grammar (kept for its requests); GrammarError naming `field` if it does not compile."""
         with self._lock:
             if grammar in self._compiled:
                 self._compiled.move_to_end(grammar)
                 return self._compiled[grammar]
             compiled = llguidance.LLMatcher(self._lltokenizer, grammar)
-            if not compiled.is_error():
-                self._compiled[grammar] = compiled
-                if len(self._compiled) > self._cache:
-                    self._compiled.popitem(last=False)
+            if compiled.is_error():
+                raise GrammarError(field, compiled.get_error())
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > self._cache:
+                self._compiled.popitem(last=False)
             return compiled
-
-    def check(self, grammar: str, field: str) -> None:
-        """Compiles the grammar (kept for its requests); GrammarError naming `field` if it does not compile."""
-        compiled = self._compile(grammar)
-        if compiled.is_error():
-            raise GrammarError(field, compiled.get_error())
 
     def matcher(self, grammar: str) -> Matcher:
         """A fresh matcher at the grammar's start (a copy of the compiled one)."""
-        compiled = self._compile(grammar)
-        if compiled.is_error():
-            raise GrammarError("grammar", compiled.get_error())
+        compiled = self.check(grammar)
         with self._lock:
             return Matcher(compiled.deep_copy(), self._completer)

@@ -105,7 +105,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
     def error(status: int, message: str, param: str | None = None):
         engine.metrics.response(status)
         kind = _ERROR_KINDS.get(status, "invalid_request_error")
-        return JSONResponse(schemas.error_body(message, param=param, kind=kind), status_code=status)
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -119,6 +119,10 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
         return error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(GrammarError)  # a structured output or tool_choice that makes no grammar
+    async def _no_grammar(_, exc: GrammarError):
+        return error(400, str(exc), exc.field)
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
@@ -191,14 +195,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
                               logprobs=logprobs, echo=echo, penalties=penalties, prefix_cache=req.prefix_cache,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens,
-                              grammar=grammar(req))
-
-    def grammar(req: schemas._Sampling) -> str | None:
-        """The request's structured-output grammar, compiled once here (a 400 naming the field if it fails)."""
-        try:
-            return request_grammar(*(getattr(req, k) for k in GRAMMAR_FIELDS), grammars=engine.grammars)
-        except GrammarError as e:
-            raise BadRequest(400, str(e), e.field) from None
+                              grammar=request_grammar(*(getattr(req, k) for k in GRAMMAR_FIELDS),
+                                                      grammars=engine.grammars))
 
     def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
         loop, requests = asyncio.get_running_loop(), []
@@ -206,7 +204,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
             for c, sp in zip(choices, per_choice):
                 sink = lambda ev, c=c: loop.call_soon_threadsafe(queue.put_nowait, (c, ev))  # noqa: E731
                 requests.append(engine.submit(Request(list(c.prompt), sp, sink)))
-        except QueueFull:
+        except Exception:  # the queue is full (or a grammar failed): none of them runs
             for r in requests:
                 engine.cancel(r)
             raise
@@ -355,13 +353,13 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     @app.get("/health")
     async def health():
-        state = engine.health()  # status ok | recovering | failed (503), last_error, resets
-        body = state | {"slots_in_use": engine.slots_in_use(), "queue_length": engine.queue_length()}
-        return JSONResponse(body, status_code=503 if state["status"] == "failed" else 200)
+        state = engine.health()  # status ok | recovering | failed (503), last_error, resets, slots_in_use, queue_length
+        return JSONResponse(state, status_code=503 if state["status"] == "failed" else 200)
 
     @app.get("/metrics")
     async def metrics():
-        text = engine.metrics.render(queue_length=engine.queue_length(), slots_in_use=engine.slots_in_use(),
+        state = engine.health()
+        text = engine.metrics.render(queue_length=state["queue_length"], slots_in_use=state["slots_in_use"],
                                      first_moe_layer=engine.runner.config.num_dense_layers)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -19,6 +19,14 @@ from __future__ import annotations
 CONTEXT_TOKENS = 5  # tokens decoded before the new ones, so that their text reads as in the whole
 
 
+def held(text: str, markers: list[str]) -> int:
+    """Characters at the end of `text` that must wait for more: the longest start of one of `markers`."""
+    for n in range(min(max((len(m) for m in markers), default=1) - 1, len(text)), 0, -1):
+        if any(text.endswith(m[:n]) for m in markers if len(m) > n):
+            return n
+    return 0
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
@@ -41,13 +49,6 @@ class TextStream:
             self.read = len(self.ids)
             self.prefix = max(self.prefix, self.read - CONTEXT_TOKENS)
 
-    def _held(self, text: str) -> int:
-        """Characters at the end of `text` that must wait for more tokens (a stop string's start)."""
-        for n in range(min(max((len(s) for s in self.stop), default=1) - 1, len(text)), 0, -1):
-            if any(text.endswith(s[:n]) for s in self.stop if len(s) > n):
-                return n
-        return 0
-
     def push(self, ids: list[int]) -> str:
         """Adds generated ids; returns the new text that is safe to emit. Sets `stopped` when the
         text reaches a stop string (the stop string itself is never emitted)."""
@@ -62,7 +63,7 @@ class TextStream:
             at, stop = min(found, key=lambda f: f[0])
             end = at + len(stop) if self.include_stop else at
         else:
-            end = len(text) - self._held(text)
+            end = len(text) - held(text, self.stop)  # what could still become a stop string waits
         delta = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta

@@ -29,6 +29,7 @@ import uuid
 import llguidance
 
 from dsv3_jax.serving.grammar import strict
+from dsv3_jax.serving.textstream import held
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -95,11 +96,6 @@ def answer_grammar(functions: dict[str, dict | None] | None, parallel: bool, str
     return forced
 
 
-def _held(text: str, marker: str) -> int:
-    """Characters at the end of `text` that may be the start of `marker`."""
-    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
-
-
 class ToolCallStream:
     """Generated text -> (content delta, OpenAI tool-call deltas), as the text arrives.
 
@@ -135,7 +131,7 @@ class ToolCallStream:
         if at >= 0:
             piece, self.buf = self.buf[:at], self.buf[at + len(marker):]
             return piece, True
-        cut = len(self.buf) - (0 if final else _held(self.buf, marker))
+        cut = len(self.buf) - (0 if final else held(self.buf, [marker]))
         piece, self.buf = self.buf[:cut], self.buf[cut:]
         return piece, False
 

@@ -60,7 +60,8 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
         for sink in sinks:
             assert sink.done.wait(300), "a request never finished"
     assert compiles == [], "warm-up must compile every shape a request meets"
-    assert engine.slots_in_use() == 0 and engine.queue_length() == 0
+    health = engine.health()
+    assert health["slots_in_use"] == 0 and health["queue_length"] == 0
     runner = engine.runner  # compiled once per prefill width and decode bucket (at warm-up), whatever the lengths
     assert runner.steps.prefill._cache_size() == 1
     assert runner.steps.decode._cache_size() == len(runner.decode_buckets) == 4  # 1, 2, 4, 8 rows
@@ -99,9 +100,9 @@ def test_cancel_frees_the_slot_at_once(engine):
     deadline = time.time() + 120
     while len(sink.tokens) < 3 and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.slots_in_use() == 1
+    assert engine.health()["slots_in_use"] == 1
     engine.cancel(request)
-    assert engine.slots_in_use() == 0, "cancel must free the slot before it returns"
+    assert engine.health()["slots_in_use"] == 0, "cancel must free the slot before it returns"
     assert 3 <= len(sink.tokens) < 50 and request.done
 
 
