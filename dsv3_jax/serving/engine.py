@@ -245,16 +245,14 @@ class Engine:
             self.metrics.decode_step(time.perf_counter() - start, int(active.sum()), result.expert_counts,
                                      drafts=self.runner.drafts, accepted=int(result.accepted[active].sum()))
             with self.cond:
-                requests = {slot: self.slots[slot] for slot in np.flatnonzero(active)}
-                for slot, r in requests.items():
-                    if r is not None:  # not cancelled during the step
-                        self.positions[slot] += int(result.accepted[slot]) + 1
-                        self.next_tokens[slot] = result.next_tokens[slot]
+                requests = {slot: self.slots[slot] for slot in np.flatnonzero(active) if self.slots[slot] is not None}
+                for slot in requests:  # those not cancelled during the step
+                    self.positions[slot] += int(result.accepted[slot]) + 1
+                    self.next_tokens[slot] = result.next_tokens[slot]
             for slot, r in requests.items():
-                if r is not None:
-                    n = int(result.accepted[slot]) + 1
-                    logprobs = _logprobs(TokenLogprobs(*(a[slot] for a in result.logprobs)), r.params.logprobs, n)
-                    self._accept(slot, r, result.emitted[slot, :n].tolist(), logprobs)
+                n = int(result.accepted[slot]) + 1
+                logprobs = _logprobs(TokenLogprobs(*(a[slot] for a in result.logprobs)), r.params.logprobs, n)
+                self._accept(slot, r, result.emitted[slot, :n].tolist(), logprobs)
 
     def _admit(self) -> list[tuple[int, list]]:
         """Fills free slots, lowest first; -> (slot, cached prefix blocks) to write before they prefill."""

@@ -266,8 +266,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
-    """The tools as a chat template takes them (HF's `tools` argument)."""
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -158,13 +158,13 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         """The texts' ids (no special tokens), from a worker thread."""
         return await asyncio.to_thread(tok.encode_batch, texts)
 
-    async def encode_chat(messages: list[schemas.ChatMessage], add_generation_prompt: bool,
-                          tool_list: list[dict] | None, template_kwargs: dict | None) -> list[int]:
+    async def encode_chat(body: schemas.ChatRequest | schemas.TokenizeRequest) -> list[int]:
         """The rendered chat's ids: `tools` passed as HF passes them, vLLM's chat_template_kwargs over them."""
-        variables = {"tools": tool_list} | (template_kwargs or {})
+        tool_list = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        variables = {"tools": tool_list} | (body.chat_template_kwargs or {})
         try:
-            text = await asyncio.to_thread(chat.render, [m.for_template() for m in messages],
-                                           add_generation_prompt=add_generation_prompt, **variables)
+            text = await asyncio.to_thread(chat.render, [m.for_template() for m in body.messages],
+                                           add_generation_prompt=body.add_generation_prompt, **variables)
         except (ChatTemplateError, ValueError) as e:
             raise BadRequest(400, str(e), "messages") from e
         return (await encode([text]))[0]
@@ -294,8 +294,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, http: fastapi.Request):
-        ids = await encode_chat(body.messages, body.add_generation_prompt, schemas.tool_dicts(body.tools),
-                                body.chat_template_kwargs)
+        ids = await encode_chat(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -333,8 +332,7 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         if body.prompt is not None and body.messages is not None:
             raise BadRequest(400, "messages: give a prompt or messages, not both", "messages")
         if body.messages is not None:
-            ids = await encode_chat(body.messages, body.add_generation_prompt, schemas.tool_dicts(body.tools),
-                                    body.chat_template_kwargs)
+            ids = await encode_chat(body)
         else:
             ids = ([tok.bos_id] if body.add_special_tokens else []) + (await encode([body.prompt]))[0]
         strs = [tok.hf.id_to_token(i) for i in ids] if body.return_token_strs else None
