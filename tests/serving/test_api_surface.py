@@ -88,6 +88,7 @@ def test_model_by_id(client, model):
     ("POST", "/v1/completions", {"max_tokens": 5.0}, 400, "max_tokens", "valid integer"),
     ("POST", "/v1/completions", {"temperature": float("nan")}, 400, "temperature", "finite number"),
     ("POST", "/v1/completions", {"logit_bias": {"5": float("inf")}}, 400, "logit_bias.5", "finite number"),
+    ("POST", "/v1/completions", {"logit_bias": {"5": 101}}, 400, "logit_bias.5", "less than or equal to 100"),
     ("POST", "/v1/completions", {"logprobs": 21}, 400, "logprobs", "less than"),
     ("POST", "/v1/completions", {"prompt": [[1, None]]}, 400, "prompt", "list of token ids"),
     ("POST", "/v1/completions", {"prompt": []}, 400, "prompt", "at least one prompt"),
