@@ -62,7 +62,22 @@ def _specs(tensors):
             yield name, BF16, shape
 
 
-def _write_tensor(writer: ShardWriter, rng, name: str, shape: tuple[int, ...]) -> None:
+class BlockWriter(ShardWriter):
+    """A `ShardWriter` that also takes a tensor as consecutive row blocks: memory stays at one
+    block of a 129280 x 7168 embedding or a 18432 x 7168 projection."""
+
+    def write_blocks(self, name: str, dtype, shape: tuple[int, ...], blocks) -> None:
+        want, rows = self._next(name, dtype, shape), 0
+        for block in blocks:
+            if block.dtype != want[1] or tuple(block.shape[1:]) != tuple(shape[1:]):
+                raise ValueError(f"{self.path}: block of {name} is {block.dtype} {block.shape}")
+            self._f.write(np.ascontiguousarray(block).tobytes())
+            rows += block.shape[0]
+        if rows != shape[0]:
+            raise ValueError(f"{self.path}: {name} got {rows} rows, the header says {shape[0]}")
+
+
+def _write_tensor(writer: BlockWriter, rng, name: str, shape: tuple[int, ...]) -> None:
     rows = shape[0]
     if len(shape) == 1:
         x = (1.0 + 0.1 * rng.standard_normal(shape)) if "norm" in name else 0.3 * rng.uniform(-1, 1, shape)
@@ -99,7 +114,7 @@ def make_released(folder: str, experts: int = 16, seed: int = 0) -> int:
     for i, layer in enumerate(sorted(groups)):
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         specs = list(_specs(groups[layer]))
-        writer = ShardWriter(os.path.join(folder, shard), specs, metadata={"format": "pt"})
+        writer = BlockWriter(os.path.join(folder, shard), specs, metadata={"format": "pt"})
         try:
             for name, shape in groups[layer]:
                 _write_tensor(writer, rng, name, shape)

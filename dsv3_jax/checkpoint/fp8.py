@@ -88,11 +88,6 @@ def quantize(w: np.ndarray, *, block: int = BLOCK, pow2: bool = False) -> tuple[
     return q, scale
 
 
-def float_scales(s: np.ndarray) -> np.ndarray:
-    """Stored block scales (fp32 or float8_e8m0fnu) as a new fp32 array."""
-    return np.array(s, np.float32)
-
-
 def not_pow2(s: np.ndarray) -> tuple[int, ...] | None:
     """The index of the first fp32 scale that is not a positive finite power of two, else None."""
     mantissa = np.frexp(s)[0]

@@ -62,43 +62,44 @@ def _experts(e: int, shape_ours: tuple[int, int]):
     return lambda: [(shape_ours[1], shape_ours[0])] * e, Layout(True, (1, 1))
 
 
+def _one(name: str) -> Callable[[int], list[str]]:
+    """The HF name of a per-layer tensor `model.layers.L.<name>`, given L."""
+    return lambda layer: [f"model.layers.{layer}.{name}"]
+
+
 def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...], Callable, tuple]]:
     """(our sub-path, HF suffix names for layer L, converters) for one transformer block."""
     d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     k, nv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
-
-    def one(name):
-        return lambda layer: [f"model.layers.{layer}.{name}"]
-
-    yield ("attn_norm", "weight"), one("input_layernorm.weight"), _same((d,))
-    yield ("ffn_norm", "weight"), one("post_attention_layernorm.weight"), _same((d,))
+    yield ("attn_norm", "weight"), _one("input_layernorm.weight"), _same((d,))
+    yield ("ffn_norm", "weight"), _one("post_attention_layernorm.weight"), _same((d,))
     if cfg.q_lora_rank is None:
-        yield ("attn", "wq"), one("self_attn.q_proj.weight"), _t((d, h, k))
+        yield ("attn", "wq"), _one("self_attn.q_proj.weight"), _t((d, h, k))
     else:
         q = cfg.q_lora_rank
-        yield ("attn", "wq_a"), one("self_attn.q_a_proj.weight"), _t((d, q))
-        yield ("attn", "q_norm", "weight"), one("self_attn.q_a_layernorm.weight"), _same((q,))
-        yield ("attn", "wq_b"), one("self_attn.q_b_proj.weight"), _t((q, h, k))
-    yield ("attn", "wkv_a"), one("self_attn.kv_a_proj_with_mqa.weight"), _t((d, c + r))
-    yield ("attn", "kv_norm", "weight"), one("self_attn.kv_a_layernorm.weight"), _same((c,))
-    yield ("attn", "wkv_b"), one("self_attn.kv_b_proj.weight"), _t((c, h, nv))
-    yield ("attn", "wo"), one("self_attn.o_proj.weight"), _wo(h, cfg.v_head_dim, d)
+        yield ("attn", "wq_a"), _one("self_attn.q_a_proj.weight"), _t((d, q))
+        yield ("attn", "q_norm", "weight"), _one("self_attn.q_a_layernorm.weight"), _same((q,))
+        yield ("attn", "wq_b"), _one("self_attn.q_b_proj.weight"), _t((q, h, k))
+    yield ("attn", "wkv_a"), _one("self_attn.kv_a_proj_with_mqa.weight"), _t((d, c + r))
+    yield ("attn", "kv_norm", "weight"), _one("self_attn.kv_a_layernorm.weight"), _same((c,))
+    yield ("attn", "wkv_b"), _one("self_attn.kv_b_proj.weight"), _t((c, h, nv))
+    yield ("attn", "wo"), _one("self_attn.o_proj.weight"), _wo(h, cfg.v_head_dim, d)
     if cfg.has_indexer:  # V3.2's lightning indexer
         n, ki = cfg.index_n_heads, cfg.index_head_dim
-        yield ("attn", "indexer", "wq_b"), one("self_attn.indexer.wq_b.weight"), _t((cfg.q_lora_rank, n, ki))
-        yield ("attn", "indexer", "wk"), one("self_attn.indexer.wk.weight"), _t((d, ki))
-        yield ("attn", "indexer", "k_norm", "weight"), one("self_attn.indexer.k_norm.weight"), _same((ki,))
-        yield ("attn", "indexer", "k_norm", "bias"), one("self_attn.indexer.k_norm.bias"), _same((ki,))
-        yield ("attn", "indexer", "weights_proj"), one("self_attn.indexer.weights_proj.weight"), _t((d, n))
+        yield ("attn", "indexer", "wq_b"), _one("self_attn.indexer.wq_b.weight"), _t((cfg.q_lora_rank, n, ki))
+        yield ("attn", "indexer", "wk"), _one("self_attn.indexer.wk.weight"), _t((d, ki))
+        yield ("attn", "indexer", "k_norm", "weight"), _one("self_attn.indexer.k_norm.weight"), _same((ki,))
+        yield ("attn", "indexer", "k_norm", "bias"), _one("self_attn.indexer.k_norm.bias"), _same((ki,))
+        yield ("attn", "indexer", "weights_proj"), _one("self_attn.indexer.weights_proj.weight"), _t((d, n))
     if not moe:
         i = cfg.intermediate_size
-        yield ("ffn", "w1"), one("mlp.gate_proj.weight"), _t((d, i))
-        yield ("ffn", "w3"), one("mlp.up_proj.weight"), _t((d, i))
-        yield ("ffn", "w2"), one("mlp.down_proj.weight"), _t((i, d))
+        yield ("ffn", "w1"), _one("mlp.gate_proj.weight"), _t((d, i))
+        yield ("ffn", "w3"), _one("mlp.up_proj.weight"), _t((d, i))
+        yield ("ffn", "w2"), _one("mlp.down_proj.weight"), _t((i, d))
         return
     e, f = cfg.num_routed_experts, cfg.moe_intermediate_size
-    yield ("ffn", "gate", "weight"), one("mlp.gate.weight"), _same((e, d))
-    yield ("ffn", "gate", "bias"), one("mlp.gate.e_score_correction_bias"), _same((e,))
+    yield ("ffn", "gate", "weight"), _one("mlp.gate.weight"), _same((e, d))
+    yield ("ffn", "gate", "bias"), _one("mlp.gate.e_score_correction_bias"), _same((e,))
 
     def experts(proj):
         return lambda layer: [f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight" for j in range(e)]
@@ -108,21 +109,17 @@ def _block_leaves(cfg: ModelConfig, moe: bool) -> Iterator[tuple[tuple[str, ...]
     yield ("ffn", "w2"), experts("down_proj"), _experts(e, (f, d))
     if cfg.num_shared_experts:
         fs = f * cfg.num_shared_experts
-        yield ("ffn", "shared_experts", "w1"), one("mlp.shared_experts.gate_proj.weight"), _t((d, fs))
-        yield ("ffn", "shared_experts", "w3"), one("mlp.shared_experts.up_proj.weight"), _t((d, fs))
-        yield ("ffn", "shared_experts", "w2"), one("mlp.shared_experts.down_proj.weight"), _t((fs, d))
+        yield ("ffn", "shared_experts", "w1"), _one("mlp.shared_experts.gate_proj.weight"), _t((d, fs))
+        yield ("ffn", "shared_experts", "w3"), _one("mlp.shared_experts.up_proj.weight"), _t((d, fs))
+        yield ("ffn", "shared_experts", "w2"), _one("mlp.shared_experts.down_proj.weight"), _t((fs, d))
 
 
 def _mtp_leaves(cfg: ModelConfig):
     d = cfg.hidden_size
-
-    def one(name):
-        return lambda layer: [f"model.layers.{layer}.{name}"]
-
-    yield ("enorm", "weight"), one("enorm.weight"), _same((d,))
-    yield ("hnorm", "weight"), one("hnorm.weight"), _same((d,))
-    yield ("eh_proj",), one("eh_proj.weight"), _t((2 * d, d))
-    yield ("norm", "weight"), one("shared_head.norm.weight"), _same((d,))
+    yield ("enorm", "weight"), _one("enorm.weight"), _same((d,))
+    yield ("hnorm", "weight"), _one("hnorm.weight"), _same((d,))
+    yield ("eh_proj",), _one("eh_proj.weight"), _t((2 * d, d))
+    yield ("norm", "weight"), _one("shared_head.norm.weight"), _same((d,))
     for sub, names, conv in _block_leaves(cfg, moe=True):
         yield ("block",) + sub, names, conv
 

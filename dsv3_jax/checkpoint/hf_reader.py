@@ -32,7 +32,6 @@ from dsv3_jax.checkpoint.safetensors_io import CheckpointError, HFCheckpoint
 from dsv3_jax.config import ModelConfig
 
 FLOATS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
-ROW_BLOCK_BYTES = 64 << 20  # rows read at once when converting whole tensors
 COMPARE_BLOCK_BYTES = 8 << 20  # rows of each MTP copy and its main tensor compared at once (float32)
 
 
@@ -56,8 +55,6 @@ class HFReader:
         self.folder = os.fspath(folder)
         self.ckpt = HFCheckpoint(self.folder)
         self.config_path = os.path.join(self.folder, "config.json")
-        index = os.path.join(self.folder, "model.safetensors.index.json")
-        self.listing = index if os.path.exists(index) else os.path.join(self.folder, "model.safetensors")
         self.bytes_read = 0
         self.scale_fmt = None  # config.json's, once `config` has read it
 
@@ -82,7 +79,7 @@ class HFReader:
     def check(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
         """Header checks of one tensor against the shape the config needs."""
         if name not in self.ckpt:
-            raise CheckpointError(f"tensor {name} is missing from {self.folder}: {self.listing} does not list "
+            raise CheckpointError(f"tensor {name} is missing from {self.folder}: {self.ckpt.listing} does not list "
                                   f"it, and {self.config_path} needs it")
         got, dtype, nbytes = self.ckpt.header(name)
         where = self.ckpt.where(name)
@@ -92,7 +89,7 @@ class HFReader:
         if dtype == fp8.E4M3:
             scale = scale_name(name)
             if scale not in self.ckpt:
-                raise CheckpointError(f"FP8 tensor {name} in {where} has no {scale} ({self.listing} lacks it)")
+                raise CheckpointError(f"FP8 tensor {name} in {where} has no {scale} ({self.ckpt.listing} lacks it)")
             s_shape, s_dtype, s_bytes = self.ckpt.header(scale)
             if tuple(s_shape) != fp8.scale_shape(shape):
                 raise CheckpointError(f"tensor {scale} in {self.ckpt.where(scale)} has shape {tuple(s_shape)}, "
@@ -167,7 +164,7 @@ class HFReader:
     def scales(self, name: str, rows: slice, cols: slice | None = None) -> np.ndarray:
         """Block rows x columns of the scales of FP8 tensor `name` as fp32 (stored fp32 or e8m0);
         with `scale_fmt: "ue8m0"` in config.json each must be a power of two."""
-        s = fp8.float_scales(self._read(scale_name(name), rows, cols))
+        s = np.array(self._read(scale_name(name), rows, cols), np.float32)  # stored fp32 or e8m0
         bad = fp8.not_pow2(s) if self.scale_fmt == "ue8m0" else None
         if bad is not None:
             where = (rows.start + bad[0], bad[1] + ((cols.start or 0) if cols is not None else 0))
@@ -211,7 +208,7 @@ def index_bounds(index: tuple, shape: tuple[int, ...]) -> list[slice]:
     return [_bounded(s, n) for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
 
 
-def row_blocks(rows: int, row_bytes: int, block_bytes: int = ROW_BLOCK_BYTES):
+def row_blocks(rows: int, row_bytes: int, block_bytes: int):
     """(start, stop) row ranges of at most `block_bytes` (at least one row)."""
     step = max(1, block_bytes // max(row_bytes, 1))
     for r0 in range(0, rows, step):

@@ -100,11 +100,12 @@ class Quantization:
         return {path: (module, name, contract) for path, module, name, contract in
                 model_quant.targets(model, self.targets)}
 
-    def build(self, plan_entry, var, path, place, src, raw=None, xp=np) -> None:
-        """`var` built quantized per shard in `place`'s shardings (`placement_of_axes`)."""
+    def build(self, plan_entry, var, path, place, src=None, raw=None, xp=np, stored=None) -> None:
+        """`var` built quantized per shard in `place`'s shardings (`placement_of_axes`), from `src` /
+        `raw` or, `stored`, from the q and scale arrays a checkpoint holds (`quantized.build_quantized`)."""
         module, name, contract = plan_entry
         qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
-                                       place, build_array, src, raw, xp, self.scale_fmt)
+                                       place, build_array, src, raw, xp, self.scale_fmt, stored)
         setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
 
 
@@ -166,14 +167,17 @@ def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantiza
                               lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
 
 
-def _abstract_model(cfg: ModelConfig, dtype, config_overrides: dict) -> tuple[ModelConfig, DeepSeekV3]:
-    """(config, abstract model) of a stored config with the caller's dtype and overrides: `dtype`
-    sets the parameters' dtype (the compute dtype follows unless overridden)."""
+def _abstract_model(stored: ModelConfig, dtype, config_overrides: dict, place) -> tuple[DeepSeekV3, dict, set]:
+    """(abstract model, its variables, the fresh indexers' paths) of a stored config with the
+    caller's dtype and overrides: `dtype` sets the parameters' dtype (the compute dtype follows
+    unless overridden). An indexer the stored config lacks is drawn now (`_init_missing_indexers`)."""
     if dtype is not None:
         config_overrides = {"compute_dtype": jnp.dtype(dtype).name, **config_overrides,
                             "param_dtype": jnp.dtype(dtype).name}
-    cfg = cfg.replace(**config_overrides)
-    return cfg, nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    cfg = stored.replace(**config_overrides)
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    variables = _variables(model)
+    return model, variables, _init_missing_indexers(stored, model, variables, place)
 
 
 def _init_missing_indexers(stored: ModelConfig, model: DeepSeekV3, variables: dict, place) -> set:
@@ -250,10 +254,8 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
     the projections it covers are built quantized per shard (the `fp8` item kept as it is for `fp8`)."""
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
-    cfg, model = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides)
-    variables = _variables(model)
     place = placement_of_axes(mesh, rules, offload_experts)
-    fresh = _init_missing_indexers(ModelConfig.from_dict(meta["model"]), model, variables, place)
+    model, variables, fresh = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides, place)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
@@ -281,13 +283,11 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
                                                            if ".".join(p) in int_leaves for part in ("q", "scale")])
         if fp8_leaves:
             fp8_item.check(None, manifest.get(orbax_layout.FP8, {}))
-    for p, (module, name, contract) in plan.items():
+    for p, entry in plan.items():
         if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
-            qa = quantized.restore_quantized(variables[p], contract, quantization.fmt, quantization.group, ".".join(p),
-                                             place, build_array, stored.array(p + ("q",)),
-                                             stored.array(p + ("scale",)))
-            setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(variables[p])))
-    for leaf in hf_names.leaves(cfg):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
+            quantization.build(entry, variables[p], p, place, stored=(stored.array(p + ("q",)),
+                                                                      stored.array(p + ("scale",))))
+    for leaf in hf_names.leaves(model.config):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
         if ".".join(leaf.path) in fp8_leaves:
             keep = leaf.path in plan and quantization.fmt == "fp8"
             _build_leaf(leaf, variables[leaf.path], functools.partial(_fp8_item_window, fp8_item, leaf.path),
@@ -339,10 +339,8 @@ def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quan
     """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
     step's train state (`run_folder.StateParams`) like a converted checkpoint's `params`, the
     projections `quantization` covers built quantized per shard."""
-    _, model = _abstract_model(run.model_config(), dtype, config_overrides)
-    variables = _variables(model)
     place = placement_of_axes(mesh, rules, offload_experts)
-    fresh = _init_missing_indexers(run.model_config(), model, variables, place)
+    model, variables, fresh = _abstract_model(run.model_config(), dtype, config_overrides, place)
     state = run_folder.StateParams(run)
     plan = quantization.plan(model) if quantization is not None else {}
     _restore_item(state.reader, variables, {p: state.key(p) for p in variables if p not in fresh}, plan, quantization,

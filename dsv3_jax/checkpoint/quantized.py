@@ -83,26 +83,25 @@ def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src:
     return s
 
 
-def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source,
-                    raw: RawFp8 = None, xp=np, scale_fmt: str | None = None) -> QArray:
+def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source = None,
+                    raw: RawFp8 = None, xp=np, scale_fmt: str | None = None, stored=None) -> QArray:
     """The QArray of parameter `var` (abstract: shape and logical axes), its q and scale each built
     per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized with `xp`
-    (fp8 with `scale_fmt`: "ue8m0" makes power-of-two scales; `raw` ones are kept as stored)."""
+    (fp8 with `scale_fmt`: "ue8m0" makes power-of-two scales; `raw` ones are kept as stored).
+    `stored`: the (q, scale) arrays `convert --quantize` wrote (int formats), each device's shard
+    read from them as it is (tensorstore windows)."""
     axes = logical_axes(var)
     st = stack_dims(axes)
     stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
     k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
     g = quant.FP8_BLOCK if fmt == "fp8" else quant.group_for(k, group, fmt, name)
-    (q_shape, q_dtype), (s_shape, s_dtype) = quant.physical_shapes(fmt, stack_shape, k, n, g)
-    q_axes, s_axes = physical_axes(axes, fmt, contract)
 
-    def shard(part: str, shape):
+    def quantized_shard(part: str, shape):
         def block(index):
             bounds = index_bounds(index, shape)
             rows, cols = bounds[st:]
             out = None
-            stacks = list(itertools.product(*(range(b.start, b.stop) for b in bounds[:st])))
-            for stack in stacks:
+            for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:st])):
                 if fmt == "fp8":
                     w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp, scale_fmt == "ue8m0")
                 else:
@@ -113,30 +112,17 @@ def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, 
             return out
         return block
 
-    q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"), shard("q", q_shape))
-    s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"), shard("scale", s_shape))
-    return QArray(q, s, fmt, slice_shape, contract, g, scale_fmt if fmt == "fp8" else None)
-
-
-def restore_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, q_store,
-                      s_store) -> QArray:
-    """The QArray of parameter `var` from its stored q and scale arrays (`convert --quantize`),
-    each device's shard read from the stores as it is (tensorstore windows)."""
-    axes = logical_axes(var)
-    st = stack_dims(axes)
-    slice_shape = tuple(var.shape[st:])
-    k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
-    g = quant.group_for(k, group, fmt, name)
-    (q_shape, q_dtype), (s_shape, s_dtype) = quant.physical_shapes(fmt, tuple(var.shape[:st]), k, n, g)
-    for what, store, shape in (("q", q_store, q_shape), ("scale", s_store, s_shape)):
-        if tuple(store.shape) != tuple(shape):
-            raise ValueError(f"{name}.{what} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs {shape}")
-    q_axes, s_axes = physical_axes(axes, fmt, contract)
-    q = build_array(q_shape, np.dtype(q_dtype), place(q_axes, q_shape, name + ".q"),
-                    lambda index: q_store[tuple(index)].read().result())
-    s = build_array(s_shape, np.dtype(s_dtype), place(s_axes, s_shape, name + ".scale"),
-                    lambda index: s_store[tuple(index)].read().result())
-    return QArray(q, s, fmt, slice_shape, contract, g)
+    arrays = []
+    shapes, part_axes = quant.physical_shapes(fmt, stack_shape, k, n, g), physical_axes(axes, fmt, contract)
+    for part, (shape, dtype), p_axes, store in zip(("q", "scale"), shapes, part_axes, stored or (None, None)):
+        if store is None:
+            shard = quantized_shard(part, shape)
+        elif tuple(store.shape) != tuple(shape):
+            raise ValueError(f"{name}.{part} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs {shape}")
+        else:
+            shard = lambda index, store=store: store[tuple(index)].read().result()  # noqa: E731
+        arrays.append(build_array(shape, np.dtype(dtype), place(p_axes, shape, f"{name}.{part}"), shard))
+    return QArray(*arrays, fmt, slice_shape, contract, g, scale_fmt if fmt == "fp8" else None)
 
 
 def ours_2d(read: Callable[[tuple], np.ndarray], slice_shape: tuple[int, ...], contract: int) -> Source:

@@ -175,17 +175,6 @@ class ShardWriter:
         self._next(name, arr.dtype, arr.shape)
         self._f.write(np.ascontiguousarray(arr).tobytes())
 
-    def write_blocks(self, name: str, dtype, shape: tuple[int, ...], blocks: Iterable[np.ndarray]) -> None:
-        """Writes tensor `name` from consecutive row blocks (memory: one block)."""
-        want, rows = self._next(name, dtype, shape), 0
-        for block in blocks:
-            if block.dtype != want[1] or tuple(block.shape[1:]) != tuple(shape[1:]):
-                raise CheckpointError(f"{self.path}: block of {name} is {block.dtype} {block.shape}")
-            self._f.write(np.ascontiguousarray(block).tobytes())
-            rows += block.shape[0]
-        if rows != shape[0]:
-            raise CheckpointError(f"{self.path}: {name} got {rows} rows, the header says {shape[0]}")
-
     def close(self, check: bool = True) -> None:
         self._f.close()
         if check and self._pending:
@@ -212,6 +201,7 @@ class HFCheckpoint:
         index_path = os.path.join(self.folder, "model.safetensors.index.json")
         single = os.path.join(self.folder, "model.safetensors")
         self._files: dict[str, SafetensorsFile] = {}
+        self.listing = index_path if os.path.exists(index_path) else single  # the file that lists the tensors
         if os.path.exists(index_path):
             with open(index_path) as f:
                 try:
