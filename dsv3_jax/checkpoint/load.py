@@ -203,12 +203,12 @@ def _init_missing_indexers(stored: ModelConfig, model: DeepSeekV3, variables: di
 def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict, place, step: int | None = None,
                       manifest: dict[str, int] | None = None) -> None:
     """Orbax restore of the arrays `keys` names ({variable path: key path in `item`}), each straight
-    into `place(path, var)`'s sharding (a process reads only its devices' shards), set into
+    into its sharding from `place` (`placement_of_axes`) (a process reads only its devices' shards), set into
     `variables` (the abstract model's). With `manifest`, the arrays are restored in their stored
     dtype, checked against its checksums (`integrity`) of a training `step`, then cast."""
     target = ocp.tree.from_flat_dict({key: jax.ShapeDtypeStruct(
         variables[p].shape, item.arrays[key].dtype if manifest is not None else variables[p].dtype,
-        sharding=place(p, variables[p])) for p, key in keys.items()})
+        sharding=place(logical_axes(variables[p]), variables[p].shape, ".".join(p))) for p, key in keys.items()})
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
             restored = ckptr.restore(item.dir, ocp.args.PyTreeRestore(
@@ -234,9 +234,7 @@ def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, pl
     `manifest` every array is checked against its checksum. `as_restored` (a run's weights): each
     window is cast to the parameter's dtype and quantized with jnp, the values `quantize_model`
     gives for the restored model (see `quantized`)."""
-    restore_variables(item, variables, {p: k for p, k in keys.items() if p not in plan},
-                      lambda path, var: place(logical_axes(var), var.shape, ".".join(path)),
-                      step, manifest)
+    restore_variables(item, variables, {p: k for p, k in keys.items() if p not in plan}, place, step, manifest)
     if manifest is not None:
         item.check(step, manifest, [".".join(keys[p]) for p in plan])
     for p, entry in plan.items():
@@ -287,7 +285,7 @@ def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, qu
         if ".".join(p) in int_leaves:  # stored quantized: each shard of q and scale read as it is
             quantization.build(entry, variables[p], p, place, stored=(stored.array(p + ("q",)),
                                                                       stored.array(p + ("scale",))))
-    for leaf in hf_names.leaves(model.config):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised window by window
+    for leaf in hf_names.leaves(model.config):  # stored e4m3 [.., N, K]: copied for fp8, else dequantised
         if ".".join(leaf.path) in fp8_leaves:
             keep = leaf.path in plan and quantization.fmt == "fp8"
             _build_leaf(leaf, variables[leaf.path], functools.partial(_fp8_item_window, fp8_item, leaf.path),

@@ -88,16 +88,12 @@ def quantized_layout(run, section: dict) -> dict:
     return {path: getattr(node, name)[...] for path, node, name, _ in model_quant.targets(abstract, which)}
 
 
-def _adapted_leaves(cfg, keys):
-    for leaf in hf_names.leaves(cfg):
-        if ("params", *_adapter_path(leaf.path), "a") in keys:
-            yield leaf
-
-
 def peft_tensors(cfg, params, keys) -> dict[str, np.ndarray]:
     """PEFT state dict of every adapter of the run; an error for adapters PEFT cannot express."""
     out = {}
-    for leaf in _adapted_leaves(cfg, keys):
+    for leaf in hf_names.leaves(cfg):
+        if ("params", *_adapter_path(leaf.path), "a") not in keys:
+            continue
         if hf_names.stacked_dims(leaf) == 2 or leaf.path[0] == "mtp":
             raise CheckpointError(
                 f"the adapter on {'/'.join(leaf.path)} has no PEFT module in transformers' DeepseekV3 "
@@ -144,7 +140,7 @@ def export_adapter(run, out: str, *, overwrite: bool = False, base: str | None =
     params = StateParams(run)
     params.check()
     tensors = peft_tensors(run.model_config(), params, params.keys)
-    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
+    modules = sorted({_module(k) for k in tensors})
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, ADAPTER_FILE), metadata={"format": "pt"})
     with open(os.path.join(out, "adapter_config.json"), "w") as f:

@@ -64,7 +64,9 @@ class ItemWriter:
     each slice's checksum to its array's in `checksums` (a sum: slices in any order add up).
     """
 
-    def __init__(self, item_dir: str, max_in_flight: int = 256 << 20):
+    MAX_IN_FLIGHT = 256 << 20  # bytes written asynchronously at most
+
+    def __init__(self, item_dir: str):
         self.dir = item_dir
         paths.makedirs(item_dir)
         self._ctx = _context()
@@ -72,7 +74,6 @@ class ItemWriter:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.checksums: dict[str, int] = {}
         self._pending: list[tuple[Any, int]] = []
-        self._max_in_flight = max_in_flight
 
     def create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, *, chunks: list[int]) -> ts.TensorStore:
         """A new zarr array cut into `chunks`: the blocks the caller writes, so no write touches
@@ -96,7 +97,7 @@ class ItemWriter:
         self.checksums[name] = (self.checksums[name] + piece) % 2**32
         fut = target.write(value)
         self._pending.append((fut, value.nbytes))
-        while sum(n for _, n in self._pending) > self._max_in_flight:
+        while sum(n for _, n in self._pending) > self.MAX_IN_FLIGHT:
             self._pending.pop(0)[0].result()
 
     def flush(self) -> None:
@@ -198,8 +199,7 @@ class ItemReader:
         return self._open[path]
 
     def read(self, path: tuple[str, ...], index=()) -> np.ndarray:
-        arr = self.array(path)
-        return np.asarray(arr[index].read().result() if index != () else arr.read().result())
+        return np.asarray(self.array(path)[index].read().result())
 
     def check(self, step: int | None, manifest: dict[str, int], names=None) -> None:
         """Reads the arrays `names` (default: all the manifest lists) block by block and checks

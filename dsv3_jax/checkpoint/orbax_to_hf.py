@@ -106,15 +106,11 @@ def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.
                 dt = np.dtype(jnp.dtype(recorded)) if recorded else stored
             out.append(_Tensor(name, dt, shape, lambda leaf=leaf, index=index, dt=dt: src.hf_float(leaf, index).astype(dt),
                                _layer_of(name)))
-    if source.get("mtp_shared_copies", True):
-        out += _mtp_copies(cfg, src, out)
+    if source.get("mtp_shared_copies", True):  # each MTP layer's copies of the embedding and head
+        by_name = {t.name: t for t in out}
+        out += [dataclasses.replace(by_name[m], name=c, layer=_layer_of(c))
+                for c, m in hf_names.mtp_shared_copies(cfg) if m in by_name]
     return out
-
-
-def _mtp_copies(cfg: ModelConfig, src: _Source, main: list[_Tensor]) -> list[_Tensor]:
-    by_name = {t.name: t for t in main}
-    return [dataclasses.replace(by_name[m], name=c, layer=_layer_of(c))
-            for c, m in hf_names.mtp_shared_copies(cfg) if m in by_name]
 
 
 def _assign_shards(tensors: list[_Tensor], recorded: dict[str, str] | None, shard_bytes: int) -> dict[str, str]:
