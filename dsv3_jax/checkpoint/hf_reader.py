@@ -137,11 +137,11 @@ class HFReader:
             shape = self.ckpt.header(main)[0]
             share = -(-shape[0] // part[1])
             first, last = min(shape[0], part[0] * share), min(shape[0], (part[0] + 1) * share)
+            step = max(1, COMPARE_BLOCK_BYTES // max(math.prod(shape[1:]) * 4, 1))
             same = True
-            for r0, r1 in row_blocks(last - first, math.prod(shape[1:]) * 4, COMPARE_BLOCK_BYTES):
-                r0, r1 = first + r0, first + r1
-                a = self.window(copy, slice(r0, r1))
-                b = self.window(main, slice(r0, r1))
+            for r0 in range(first, last, step):
+                a = self.window(copy, slice(r0, min(last, r0 + step)))
+                b = self.window(main, slice(r0, min(last, r0 + step)))
                 same = same and np.array_equal(a, b)
                 progress(a.nbytes + b.nbytes)
             if not same:
@@ -206,13 +206,6 @@ def _bounded(s: slice | None, n: int) -> slice:
 def index_bounds(index: tuple, shape: tuple[int, ...]) -> list[slice]:
     """`index` (a device's shard index, trailing dims left out) as one slice per dim, start and stop set."""
     return [_bounded(s, n) for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
-
-
-def row_blocks(rows: int, row_bytes: int, block_bytes: int):
-    """(start, stop) row ranges of at most `block_bytes` (at least one row)."""
-    step = max(1, block_bytes // max(row_bytes, 1))
-    for r0 in range(0, rows, step):
-        yield r0, min(rows, r0 + step)
 
 
 def read_shard(leaf: hf_names.Leaf, shape: tuple[int, ...], index: tuple, window: Callable,
