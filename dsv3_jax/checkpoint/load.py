@@ -126,8 +126,8 @@ def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(shape), where, arrays)
 
 
-def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, progress: bool | None = None,
-            quantization: Quantization | None = None, offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
+def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
+            offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
     """Builds `DeepSeekV3` from an HF folder. `dtype` sets the parameter dtype (default: as stored,
     bfloat16 for FP8 checkpoints); the compute dtype follows it unless overridden. `quantization`:
     the projections it covers are built quantized per shard (stored FP8 kept as it is for `fp8`)."""
@@ -138,11 +138,10 @@ def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, pro
     infos = reader.check_all(cfg)
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
     variables = _variables(model)
-    show = progress if progress is not None else len(reader.ckpt.names()) > 2000
     plan = quantization.plan(model) if quantization is not None else {}
     place = placement_of_axes(mesh, rules, offload_experts)
     for leaf in tqdm(hf_names.leaves(cfg), desc=f"loading {os.path.basename(reader.folder)}", unit="param",
-                     disable=not show):
+                     disable=len(reader.ckpt.names()) <= 2000):  # a bar for real checkpoints only
         keep = leaf.path in plan and quantization.fmt == "fp8" and all(
             infos[n].fp8 for _, names in hf_names.leaf_slices(leaf) for n in names)  # stored e4m3: kept as it is
         raw = reader.raw_fp8(leaf) if keep else None
