@@ -25,7 +25,6 @@ from flax import nnx
 
 from dsv3_jax import DeepSeekV3, ModelConfig, cli, host
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
-from dsv3_jax.inference.decode import model_step
 
 
 def bench_config(args) -> ModelConfig:
@@ -52,7 +51,7 @@ def time_step(step, state, cache, tokens, positions, repeats: int) -> float:
 def make_step(graphdef):
     @jax.jit
     def step(state, cache, tokens, positions):
-        out = model_step(nnx.merge(graphdef, state), cache, tokens, positions[:, None])
+        out = nnx.merge(graphdef, state).forward(tokens, positions=positions[:, None], with_mtp=False, cache=cache)
         return out.logits, out.cache
 
     return step

@@ -31,7 +31,6 @@ from flax import nnx
 
 from dsv3_jax import DeepSeekV3, ModelConfig, cli
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
-from dsv3_jax.inference.decode import model_step
 
 H200_FLOPS, H200_BYTES_PER_S = 989e12, 4.8e12
 ABSTRACT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -100,7 +99,8 @@ def _best(fn, repeats: int) -> float:
 
 def _step(cfg: ModelConfig):
     graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    step = jax.jit(lambda s, cache, tokens, pos: model_step(nnx.merge(graphdef, s), cache, tokens, pos).logits)
+    step = jax.jit(lambda s, cache, tokens, pos: nnx.merge(graphdef, s).forward(tokens, positions=pos, with_mtp=False,
+                                                                                 cache=cache).logits)
     return functools.partial(step, state)
 
 

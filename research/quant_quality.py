@@ -42,7 +42,7 @@ from flax import nnx
 
 from dsv3_jax import CheckpointError, cli, load_pretrained
 from dsv3_jax.checkpoint import run_folder
-from dsv3_jax.inference import Generation, bucket_slots, init_cache, model_step
+from dsv3_jax.inference import Generation, bucket_slots, init_cache
 from dsv3_jax.model.quant import parameter_bytes
 from dsv3_jax.train.loop import make_data
 from dsv3_jax.train.metrics import format_duration, read_metrics
@@ -191,12 +191,12 @@ def targets_and_mask(batch: dict) -> tuple[np.ndarray, ...]:
 def cache_log_probs(model, rows_RxT: np.ndarray, prefill: int, cache_dtype: str, progress: Progress,
                     what: str) -> jax.Array:
     """fp32 log-probabilities [R, T, V]: the first `prefill` tokens of every row in one cached step, then
-    one decode step per token, every step through `model_step` (the model's forward with a cache)."""
+    one decode step per token, every step the model's forward with a cache."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def step(s, cache, tokens, positions):
-        out = model_step(nnx.merge(graphdef, s), cache, tokens, positions)
+        out = nnx.merge(graphdef, s).forward(tokens, positions=positions, with_mtp=False, cache=cache)
         return _log_probs(out.logits), out.cache
 
     rows = jnp.asarray(rows_RxT)

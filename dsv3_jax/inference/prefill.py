@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax.inference.decode import model_step, mtp_draft
 from dsv3_jax.inference.sampling import Draw, TokenLogprobs, constrained_logits, draw, penalized_logits, token_logprobs
+from dsv3_jax.inference.speculative import mtp_draft
 from dsv3_jax.model import ModelCache
 
 DEFAULT_CHUNK = 512  # tokens per prefill chunk (a power of two): a short prompt pays one chunk
@@ -80,7 +80,8 @@ def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Ar
     rows = jnp.arange(b)
     index = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
     positions = jnp.minimum(index, slots - 1)  # padding writes stay inside the cache
-    out = model_step(model, cache, window_BxN[:, :width], positions, index < lengths_B[:, None])
+    out = model.forward(window_BxN[:, :width], positions=positions, with_mtp=False, cache=cache,
+                        token_mask=index < lengths_B[:, None])
     last = lengths_B - 1 - start  # the row's last prompt token, as an index into this chunk
     here = (last >= 0) & (last < width)
     last = jnp.clip(last, 0, width - 1)

@@ -1,6 +1,8 @@
-"""MTP speculative decoding: the MTP depths draft, the main model verifies all drafts in one step.
+"""MTP speculative decoding: the MTP depths draft (`mtp_draft`), the main model verifies all drafts in
+one step (`accept`).
 
-Letters: B batch, K = 1 + M tokens verified per step, M drafts (one per MTP depth), V vocab.
+Letters: B batch, K = 1 + M tokens verified per step, M drafts (one per MTP depth), W window, N >= W + M
+next-token columns, D model, V vocab.
 
 A step feeds [t_n, d_1, ..., d_M] at positions n .. n+M. Output i of the main model is the target
 distribution p_i of the token at n+i+1. Draft d_{i+1} is accepted while every earlier one was:
@@ -20,6 +22,29 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax.inference.sampling import Draw, RowSampling, filtered_logits
+from dsv3_jax.model import ModelCache
+
+
+def mtp_draft(model, cache: ModelCache, h_BxWxD: jax.Array, next_tokens_BxN: jax.Array, positions_BxW: jax.Array,
+              last_B: jax.Array, active_B: jax.Array | None = None) -> tuple[jax.Array, ModelCache]:
+    """Runs the MTP depths over a window and drafts one token per depth from window index `last`.
+
+    Depth k (1-based) at window index j reads h^{k-1}_j and the token at position p_j + k, taken from
+    `next_tokens` (t_{p_j + 1} at column j, N >= W + M columns: a prefill chunk passes the prompt
+    beyond it) with the drafts of shallower depths written in at last + k. Returns (drafts int32
+    [B, M], cache); depth k's entries at j > last - k + 1 used drafted tokens (they stay in the
+    cache: that can lower acceptance at depth >= 2, never change the verified output).
+    """
+    num_depths = cache.mtp.latent.shape[0]
+    b, w = positions_BxW.shape
+    rows, ext, h, drafts = jnp.arange(b), next_tokens_BxN, h_BxWxD, []
+    for k in range(num_depths):
+        h, cache = model.mtp_depth(k, h, jax.lax.dynamic_slice_in_dim(ext, k, w, axis=1), positions_BxW, cache)
+        draft = jnp.argmax(model.logits(h[rows, last_B]), axis=-1).astype(jnp.int32)
+        keep = ext[rows, last_B + k + 1]
+        ext = ext.at[rows, last_B + k + 1].set(draft if active_B is None else jnp.where(active_B, draft, keep))
+        drafts.append(draft)
+    return jnp.stack(drafts, axis=1), cache
 
 
 def accept(logits_BxKxV: jax.Array, drafts_BxM: jax.Array, d: Draw) -> tuple[jax.Array, jax.Array]:

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.inference import prefill, speculative
-from dsv3_jax.inference.decode import model_step, mtp_draft
 from dsv3_jax.inference.sampling import (Draw, RowSampling, SamplingConfig, TokenLogprobs, constrained_logits, draw,
                                          penalized_logits, token_logprobs)
 
@@ -77,14 +76,15 @@ def decode_step(model, cache, tokens_BxK: jax.Array, positions_B: jax.Array, act
     grammar forbids is rejected. Returns (StepOut, cache)."""
     b, k = tokens_BxK.shape
     positions_BxK = positions_B[:, None] + jnp.arange(k, dtype=jnp.int32)
-    out = model_step(model, cache, tokens_BxK, positions_BxK, jnp.broadcast_to(active_B[:, None], (b, k)))
+    out = model.forward(tokens_BxK, positions=positions_BxK, with_mtp=False, cache=cache,
+                        token_mask=jnp.broadcast_to(active_B[:, None], (b, k)))
     counts = None if out.router_stats is None else out.router_stats.expert_counts
     logits = penalized_logits(out.logits, d.rows)
     allowed = constrained_logits(logits, bitmask_BxKxG)
     if use_mtp:
         emitted, accepted = speculative.accept(allowed, tokens_BxK[:, 1:], d)
         # emitted[:, i] is the token at n + i + 1 for i <= accepted: the MTP's next-token input
-        drafts, cache = mtp_draft(model, out.cache, out.hidden, jnp.pad(emitted, ((0, 0), (0, k - 1))),
+        drafts, cache = speculative.mtp_draft(model, out.cache, out.hidden, jnp.pad(emitted, ((0, 0), (0, k - 1))),
                                   positions_BxK, accepted)
         nxt = jnp.concatenate([emitted[jnp.arange(b), accepted][:, None], drafts], axis=1)
     else:

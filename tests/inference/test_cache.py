@@ -8,7 +8,6 @@ from flax import nnx
 
 from dsv3_jax import ModelConfig
 from dsv3_jax.inference import cache_bytes_per_token, init_cache
-from dsv3_jax.inference.decode import model_step
 from dsv3_jax.ops.latent_attention import dequantize as decode_latent, encode
 
 
@@ -66,8 +65,8 @@ def test_decode_step_logits_match_full_forward(model, ragged_batch, cache_dtype,
     def run(state):
         m = nnx.merge(graphdef, state)
         cache = init_cache(m.config, b, 16, cache_dtype)
-        cache = model_step(m, cache, tokens[:, :-1], pos[:, :-1]).cache
-        return model_step(m, cache, tokens[:, -1:], pos[:, -1:]).logits[:, 0]
+        cache = m.forward(tokens[:, :-1], positions=pos[:, :-1], with_mtp=False, cache=cache).cache
+        return m.forward(tokens[:, -1:], positions=pos[:, -1:], with_mtp=False, cache=cache).logits[:, 0]
 
     want = np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(tokens))(state))[:, -1]
     got = np.asarray(run(state))

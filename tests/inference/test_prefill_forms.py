@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 from dsv3_jax.inference.cache import init_cache
-from dsv3_jax.inference.decode import model_step
 from dsv3_jax.model.attention import EXPANDED_MIN_WIDTH, LatentCache
 from dsv3_jax.ops import latent_attention
 from tests.inference.conftest import VOCAB, tiny_config
@@ -28,7 +27,7 @@ def _chunked_logits(model, tokens, cache_dtype="float32"):
         m, cache, out = nnx.merge(graphdef, state), init_cache(model.config, b, 64, cache_dtype), []
         for start, width in spans:
             pos = jnp.broadcast_to(jnp.arange(start, start + width, dtype=jnp.int32), (b, width))
-            step = model_step(m, cache, tokens[:, start:start + width], pos)
+            step = m.forward(tokens[:, start:start + width], positions=pos, with_mtp=False, cache=cache)
             cache = step.cache
             out.append(step.logits)
         return jnp.concatenate(out, axis=1)

@@ -11,7 +11,6 @@ from flax import nnx
 
 from dsv3_jax import load_pretrained
 from dsv3_jax.inference import init_cache
-from dsv3_jax.inference.decode import model_step
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "parity")
 TOL = 1e-4
@@ -29,7 +28,7 @@ def _chunked_logits(model, tokens):
     @jax.jit
     def chunk(state, cache, piece, start):
         positions = start + np.broadcast_to(np.arange(CHUNK, dtype=np.int32), (b, CHUNK))
-        out = model_step(nnx.merge(graphdef, state), cache, piece, positions)
+        out = nnx.merge(graphdef, state).forward(piece, positions=positions, with_mtp=False, cache=cache)
         return out.logits, out.cache
 
     cache, logits = init_cache(model.config, b, t, "float32"), []
