@@ -40,30 +40,23 @@ from sharding import expert_parallel
 CACHE_DTYPES = ("float32", "bfloat16", "float8", "int8")
 
 
-def _latent_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
-    """MLA's own arrays of `token_layout`."""
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
-    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    if cache_dtype == "float8":
-        return {"latent": ((c,), jnp.dtype(jnp.float8_e4m3fn)),
-                "latent_scale": ((math.ceil(c / FP8_BLOCK),), jnp.dtype(jnp.float32)),
-                "k_pe": ((r,), jnp.dtype(jnp.bfloat16))}
-    if cache_dtype == "int8":
-        return {"latent": ((c,), jnp.dtype(jnp.int8)), "latent_scale": ((1,), jnp.dtype(jnp.float32)),
-                "k_pe": ((r,), jnp.dtype(jnp.bfloat16))}
-    dt = jnp.dtype(cache_dtype)
-    return {"latent": ((c,), dt), "k_pe": ((r,), dt)}
-
-
 def token_layout(cfg: ModelConfig, cache_dtype: str) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
     """Per-token, per-layer arrays of the cache: name -> (trailing shape, dtype)."""
-    layout = _latent_layout(cfg, cache_dtype)
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
+    c, r, bf16, f32 = cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    if cache_dtype == "float8":
+        layout = {"latent": ((c,), jnp.dtype(jnp.float8_e4m3fn)), "latent_scale": ((math.ceil(c / FP8_BLOCK),), f32),
+                  "k_pe": ((r,), bf16)}
+    elif cache_dtype == "int8":
+        layout = {"latent": ((c,), jnp.dtype(jnp.int8)), "latent_scale": ((1,), f32), "k_pe": ((r,), bf16)}
+    else:
+        layout = {"latent": ((c,), jnp.dtype(cache_dtype)), "k_pe": ((r,), jnp.dtype(cache_dtype))}
     if cfg.has_indexer:
         key_dtype = {"float8": jnp.float8_e4m3fn, "int8": jnp.int8}.get(cache_dtype, cache_dtype)
         layout["index_k"] = ((cfg.index_head_dim,), jnp.dtype(key_dtype))
         if cache_dtype in ("float8", "int8"):
-            layout["index_k_scale"] = ((1,), jnp.dtype(jnp.float32))
+            layout["index_k_scale"] = ((1,), f32)
     return layout
 
 

@@ -125,9 +125,8 @@ class ExpertOffload:
         self.store = [[jax.tree.map(lambda a: a[l, x], host) for x in range(e)] for l in range(self.num_layers)]
         self.expert_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.store[0][0]))
         self.stats = CacheStats()
-        self.slot_of = np.full((self.num_layers, e), -1, np.int32)  # -1: on the host only
-        self.slot_of[:, :cache_size] = np.arange(cache_size)  # the slots start with experts 0 .. C - 1
-        self.expert_in = np.tile(np.arange(cache_size, dtype=np.int32), (self.num_layers, 1))  # -1 marks an empty slot
+        # the expert each slot holds, -1: none; the slots start with experts 0 .. C - 1, as `_slots` do
+        self.expert_in = np.tile(np.arange(cache_size, dtype=np.int32), (self.num_layers, 1))
         self.last_used = np.zeros((self.num_layers, e), np.int64)
         self.uses = np.zeros((self.num_layers, e), np.int64)
         self._tick = 0
@@ -135,11 +134,19 @@ class ExpertOffload:
         moe.replicas = nnx.data(ExpertReplicas(self._device_map(), logical_axes=(params.LAYERS, None, None)))
         self._install()
 
+    @property
+    def slot_of(self) -> np.ndarray:
+        """int32 [L, E]: each expert's slot, -1 for one on the host only (the inverse of `expert_in`)."""
+        out = np.full((self.num_layers, self.num_experts), -1, np.int32)
+        layers, slots = np.nonzero(self.expert_in >= 0)
+        out[layers, self.expert_in[layers, slots]] = slots
+        return out
+
     # -- the device side ---------------------------------------------------------------------
     def _device_map(self) -> jax.Array:
         """int32 [L, E, 1]: each expert's slot, or S (no group) when it is not resident."""
-        size = self.expert_in.shape[1]
-        return jax.device_put(np.where(self.slot_of >= 0, self.slot_of, size)[..., None].astype(np.int32), self.device)
+        slot_of = self.slot_of
+        return jax.device_put(np.where(slot_of >= 0, slot_of, self.expert_in.shape[1])[..., None], self.device)
 
     def _install(self) -> None:
         """The slots and the map into the model's variables (every state split from it shares them)."""
@@ -148,12 +155,9 @@ class ExpertOffload:
         self.moe.replicas.set_value(self._device_map())
 
     def _load(self, layer: int, expert: int, slot: int) -> None:
-        old = self.expert_in[layer, slot]
-        if old >= 0:
-            self.slot_of[layer, old] = -1
         self._slots = _write(self._slots, jax.device_put(self.store[layer][expert], self.device), np.int32(layer),
                              np.int32(slot))
-        self.slot_of[layer, expert], self.expert_in[layer, slot] = slot, expert
+        self.expert_in[layer, slot] = expert
         self.last_used[layer, expert] = self._tick
         self.stats.loaded += 1
         self.stats.bytes_moved += self.expert_bytes
@@ -163,9 +167,6 @@ class ExpertOffload:
         self._slots = _gather(self._slots, jnp.asarray(np.maximum(index_LxS, 0)))
         held = np.take_along_axis(self.expert_in, np.maximum(index_LxS, 0), axis=1)
         self.expert_in = np.where(index_LxS >= 0, held, -1).astype(np.int32)
-        self.slot_of[:] = -1
-        layers, slots = np.nonzero(self.expert_in >= 0)
-        self.slot_of[layers, self.expert_in[layers, slots]] = slots
 
     # -- the host side -----------------------------------------------------------------------
     def _victim(self, layer: int, keep_E: np.ndarray) -> int | None:
@@ -230,7 +231,8 @@ class ExpertOffload:
         slots are back at the count the step began with (C but in a warm-up) however it ends."""
         state = args[0]  # shares the model's variables, which the loads replace
         cache, *rest = jax.device_put(args[1:], self.device)  # committed, as a rerun gets them: one compile
-        start, demanded, size = time.perf_counter(), np.zeros_like(self.slot_of, bool), self.expert_in.shape[1]
+        start, size = time.perf_counter(), self.expert_in.shape[1]
+        demanded = np.zeros((self.num_layers, self.num_experts), bool)
         need = np.zeros_like(demanded)
         self._tick += 1
         try:
@@ -267,7 +269,7 @@ class ExpertOffload:
                 self._install()
                 compile_steps()
         finally:
-            self._shrink(np.zeros_like(self.slot_of, bool), self.capacity)
+            self._shrink(np.zeros((self.num_layers, self.num_experts), bool), self.capacity)
             self._install()
             self.stats.reset()
 
