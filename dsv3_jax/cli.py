@@ -110,24 +110,19 @@ def expert_slots_note(offload, chunk_flag: str) -> str | None:
 
 
 def with_mesh(args):
-    """`args` with --mesh read into {axis: size} (None without it); a bad one exits 2."""
+    """`args` with --mesh AXIS=N,... read into {axis: size} (None without it); a bad one exits 2."""
+    if not args.mesh:
+        args.mesh = None
+        return args
     try:
-        args.mesh = mesh_sizes(args.mesh) if args.mesh else None
-    except ValueError as e:
-        usage(str(e))
-    return args
-
-
-def mesh_sizes(text: str) -> dict[str, int]:
-    """--mesh's AXIS=N,... -> {axis: size}."""
-    try:
-        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
     except ValueError:
-        raise ValueError(f"--mesh {text!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4") from None
+        usage(f"--mesh {args.mesh!r}: expected AXIS=N[,AXIS=N...], e.g. fsdp=2,expert=4")
     unknown = sorted(set(sizes) - set(sharding.AXES))
     if unknown:
-        raise ValueError(f"--mesh {text!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
-    return sizes
+        usage(f"--mesh {args.mesh!r}: unknown axes {unknown}; axes are {list(sharding.AXES)}")
+    args.mesh = sizes
+    return args
 
 
 def log_info() -> None:

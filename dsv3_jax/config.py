@@ -13,12 +13,13 @@ import os
 from typing import Any, Mapping
 
 _DTYPES = ("float32", "bfloat16", "float16")
-MOE_IMPLS = ("auto", "ragged", "tiled", "padded", "dense")
-EXPERT_EXCHANGES = ("auto", "ragged", "padded")
-ATTENTION_IMPLS = ("xla", "pallas")
-HEAD_LOSS_IMPLS = ("chunked", "full")
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
-SCALE_FMTS = (None, "ue8m0")
+# The values each choice field may take.
+_CHOICES = {
+    "param_dtype": _DTYPES, "compute_dtype": _DTYPES, "moe_impl": ("auto", "ragged", "tiled", "padded", "dense"),
+    "expert_exchange": ("auto", "ragged", "padded"), "attention_impl": ("xla", "pallas"),
+    "head_loss_impl": ("chunked", "full"), "pipeline_schedule": ("gpipe", "circular", "1f1b", "dualpipev"),
+    "scale_fmt": (None, "ue8m0"),
+}
 INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
@@ -223,10 +224,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > {low}, got {getattr(self, name)}")
         if self.yarn is not None and not isinstance(self.yarn, YarnConfig):
             raise ConfigError(f"yarn must be a YarnConfig or None, got {type(self.yarn).__name__}")
-        choices = {"param_dtype": _DTYPES, "compute_dtype": _DTYPES, "moe_impl": MOE_IMPLS,
-                   "expert_exchange": EXPERT_EXCHANGES, "attention_impl": ATTENTION_IMPLS,
-                   "head_loss_impl": HEAD_LOSS_IMPLS, "pipeline_schedule": PIPELINE_SCHEDULES, "scale_fmt": SCALE_FMTS}
-        for name, allowed in choices.items():
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self._validate_indexer()

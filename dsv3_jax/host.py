@@ -76,15 +76,9 @@ def with_tunable(env: dict) -> dict:
     return dict(env, GLIBC_TUNABLES=f"{current}:{TUNABLE}" if current else TUNABLE)
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None  # finds, does not import
-    except (ImportError, ValueError):
-        return False
-
-
 def _accelerator() -> bool:
-    return any(any(glob.glob(pattern) for pattern in nodes) and any(_has_module(m) for m in plugins)
+    """A device node of an accelerator with jax's plugin for it installed (found, not imported)."""
+    return any(any(glob.glob(pattern) for pattern in nodes) and any(importlib.util.find_spec(m) for m in plugins)
                for nodes, plugins in _ACCELERATORS)
 
 
