@@ -36,7 +36,6 @@ class GenerateStats:
     forwards: int = 0  # decode steps after the prefill (each one forward of the main model)
     generated_tokens: int = 0  # kept tokens, all rows
     row_steps: int = 0  # decode steps summed over the rows still generating
-    step_tokens: int = 0  # tokens those row-steps produced (before truncation at the end)
     proposed_drafts: int = 0
     accepted_drafts: int = 0
     prompt_expert_counts: np.ndarray | None = None  # float32 [L_moe, E] routed prompt tokens per expert
@@ -50,7 +49,8 @@ class GenerateStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.step_tokens / self.row_steps if self.row_steps else 0.0
+        """Tokens a row-step produced (before truncation at the end): its accepted drafts and one more."""
+        return (self.row_steps + self.accepted_drafts) / self.row_steps if self.row_steps else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -168,10 +168,9 @@ class Generation:
         traces_before = dict(self.steps.traces)
         start = time.perf_counter()
         tokens = self._prefill()
-        first = tokens[:, 0]
         self.stats.prefill_seconds = time.perf_counter() - start
         self.stats.prefill_traces = self.steps.traces["prefill"] - traces_before.get("prefill", 0)
-        yield self._keep(first[:, None], np.ones_like(self._count))
+        yield self._keep(tokens[:, :1], np.ones_like(self._count))
         positions = self.lengths.copy()
         while not self._done.all():
             active, start = ~self._done, time.perf_counter()
@@ -185,7 +184,6 @@ class Generation:
             self.stats.forwards += 1
             counted = active & self._requested
             self.stats.row_steps += int(counted.sum())
-            self.stats.step_tokens += int((accepted + 1)[counted].sum())
             self.stats.proposed_drafts += int(counted.sum()) * (emitted.shape[1] - 1)
             self.stats.accepted_drafts += int(accepted[counted].sum())
             # finished rows stay in the batch but stop advancing, so their slots stay in the bucket

@@ -49,23 +49,13 @@ class SamplingConfig:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1] or be None, got {self.top_p!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def filters(self) -> tuple[bool, bool]:
-        """Whether top_k and top_p are on, for `Draw` (known when tracing)."""
-        return self.top_k is not None, self.top_p is not None and self.top_p < 1
-
-    def rows(self, batch: int) -> "RowSampling":
-        """These settings for every one of `batch` rows."""
-        return RowSampling(jnp.full(batch, self.temperature, jnp.float32), jnp.full(batch, self.top_k or 0, jnp.int32),
-                           jnp.full(batch, self.top_p or 1.0, jnp.float32), jnp.zeros(batch, jnp.uint32))
-
     def draw_with(self, key: jax.Array, batch: int) -> "Draw":
-        """generate()'s draw: these settings for every row, the rows keyed by splitting `key`."""
-        return Draw(self.rows(batch), jax.random.split(key, batch), self.greedy, self.filters)
+        """generate()'s draw: these settings for every one of `batch` rows, the rows keyed by splitting `key`;
+        whether the rows are greedy and which filters are on is known when tracing."""
+        rows = RowSampling(jnp.full(batch, self.temperature, jnp.float32), jnp.full(batch, self.top_k or 0, jnp.int32),
+                           jnp.full(batch, self.top_p or 1.0, jnp.float32), jnp.zeros(batch, jnp.uint32))
+        filters = self.top_k is not None, self.top_p is not None and self.top_p < 1
+        return Draw(rows, jax.random.split(key, batch), self.temperature == 0, filters)
 
 
 class RowSampling(NamedTuple):
