@@ -345,13 +345,11 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` dict HF transformers loads as `DeepseekV3ForCausalLM`."""
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope: dict[str, Any] = {"rope_type": "default" if self.yarn is None else "yarn", "rope_theta": self.rope_theta}
         if self.yarn is not None:
-            yarn = dataclasses.asdict(self.yarn)
-            attention_factor = yarn.pop("attention_factor")  # written last, and only when set
-            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, **yarn}
-            if attention_factor is not None:
-                rope["attention_factor"] = attention_factor
+            rope |= {k: v for k, v in dataclasses.asdict(self.yarn).items() if k != "attention_factor"}
+            if self.yarn.attention_factor is not None:  # written last, and only when set
+                rope["attention_factor"] = self.yarn.attention_factor
         fixed = {**_HF_FIXED, "rope_parameters": rope}
         out = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"} if self.has_indexer else {
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
