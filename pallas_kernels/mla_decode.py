@@ -7,10 +7,19 @@ even at batch 1; the splits are merged by their LSEs. Blocks beyond `lengths[b]`
 (TPU: their block index is clamped, so no DMA is issued either).
 
 FP8 cache: with `kv_scale` [B,S,G] (one fp32 scale per 128 latent values, G = ceil(R/128)),
-`kv_latent` is e4m3 and each block is dequantised in VMEM/SRAM as it is read, so a step reads
-about half the bytes of a bf16 cache and never writes a dequantised copy.
+`kv_latent` is e4m3 (or int8, a per-token scale repeated over its G groups) and each block is
+dequantised in VMEM/SRAM as it is read, so a step reads about half the bytes of a bf16 cache and
+never writes a dequantised copy.
 
-Letters: B batch, H heads, R latent rank (kv_lora), P rope dim, S cache length.
+Paged cache: with `page_table` [B,M], the cache is a pool of pages shared by the batch,
+kv_latent [N,K,R], k_pe [N,K,P], kv_scale [N,K,G], and row b's position s lives in page
+page_table[b, s // K] at offset s % K. A block is one page: on TPU the page table is a scalar
+prefetch operand that the cache's index map reads (pages past a row's length are clamped to its
+last page, so they cost no DMA); on Triton each block is loaded by pointer from its page's offset
+in the pool. Each row reads only its own pages up to its own length.
+
+Letters: B batch, H heads, R latent rank (kv_lora), P rope dim, S cache length; paged: N pages in
+the pool, K tokens per page, M page-table entries per row (S = M * K).
 """
 
 from __future__ import annotations
@@ -103,8 +112,9 @@ def _init(h, r):
             jnp.zeros((h, r), jnp.float32))
 
 
-def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
-                fp8):
+def _tpu_kernel(len_ref, *refs, scale, block_kv, blocks_per_split, fp8, paged):
+    """One (row, split, block) step; a paged cache's table (`refs[0]`) is read by the index maps only."""
+    ql_ref, qp_ref, kv_ref, kp_ref, *refs = refs[1:] if paged else refs
     sc_ref, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = (split * blocks_per_split + j) * block_kv
@@ -126,8 +136,11 @@ def _tpu_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv,
         _finish((m_ref[...], l_ref[...], acc_ref[...]), o_ref, lse_ref)
 
 
-def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_kv, blocks_per_split,
-                   fp8):
+def _triton_kernel(len_ref, *refs, scale, block_kv, blocks_per_split, fp8, paged):
+    """One (row, split, head block): a loop over the split's blocks; `kv_ref` is the row's cache
+    [S,R] or, `paged`, the whole pool [N*K,R] with the row's page table `pt_ref` [M]."""
+    pt_ref, refs = (refs[0], refs[1:]) if paged else (None, refs)
+    ql_ref, qp_ref, kv_ref, kp_ref, *refs = refs
     sc_ref, (o_ref, lse_ref) = (refs[0], refs[1:]) if fp8 else (None, refs)
     b, split = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
@@ -137,7 +150,8 @@ def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
 
     def body(j, carry):
         start = pl.multiple_of(split_start + j * block_kv, block_kv)
-        rows = pl.ds(start, block_kv)
+        page = None if pt_ref is None else pt_ref[split * blocks_per_split + j]
+        rows = pl.ds(start if page is None else pl.multiple_of(page * block_kv, block_kv), block_kv)
         kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
         return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], _before(start, length, block_kv), scale)
 
@@ -145,16 +159,17 @@ def _triton_kernel(len_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
     _finish(carry, o_ref, lse_ref)
 
 
-def check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale) -> None:
+def check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale, paged: bool = False) -> None:
     """Raises unless q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P] and kv_scale
-    [B,S,ceil(R/128)] (or None) agree."""
+    [B,S,ceil(R/128)] (or None) agree; `paged`: a pool kv_latent [N,K,R], k_pe [N,K,P], kv_scale [N,K,G]."""
     b, h, r = q_latent.shape
-    s, p = kv_latent.shape[1], q_pe.shape[2]
-    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (b, s, r) or k_pe.shape != (b, s, p):
+    n, s, p = kv_latent.shape[0], kv_latent.shape[1], q_pe.shape[2]
+    rows, want = (n, "[N,K,R], [N,K,P]") if paged else (b, "[B,S,R], [B,S,P]")
+    if q_pe.shape[:2] != (b, h) or kv_latent.shape != (rows, s, r) or k_pe.shape != (rows, s, p):
         raise ValueError(f"inconsistent shapes: {q_latent.shape=}, {q_pe.shape=}, "
-                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], [B,S,R], [B,S,P]")
-    if kv_scale is not None and kv_scale.shape != (b, s, -(-r // 128)):
-        raise ValueError(f"{kv_scale.shape=} must be ({b}, {s}, {-(-r // 128)}): one scale per 128 latent values")
+                         f"{kv_latent.shape=}, {k_pe.shape=}; want [B,H,R], [B,H,P], {want}")
+    if kv_scale is not None and kv_scale.shape != (rows, s, -(-r // 128)):
+        raise ValueError(f"{kv_scale.shape=} must be ({rows}, {s}, {-(-r // 128)}): one scale per 128 latent values")
 
 
 def split_layout(be: _backend.Backend, q_latent, q_pe, n: int, block: int, num_splits: int | None,
@@ -206,14 +221,33 @@ def run_splits(be: _backend.Backend, kernel, grid_spec, inputs, *, name: str, ql
     return out, m[:, 0] + jnp.log(denom)
 
 
+def _cache_specs(be: _backend.Backend, cache, *, block_kv: int, splits: int, blocks_per_split: int,
+                 paged: bool):
+    """BlockSpecs of the cache operands (a row's [B,S,X] or the flat pool [N*K,X]). TPU: one block per
+    step, clamped to the row's last needed block (skipped blocks cost no DMA), paged: at the page the
+    flat table names. Triton: the row's whole cache, or the whole pool, read block by block in the loop."""
+    if be.style == "tpu":
+        def kv_map(bi, si, j, len_ref, *table_ref):
+            block = jnp.minimum(si * blocks_per_split + j, jnp.maximum(pl.cdiv(len_ref[bi], block_kv) - 1, 0))
+            return (table_ref[0][bi * splits * blocks_per_split + block], 0) if paged else (bi, block, 0)
+        return [pl.BlockSpec((block_kv, a.shape[-1]) if paged else (None, block_kv, a.shape[-1]), kv_map)
+                for a in cache]
+    if paged:
+        return [pl.BlockSpec(a.shape, lambda bi, si, hi: (0, 0)) for a in cache]
+    return [pl.BlockSpec((None,) + a.shape[1:], lambda bi, si, hi: (bi, 0, 0)) for a in cache]
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "return_lse", "block_sizes",
                                              "backend", "interpret"))
 def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
                return_lse: bool = False, block_sizes: BlockSizes | None = None,
-               backend=None, interpret=None, kv_scale=None):
+               backend=None, interpret=None, kv_scale=None, page_table=None):
     """q_latent [B,H,R], q_pe [B,H,P], kv_latent [B,S,R], k_pe [B,S,P], lengths [B] -> [B,H,R] f32.
 
-    kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 `kv_latent` (dequantised block by block), else None.
+    kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 or int8 `kv_latent` (dequantised block by block), else None.
+    page_table: int [B,M] for a paged cache (kv_latent [N,K,R], k_pe [N,K,P], kv_scale [N,K,G]; a
+    block is one page, so `block_sizes.block_kv` is unused), else None. Entries at or past a row's
+    last page are never read and may hold anything (-1 for no page, say).
 
     With `return_lse` also returns the log-sum-exp of the scaled scores, [B,H] f32
     (-inf where lengths[b] == 0, whose output row is 0).
@@ -221,54 +255,60 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
     bs.validate(be)
-    check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale)
+    paged = page_table is not None
+    check_cache_shapes(q_latent, q_pe, kv_latent, k_pe, kv_scale, paged)
     b, h, r = q_latent.shape
-    s = kv_latent.shape[1]
     if lengths.shape != (b,):
         raise ValueError(f"{lengths.shape=} must be ({b},)")
+    if paged and (page_table.ndim != 2 or page_table.shape[0] != b
+                  or not jnp.issubdtype(page_table.dtype, jnp.integer)):
+        raise ValueError(f"page_table must be integer [B={b}, M], got {page_table.dtype} {page_table.shape}")
+    bk = kv_latent.shape[1] if paged else bs.block_kv
+    if paged:
+        _backend.check_blocks(be, lanes=("page_size",), page_size=bk)
+    s = page_table.shape[1] * bk if paged else kv_latent.shape[1]
     fp8 = kv_scale is not None
-    bk = bs.block_kv
     splits, bps, ql, qp = split_layout(be, q_latent, q_pe, s, bk, bs.num_splits, fp8)
     hp, rp, pp = ql.shape[1], ql.shape[2], qp.shape[2]
-    sp = splits * bps * bk
-    kv = pad_axis(pad_axis(kv_latent, 1, sp), 2, rp)
-    kp = pad_axis(pad_axis(k_pe, 1, sp), 2, pp)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
-    kw = dict(scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps, fp8=fp8)
-    inputs = [lengths, ql, qp, kv, kp]
-    if fp8:
-        inputs.append(pad_axis(pad_axis(kv_scale.astype(jnp.float32), 1, sp), 2, rp // 128))
-    g = rp // 128
+    cache = [kv_latent, k_pe] + ([kv_scale.astype(jnp.float32)] if fp8 else [])
+    cache = [pad_axis(a, 2, w) for a, w in zip(cache, (rp, pp, rp // 128))]
+    meta = [jnp.clip(lengths.astype(jnp.int32), 0, s)]
+    if paged:  # the pool as rows [N*K, X]; ids clipped into it, as a clamped block may read any entry
+        cache = [a.reshape(-1, a.shape[2]) for a in cache]
+        meta.append(pad_axis(jnp.clip(page_table.astype(jnp.int32), 0, kv_latent.shape[0] - 1), 1, splits * bps))
+    else:
+        cache = [pad_axis(a, 1, splits * bps * bk) for a in cache]
     q_specs, o_specs, head_blocks = head_specs(be, bs.block_h, ql, qp)
+    kv_specs = _cache_specs(be, cache, block_kv=bk, splits=splits, blocks_per_split=bps, paged=paged)
     if be.style == "tpu":
-        def kv_map(bi, si, j, len_ref):  # clamp to the last needed block: skipped blocks cost no DMA
-            last = jnp.maximum(pl.cdiv(len_ref[bi], bk) - 1, 0)
-            return bi, jnp.minimum(si * bps + j, last), 0
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, splits, bps),
-            in_specs=q_specs + [pl.BlockSpec((None, bk, rp), kv_map), pl.BlockSpec((None, bk, pp), kv_map)]
-                     + ([pl.BlockSpec((None, bk, g), kv_map)] if fp8 else []),
-            out_specs=o_specs,
+            num_scalar_prefetch=len(meta), grid=(b, splits, bps), in_specs=q_specs + kv_specs, out_specs=o_specs,
             scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
                             pltpu.VMEM((hp, rp), jnp.float32)])
-        kernel = functools.partial(_tpu_kernel, **kw)
+        meta[1:] = [table.reshape(-1) for table in meta[1:]]  # a flat table: SMEM pads a 2-D one's rows
+        kernel = _tpu_kernel
     else:
-        kv_map = lambda bi, si, hi: (bi, 0, 0)
-        grid_spec = pl.GridSpec(
-            grid=(b, splits, head_blocks),
-            in_specs=[pl.BlockSpec((b,), lambda bi, si, hi: (0,))] + q_specs
-                     + [pl.BlockSpec((None, sp, rp), kv_map), pl.BlockSpec((None, sp, pp), kv_map)]
-                     + ([pl.BlockSpec((None, sp, g), kv_map)] if fp8 else []),
-            out_specs=o_specs)
-        kernel = functools.partial(_triton_kernel, **kw)
-    out, lse = run_splits(be, kernel, grid_spec, inputs, name="mla_decode", ql=ql, splits=splits, h=h, r=r)
+        meta_specs = [pl.BlockSpec((b,), lambda bi, si, hi: (0,)),
+                      pl.BlockSpec((None, splits * bps), lambda bi, si, hi: (bi, 0))][:len(meta)]
+        grid_spec = pl.GridSpec(grid=(b, splits, head_blocks), in_specs=meta_specs + q_specs + kv_specs,
+                                out_specs=o_specs)
+        kernel = _triton_kernel
+    kernel = functools.partial(kernel, scale=float(softmax_scale), block_kv=bk, blocks_per_split=bps, fp8=fp8,
+                               paged=paged)
+    out, lse = run_splits(be, kernel, grid_spec, meta + [ql, qp] + cache, name="mla_decode", ql=ql,
+                          splits=splits, h=h, r=r)
     return (out, lse) if return_lse else out
 
 
 def mla_decode_reference(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float,
-                         return_lse: bool = False, kv_scale=None, **_):
-    """Plain-jnp `mla_decode` (fp32, full precision, whole-cache softmax)."""
+                         return_lse: bool = False, kv_scale=None, page_table=None, **_):
+    """Plain-jnp `mla_decode` (fp32, full precision, whole-cache softmax); a paged cache's pages are
+    first gathered into each row's contiguous cache [B,M*K,X]."""
     f32, hi = jnp.float32, lax.Precision.HIGHEST
+    if page_table is not None:
+        pages_BxM = jnp.clip(page_table, 0, kv_latent.shape[0] - 1)
+        gather = lambda a: None if a is None else a[pages_BxM].reshape(pages_BxM.shape[0], -1, a.shape[2])
+        kv_latent, k_pe, kv_scale = gather(kv_latent), gather(k_pe), gather(kv_scale)
     if kv_scale is not None:
         r = kv_latent.shape[-1]
         kv_latent = kv_latent.astype(f32) * jnp.repeat(kv_scale.astype(f32), 128, axis=-1)[..., :r]

@@ -1,7 +1,10 @@
 """Helpers for the pallas_kernels tests (imported by module name; tests/ is not a package)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import quantize_1x128
 
 # (kernel style, platform given to `lower(lowering_platforms=...)`)
 LOWERINGS = [("tpu", "tpu"), ("triton", "cuda")]
@@ -28,3 +31,19 @@ def numpy_promoted_matmul(x_q, x_s, w_q, w_s):
         part = x[:, cols] @ w[:, cols].T
         out += part * x_s[:, kb:kb + 1] * w_s[row_block, kb][None, :]
     return out
+
+
+def quantized_cache(kv, fmt):
+    """(cache, kv_scale [B,S,G], dequantised float64) for kv [B,S,R]: fp8 with 1x128 scales, or int8
+    with one scale per token (amax / 127) repeated over the token's G groups, as dsv3_jax's int8
+    cache hands it."""
+    b, s, r = kv.shape
+    if fmt == "float8":
+        q, scale = quantize_1x128(kv.reshape(b * s, r))
+        q, scale = q.reshape(b, s, r), scale.reshape(b, s, -1)
+    else:
+        tok = np.abs(np.asarray(kv)).max(-1, keepdims=True) / 127.0
+        q = jnp.asarray(np.clip(np.round(np.asarray(kv) / tok), -127, 127).astype(np.int8))
+        scale = jnp.asarray(np.repeat(tok, -(-r // 128), axis=-1), jnp.float32)
+    deq = np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), 128, axis=-1)[..., :r]
+    return q, scale, deq

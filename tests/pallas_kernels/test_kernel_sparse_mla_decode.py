@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (BlockSizesSparseMlaDecode, mla_decode_reference, quantize_1x128, sparse_mla_decode,
-                            sparse_mla_decode_reference)
-from pallas_test_utils import LOWERINGS, lowers
+from pallas_kernels import BlockSizesSparseMlaDecode, mla_decode_reference, sparse_mla_decode, sparse_mla_decode_reference
+from pallas_test_utils import LOWERINGS, lowers, quantized_cache
 
 reference = jax.jit(sparse_mla_decode_reference, static_argnames="softmax_scale")  # one compile, not one per op
 
@@ -91,21 +90,6 @@ def test_kernel_matches_reference(style):
     assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
 
 
-def _quantized_cache(kv, fmt):
-    """(cache, kv_scale [B,S,G], dequantised float64): fp8 with 1x128 scales, or int8 with one scale
-    per token (amax / 127) repeated over the token's G groups, as dsv3_jax's int8 cache hands it."""
-    b, s, r = kv.shape
-    if fmt == "float8":
-        q, scale = quantize_1x128(kv.reshape(b * s, r))
-        q, scale = q.reshape(b, s, r), scale.reshape(b, s, -1)
-    else:
-        tok = np.abs(np.asarray(kv)).max(-1, keepdims=True) / 127.0
-        q = jnp.asarray(np.clip(np.round(np.asarray(kv) / tok), -127, 127).astype(np.int8))
-        scale = jnp.asarray(np.repeat(tok, -(-r // 128), axis=-1), jnp.float32)
-    deq = np.asarray(q, np.float64) * np.repeat(np.asarray(scale, np.float64), 128, axis=-1)[..., :r]
-    return q, scale, deq
-
-
 @pytest.mark.parametrize("fmt,style", [("float8", "tpu"), ("float8", "triton"), ("int8", "triton")])
 def test_quantized_cache_dequantised_per_block(fmt, style):
     """An 8-bit cache: the kernel's per-block dequantisation and the reference against numpy on the
@@ -113,7 +97,7 @@ def test_quantized_cache_dequantised_per_block(fmt, style):
     as fp8 (a cast, then the per-128 scales), so one style checks it."""
     q_lat, q_pe, kv, kp = _inputs(2, 4, 256, 16, 260, jnp.float32, seed=3)
     kv = kv * jnp.linspace(0.1, 20, 256)  # scales that differ between the 128-value groups
-    cache, scale, deq = _quantized_cache(kv, fmt)
+    cache, scale, deq = quantized_cache(kv, fmt)
     idx = _indices([260, 100], 160, seed=3)
     want, want_lse = numpy_sparse_attention(*_f64(q_lat, q_pe), deq, np.asarray(kp, np.float64), idx, 0.05)
     got, lse = sparse_mla_decode(q_lat, q_pe, cache, kp, jnp.asarray(idx), softmax_scale=0.05, kv_scale=scale,
