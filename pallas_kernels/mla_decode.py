@@ -246,8 +246,8 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
 
     kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 or int8 `kv_latent` (dequantised block by block), else None.
     page_table: int [B,M] for a paged cache (kv_latent [N,K,R], k_pe [N,K,P], kv_scale [N,K,G]; a
-    block is one page, so `block_sizes.block_kv` is unused), else None. Entries at or past a row's
-    last page are never read and may hold anything (-1 for no page, say).
+    block is one page, so `block_sizes.block_kv` is unused), else None. Entries after the page that
+    holds a row's last position are never used and may hold anything (-1 for no page, say).
 
     With `return_lse` also returns the log-sum-exp of the scaled scores, [B,H] f32
     (-inf where lengths[b] == 0, whose output row is 0).
@@ -273,7 +273,7 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
     cache = [kv_latent, k_pe] + ([kv_scale.astype(jnp.float32)] if fp8 else [])
     cache = [pad_axis(a, 2, w) for a, w in zip(cache, (rp, pp, rp // 128))]
     meta = [jnp.clip(lengths.astype(jnp.int32), 0, s)]
-    if paged:  # the pool as rows [N*K, X]; ids clipped into it, as a clamped block may read any entry
+    if paged:  # the pool as rows [N*K, X]; ids clipped into it: an empty row's TPU blocks still name entry 0
         cache = [a.reshape(-1, a.shape[2]) for a in cache]
         meta.append(pad_axis(jnp.clip(page_table.astype(jnp.int32), 0, kv_latent.shape[0] - 1), 1, splits * bps))
     else:
@@ -285,7 +285,7 @@ def mla_decode(q_latent, q_pe, kv_latent, k_pe, lengths, *, softmax_scale: float
             num_scalar_prefetch=len(meta), grid=(b, splits, bps), in_specs=q_specs + kv_specs, out_specs=o_specs,
             scratch_shapes=[pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32),
                             pltpu.VMEM((hp, rp), jnp.float32)])
-        meta[1:] = [table.reshape(-1) for table in meta[1:]]  # a flat table: SMEM pads a 2-D one's rows
+        meta[1:] = [table.reshape(-1) for table in meta[1:]]  # flat in SMEM, as jax's TPU paged attention
         kernel = _tpu_kernel
     else:
         meta_specs = [pl.BlockSpec((b,), lambda bi, si, hi: (0,)),

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSizesSparseMlaDecode, mla_decode_reference, sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels import (BlockSizesSparseMlaDecode, mla_decode_reference, sparse_mla_decode,
+                            sparse_mla_decode_reference)
 from pallas_test_utils import LOWERINGS, lowers, quantized_cache
 
 reference = jax.jit(sparse_mla_decode_reference, static_argnames="softmax_scale")  # one compile, not one per op
