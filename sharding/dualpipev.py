@@ -212,15 +212,9 @@ def apply(layer_fn: stages.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *,
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
     params = v_layout(stacked, mesh=mesh, axis=axis, stored_specs=stored_specs)
-    fwd_table, bwd_table = schedule_table(s, m, backward=False), schedule_table(s, m)
-
-    def forward(params, xs, side):
-        return _run(layer_fn, fwd_table, params, valid, xs, side, None, None, mesh=mesh, axis=axis, split=split)
-
-    def backward(params, xs, side, ct_y, ct_aux):
-        return _run(layer_fn, bwd_table, params, valid, xs, side, ct_y, ct_aux, mesh=mesh, axis=axis, split=split)
-
-    out, aux = stages.hand_run(forward, backward)(params, x_MxB_, side_M_)
+    run = functools.partial(_run, layer_fn, valid=valid, mesh=mesh, axis=axis, split=split)
+    forward = functools.partial(run, schedule_table(s, m, backward=False))
+    out, aux = stages.hand_run(forward, functools.partial(run, schedule_table(s, m)))(params, x_MxB_, side_M_)
     return out, jax.tree.map(lambda a: a[stages.slot_of_layer(index, valid)], aux)
 
 
@@ -238,7 +232,7 @@ def _ends(table: Table) -> dict:
     return out
 
 
-def _run(layer_fn, table: Table, params, valid, xs, side, ct_y, ct_aux, *, mesh, axis, split: bool = False):
+def _run(layer_fn, table: Table, params, xs, side, ct_y=None, ct_aux=None, *, valid, mesh, axis, split: bool = False):
     """The table's program. Forward-only (ct_y None): (y [M, ...], aux slots [S * 2K, M, ...]);
     otherwise (slot param grads, x grads [M, ...]). x, ct_y, y and the x gradient are
     `stage_batch.StageBatch`es: each unit reads x and ct_y for rank 0 and stores rank 0's y or input

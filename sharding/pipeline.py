@@ -53,6 +53,7 @@ microbatches per tick and device where a gather moves each microbatch once; memo
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -132,14 +133,17 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
         params = stacked
     else:
         params = to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
-    if schedule == "gpipe" or schedule == "circular":
-        out, aux = _gpipe(layer_fn, params, jnp.asarray(valid), x_MxB_, side_M_, mesh=mesh, axis=axis, repeats=repeats)
+    if schedule == "1f1b":  # GPipe's forward, keeping only its inputs; the 1F1B backward by hand
+        run = hand_run(functools.partial(_gpipe, layer_fn, valid, mesh=mesh, axis=axis, repeats=1, hand=True,
+                                         split=split),
+                       functools.partial(_one_f_one_b_backward, layer_fn, valid, mesh=mesh, axis=axis, split=split))
     else:
-        out, aux = _hand_backward(layer_fn, valid, mesh=mesh, axis=axis, split=split)(params, x_MxB_, side_M_)
+        run = functools.partial(_gpipe, layer_fn, valid, mesh=mesh, axis=axis, repeats=repeats)
+    out, aux = run(params, x_MxB_, side_M_)
     return out, jax.tree.map(lambda a: a[slot_of_layer(index, valid)], aux)  # slots -> [L, M, ...]
 
 
-def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
+def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
            hand: bool = False, split: bool = False):
     """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
     [S * R * K, M, ...]). Its backward is jax's transpose of the scan and ppermutes.
@@ -193,26 +197,11 @@ def _gpipe(layer_fn: LayerFn, params, valid, x_MxB_, side_M_, *, mesh, axis: str
 
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P()),
                          out_specs=(batch.spec(), P(axis)), axis_names={axis},
-                         check_vma=False)(params, valid, x_MxB_, side_M_)
+                         check_vma=False)(params, jnp.asarray(valid), x_MxB_, side_M_)
 
 
-def _hand_backward(layer_fn: LayerFn, valid: np.ndarray, *, mesh, axis: str, split: bool = False):
-    """`f(slot params, x, side) -> (y, aux slots)` whose forward is GPipe's (keeping nothing but its
-    inputs) and whose backward runs 1F1B by hand (`_one_f_one_b_backward`); x, y and their
-    gradients split over `axis` on the microbatch dimension when `split` (`StageBatch`)."""
-    def forward(params, xs, side):
-        return _gpipe(layer_fn, params, jnp.asarray(valid), xs, side, mesh=mesh, axis=axis, repeats=1, hand=True,
-                      split=split)
-
-    def backward(params, xs, side, ct_y, ct_aux):
-        return _one_f_one_b_backward(layer_fn, params, jnp.asarray(valid), xs, side, ct_y, ct_aux, mesh=mesh,
-                                     axis=axis, split=split)
-
-    return hand_run(forward, backward)
-
-
-def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_aux: list, *, mesh, axis: str,
-                          split: bool = False):
+def _one_f_one_b_backward(layer_fn: LayerFn, valid: np.ndarray, params, xs, side, ct_y, ct_aux: list, *, mesh,
+                          axis: str, split: bool = False):
     """Gradients (slot params [S * K, ...], x [M, ...]) of sum(y * ct_y) + sum(aux * ct_aux), run by
     the 1F1B schedule in one shard_map over `axis`.
 
@@ -284,7 +273,7 @@ def _one_f_one_b_backward(layer_fn: LayerFn, params, valid, xs, side, ct_y, ct_a
 
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P(), batch.spec(), aux_specs),
                          out_specs=(param_specs, batch.spec()), axis_names={axis},
-                         check_vma=False)(params, valid, xs, side, ct_y, ct_aux)
+                         check_vma=False)(params, jnp.asarray(valid), xs, side, ct_y, ct_aux)
 
 
 def split_microbatches(x_Bx_: jax.Array, m: int) -> jax.Array:
@@ -307,8 +296,13 @@ def outer_microbatches(batch: int, mesh, requested: int = 0) -> int:
     shards = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES) if mesh is not None and not mesh.empty else 1
     if not requested:
         return batch // shards if is_active(mesh) and batch % shards == 0 else 1
+    return _check_microbatches("outer_microbatches", requested, batch, shards)
+
+
+def _check_microbatches(name: str, requested: int, batch: int, shards: int) -> int:
+    """`requested` when it splits `batch` rows into microbatches that split evenly over `shards`."""
     if batch % requested or (batch // requested) % shards:
-        raise ValueError(f"outer_microbatches={requested} must divide the batch of {batch} rows into "
+        raise ValueError(f"{name}={requested} must divide the batch of {batch} rows into "
                          f"microbatches that split evenly over the mesh's {shards} batch shards")
     return requested
 
@@ -362,9 +356,7 @@ def resolve_microbatches(batch: int, num_stages: int, batch_shards: int = 1, req
     keep every microbatch splittable over the shards ((batch / M) % batch_shards == 0) and, for the
     circular schedule, M >= S; the largest such M when none reaches the target."""
     if requested:
-        if batch % requested or (batch // requested) % batch_shards:
-            raise ValueError(f"pipeline_microbatches={requested} must divide the batch of {batch} rows into "
-                             f"microbatches that split evenly over the mesh's {batch_shards} batch shards")
+        _check_microbatches("pipeline_microbatches", requested, batch, batch_shards)
         if repeats > 1 and requested < num_stages:
             raise ValueError(f"pipeline_microbatches={requested} is fewer than the {num_stages} stages; the circular "
                              f"schedule (pipeline_repeats={repeats}) needs at least one per stage")

@@ -43,15 +43,13 @@ class StageBatch:
         """Microbatch i, on every stage."""
         if not self.split:
             return local_M_[i]
-        mine = local_M_[i % self.per_stage]
-        owner = jax.lax.axis_index(self.axis) == i // self.per_stage
-        return jax.lax.psum(jnp.where(owner, mine, jnp.zeros_like(mine)), self.axis)
+        return self._from(jax.lax.axis_index(self.axis) == i // self.per_stage, local_M_[i % self.per_stage])
 
     def write(self, local_M_: jax.Array, value: jax.Array, i: jax.Array, on: jax.Array, src: int) -> jax.Array:
         """Stores stage `src`'s `value` as microbatch i when `on` (the same on every stage)."""
         stage = jax.lax.axis_index(self.axis)
         if self.split:
-            value = jax.lax.psum(jnp.where(stage == src, value, jnp.zeros_like(value)), self.axis)
+            value = self._from(stage == src, value)
             keep, slot = on & (stage == i // self.per_stage), i % self.per_stage
         else:
             keep, slot = on & (stage == src), i
@@ -61,8 +59,11 @@ class StageBatch:
         """The written batch as the shard_map's output (`spec`): replicated, stage `src`'s, summed."""
         if self.split:
             return local_M_
-        stage = jax.lax.axis_index(self.axis)
-        return jax.lax.psum(jnp.where(stage == src, local_M_, jnp.zeros_like(local_M_)), self.axis)
+        return self._from(jax.lax.axis_index(self.axis) == src, local_M_)
+
+    def _from(self, on: jax.Array, value: jax.Array) -> jax.Array:
+        """`value` of the one stage where `on` holds, on every stage (the others add zeros)."""
+        return jax.lax.psum(jnp.where(on, value, jnp.zeros_like(value)), self.axis)
 
 
 def split_stage_microbatches(x_Bx_: jax.Array, m: int, num_stages: int, batch_shards: int) -> jax.Array:

@@ -113,11 +113,6 @@ def zero_cotangent(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def float_leaves(tree) -> list:
-    """The floating-point leaves of `tree` (those that take a gradient)."""
-    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
-
-
 def hand_run(forward: Callable, backward: Callable) -> Callable:
     """`f(slot params, x, side) -> (y, aux)` as a custom_vjp: `forward(params, x, side)` keeps only
     its inputs, `backward(params, x, side, ct_y, ct_aux leaves)` gives (param grads, x grads); side
@@ -152,7 +147,7 @@ class ChunkVjp:
     def forward(self, p, ok, h, side) -> tuple[jax.Array, list]:
         def f(p_, h_):
             y, aux = run_chunk(self.layer_fn, p_, ok, h_, side)
-            return y, float_leaves(aux)
+            return y, [a for a in jax.tree.leaves(aux) if jnp.issubdtype(a.dtype, jnp.inexact)]  # those with a gradient
 
         out, vjp_fn = jax.vjp(f, p, h)
         leaves, self.treedef = jax.tree.flatten(vjp_fn)
