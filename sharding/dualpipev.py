@@ -17,7 +17,7 @@ with M); W runs in units where the rank does not run both F and B, or when more 
 waiting. Every buffer slot (inboxes for arriving activations and gradients, residual stash, the
 cotangents W needs) is assigned in the table, so the program only indexes.
 
-The program (`_run`): a scan over units inside shard_map over `axis`; each unit runs W, B, F under
+The program (`_run`): a scan over units inside shard_map over `pipeline`; each unit runs W, B, F under
 `lax.cond` on this rank's row of the table, then four ppermutes (activations and gradients, to
 r + 1 and to r - 1) whose results land in the slots the table names. B and W both call the chunk's
 `jax.vjp` function rebuilt from the stashed residuals: B keeps only the input gradient, W only the
@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import stages
 from sharding.stage_batch import StageBatch
+from sharding.stages import AXIS
 
 
 def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,10 +47,10 @@ def v_layer_slots(num_layers: int, num_stages: int) -> tuple[np.ndarray, np.ndar
     return stages.chunk_slots(num_layers, [[r, 2 * num_stages - 1 - r] for r in range(num_stages)])
 
 
-def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
-    """The [L, ...] stack in V slot order ([S * 2K, ...], `v_layer_slots`), split over `axis`.
+def v_layout(stacked, *, mesh, stored_specs=None):
+    """The [L, ...] stack in V slot order ([S * 2K, ...], `v_layer_slots`), split over `pipeline`.
 
-    When 2S divides L, the stored layout (layer axis on `axis`: stage q holds chunks 2q and 2q + 1)
+    When 2S divides L, the stored layout (layer axis on `pipeline`: stage q holds chunks 2q and 2q + 1)
     is turned into the V's by two ppermutes of one chunk each: even chunks 2q go to rank(2q), odd
     ones to rank(2q + 1), both injective (a chunk c < S lands on rank c, of c's parity; c >= S on
     2S - 1 - c, of the other parity), and each rank receives one of each (r and 2S - 1 - r differ
@@ -57,23 +58,23 @@ def v_layout(stacked, *, mesh, axis: str = "pipeline", stored_specs=None):
     moves them with one all_to_all given the stack's `stored_specs`; without those the stack is
     gathered by layer index, which XLA did by all-gathering the whole stack on every stage.
     """
-    s = mesh.shape[axis]
+    s = mesh.shape[AXIS]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if num_layers % (2 * s):
         index, _ = v_layer_slots(num_layers, s)
-        return stages.to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
+        return stages.to_slots(stacked, index, stored_specs, mesh=mesh)
     k = num_layers // (2 * s)
     rank = lambda c: c if c < s else 2 * s - 1 - c  # noqa: E731
 
     def body(local):  # [2K, ...]: chunks 2q, 2q + 1 of this stage q
-        even = jax.lax.ppermute(jax.tree.map(lambda a: a[:k], local), axis, [(q, rank(2 * q)) for q in range(s)])
-        odd = jax.lax.ppermute(jax.tree.map(lambda a: a[k:], local), axis, [(q, rank(2 * q + 1)) for q in range(s)])
-        first_even = jax.lax.axis_index(axis) % 2 == 0  # chunk r (slot 0) is even on even ranks
+        even = jax.lax.ppermute(jax.tree.map(lambda a: a[:k], local), AXIS, [(q, rank(2 * q)) for q in range(s)])
+        odd = jax.lax.ppermute(jax.tree.map(lambda a: a[k:], local), AXIS, [(q, rank(2 * q + 1)) for q in range(s)])
+        first_even = jax.lax.axis_index(AXIS) % 2 == 0  # chunk r (slot 0) is even on even ranks
         return jax.tree.map(lambda e, o: jnp.where(first_even, jnp.concatenate([e, o]), jnp.concatenate([o, e])),
                             even, odd)
 
-    specs = stages.stage_specs(stacked, axis)
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names={axis},
+    specs = stages.stage_specs(stacked)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names={AXIS},
                          check_vma=False)(stacked)
 
 
@@ -202,17 +203,17 @@ def schedule_table(num_stages: int, num_microbatches: int, *, backward: bool = T
     return Table(table, len(rows), *sizes, busy=busy / (kinds * s * len(rows)))
 
 
-def apply(layer_fn: stages.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, axis: str = "pipeline",
-          stored_specs=None, split: bool = False):
+def apply(layer_fn: stages.LayerFn, stacked, x_MxB_: jax.Array, side_M_=None, *, mesh, stored_specs=None,
+          split: bool = False):
     """`pipeline.pipeline_apply` under DualPipeV: (y [M, ...], aux [L, M, ...]); the forward runs the
     forward-only table, the backward (a custom_vjp) the full one. Side inputs get no gradient. x, y
-    and their gradients are split over `axis` on the microbatch dimension when `split`
+    and their gradients are split over `pipeline` on the microbatch dimension when `split`
     (`stage_batch.StageBatch`)."""
-    s, m = mesh.shape[axis], x_MxB_.shape[0]
+    s, m = mesh.shape[AXIS], x_MxB_.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     index, valid = v_layer_slots(num_layers, s)
-    params = v_layout(stacked, mesh=mesh, axis=axis, stored_specs=stored_specs)
-    run = functools.partial(_run, layer_fn, valid=valid, mesh=mesh, axis=axis, split=split)
+    params = v_layout(stacked, mesh=mesh, stored_specs=stored_specs)
+    run = functools.partial(_run, layer_fn, valid=valid, mesh=mesh, split=split)
     forward = functools.partial(run, schedule_table(s, m, backward=False))
     out, aux = stages.hand_run(forward, functools.partial(run, schedule_table(s, m)))(params, x_MxB_, side_M_)
     return out, jax.tree.map(lambda a: a[stages.slot_of_layer(index, valid)], aux)
@@ -232,19 +233,19 @@ def _ends(table: Table) -> dict:
     return out
 
 
-def _run(layer_fn, table: Table, params, xs, side, ct_y=None, ct_aux=None, *, valid, mesh, axis, split: bool = False):
+def _run(layer_fn, table: Table, params, xs, side, ct_y=None, ct_aux=None, *, valid, mesh, split: bool = False):
     """The table's program. Forward-only (ct_y None): (y [M, ...], aux slots [S * 2K, M, ...]);
     otherwise (slot param grads, x grads [M, ...]). x, ct_y, y and the x gradient are
     `stage_batch.StageBatch`es: each unit reads x and ct_y for rank 0 and stores rank 0's y or input
     gradient, one microbatch each (`_ends`)."""
-    s, m = mesh.shape[axis], xs.shape[0]
+    s, m = mesh.shape[AXIS], xs.shape[0]
     backward = ct_y is not None
-    param_specs = stages.stage_specs(params, axis)
+    param_specs = stages.stage_specs(params)
     rows = {f: jnp.asarray(a) for f, a in table.rows.items()}
-    batch = StageBatch(split, m, axis=axis, num_stages=s)
+    batch = StageBatch(split, m, s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
-        stage = jax.lax.axis_index(axis)
+        stage = jax.lax.axis_index(AXIS)
         by_chunk = jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), (local_params, local_valid))
         chunk = lambda v: jax.tree.map(lambda a: a[v], by_chunk)  # noqa: E731
         side_of = lambda i: jax.tree.map(lambda a: a[i], side)  # noqa: E731
@@ -310,10 +311,10 @@ def _run(layer_fn, table: Table, params, xs, side, ct_y=None, ct_aux=None, *, va
             inbox_a = put(inbox_a, y, r["f_loc"], 0)
             inbox_g = put(inbox_g, dh, r["b_loc"], 0)
             up, down = [(i, i + 1) for i in range(s - 1)], [(i + 1, i) for i in range(s - 1)]
-            inbox_a = put(inbox_a, jax.lax.ppermute(y, axis, up), r["a_below"], 0)
-            inbox_a = put(inbox_a, jax.lax.ppermute(y, axis, down), r["a_above"], 0)
-            inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, up), r["g_below"], 0)
-            inbox_g = put(inbox_g, jax.lax.ppermute(dh, axis, down), r["g_above"], 0)
+            inbox_a = put(inbox_a, jax.lax.ppermute(y, AXIS, up), r["a_below"], 0)
+            inbox_a = put(inbox_a, jax.lax.ppermute(y, AXIS, down), r["a_above"], 0)
+            inbox_g = put(inbox_g, jax.lax.ppermute(dh, AXIS, up), r["g_below"], 0)
+            inbox_g = put(inbox_g, jax.lax.ppermute(dh, AXIS, down), r["g_above"], 0)
             return (inbox_a, inbox_g, ends, extra), None
 
         # ends: the input gradient (backward) or the output (forward), [M or M / S, ...]
@@ -328,8 +329,8 @@ def _run(layer_fn, table: Table, params, xs, side, ct_y=None, ct_aux=None, *, va
 
     if backward:
         out_specs = (param_specs, batch.spec())
-        in_specs = (param_specs, P(axis), batch.spec(), P(), batch.spec(), [P(axis)] * len(ct_aux))
+        in_specs = (param_specs, P(AXIS), batch.spec(), P(), batch.spec(), [P(AXIS)] * len(ct_aux))
     else:
-        out_specs, in_specs = (batch.spec(), P(axis)), (param_specs, P(axis), batch.spec(), P(), P(), P())
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis},
+        out_specs, in_specs = (batch.spec(), P(AXIS)), (param_specs, P(AXIS), batch.spec(), P(), P(), P())
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                          check_vma=False)(params, jnp.asarray(valid), xs, side, ct_y, ct_aux)

@@ -66,14 +66,14 @@ from sharding import dualpipev
 from sharding.rules import BATCH_AXES, STAGE_BATCH_AXES
 from sharding.stage_batch import StageBatch, splits_stack_batch
 from sharding.stages import (ChunkVjp, LayerFn, chunk_slots, grad_accumulator, hand_run, run_chunk, slot_of_layer,
-                             stage_layers, stage_specs, to_slots)
+                             stage_layers, stage_specs, to_slots, AXIS)
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "dualpipev")
 
 
-def is_active(mesh, axis: str = "pipeline") -> bool:
-    """True when `mesh` (e.g. the context mesh inside jit) has more than one `axis` stage."""
-    return mesh is not None and not mesh.empty and mesh.shape.get(axis, 1) > 1
+def is_active(mesh) -> bool:
+    """True when `mesh` (e.g. the context mesh inside jit) has more than one `pipeline` stage."""
+    return mesh is not None and not mesh.empty and mesh.shape.get(AXIS, 1) > 1
 
 
 def slots_per_stage(num_layers: int, num_stages: int, repeats: int = 1) -> int:
@@ -97,11 +97,11 @@ def layer_slots(num_layers: int, num_stages: int, repeats: int = 1) -> tuple[np.
 
 
 def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: Any = None, *, mesh,
-                   axis: str = "pipeline", repeats: int = 1, schedule: str | None = None, stored_specs: Any = None):
-    """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `axis` stages.
+                   repeats: int = 1, schedule: str | None = None, stored_specs: Any = None):
+    """Runs microbatches x through all layers of `stacked` ([L, ...] leaves) on the `pipeline` stages.
 
     x: [M, ...] microbatches; side: a pytree of [M, ...] per-microbatch inputs that every layer reads
-    (None for none); side replicated over `axis`, x too except under 1f1b and dualpipev when S
+    (None for none); side replicated over `pipeline`, x too except under 1f1b and dualpipev when S
     divides M: split there on the microbatch dimension, as is y (`splits_stack_batch`; other mesh
     axes stay automatic). `schedule` (default: gpipe, or circular when `repeats` R > 1) is one of
     SCHEDULES: circular makes each microbatch go round the ring of stages R times, stage s holding
@@ -112,7 +112,7 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     microbatch. `stored_specs` (PartitionSpecs of `stacked`, optional) lets an uneven split move
     each stage's layers with `to_slots`'s all_to_all instead of a gather.
     """
-    s = mesh.shape[axis]
+    s = mesh.shape[AXIS]
     m = x_MxB_.shape[0]
     schedule = schedule or ("circular" if repeats > 1 else "gpipe")
     if schedule not in SCHEDULES:
@@ -126,37 +126,36 @@ def pipeline_apply(layer_fn: LayerFn, stacked: Any, x_MxB_: jax.Array, side_M_: 
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     split = splits_stack_batch(schedule, m, s)
     if schedule == "dualpipev":  # its own layout (a V of 2S chunks) and program
-        return dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, axis=axis, stored_specs=stored_specs,
-                               split=split)
+        return dualpipev.apply(layer_fn, stacked, x_MxB_, side_M_, mesh=mesh, stored_specs=stored_specs, split=split)
     index, valid = layer_slots(num_layers, s, repeats)
     if repeats == 1 and num_layers % s == 0:  # the stored layout: no data moves
         params = stacked
     else:
-        params = to_slots(stacked, index, stored_specs, mesh=mesh, axis=axis)
+        params = to_slots(stacked, index, stored_specs, mesh=mesh)
     if schedule == "1f1b":  # GPipe's forward, keeping only its inputs; the 1F1B backward by hand
-        run = hand_run(functools.partial(_gpipe, layer_fn, valid, mesh=mesh, axis=axis, repeats=1, hand=True,
+        run = hand_run(functools.partial(_gpipe, layer_fn, valid, mesh=mesh, repeats=1, hand=True,
                                          split=split),
-                       functools.partial(_one_f_one_b_backward, layer_fn, valid, mesh=mesh, axis=axis, split=split))
+                       functools.partial(_one_f_one_b_backward, layer_fn, valid, mesh=mesh, split=split))
     else:
-        run = functools.partial(_gpipe, layer_fn, valid, mesh=mesh, axis=axis, repeats=repeats)
+        run = functools.partial(_gpipe, layer_fn, valid, mesh=mesh, repeats=repeats)
     out, aux = run(params, x_MxB_, side_M_)
     return out, jax.tree.map(lambda a: a[slot_of_layer(index, valid)], aux)  # slots -> [L, M, ...]
 
 
-def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mesh, axis: str, repeats: int,
+def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mesh, repeats: int,
            hand: bool = False, split: bool = False):
     """The GPipe / circular forward over slot params [S * R * K, ...]: (y [M, ...], aux slots
     [S * R * K, M, ...]). Its backward is jax's transpose of the scan and ppermutes.
     `hand` (the forward of a hand-run backward, never differentiated by jax): the last stage writes
-    each output as it is produced (`StageBatch`), x and y split over `axis` when `split`."""
-    s = mesh.shape[axis]
+    each output as it is produced (`StageBatch`), x and y split over `pipeline` when `split`."""
+    s = mesh.shape[AXIS]
     m = x_MxB_.shape[0]
-    param_specs = stage_specs(params, axis)
+    param_specs = stage_specs(params)
     ticks = repeats * m + s - 1
-    batch = StageBatch(split, m, axis=axis, num_stages=s)
+    batch = StageBatch(split, m, s)
 
     def body(local_params, local_valid, xs, side):
-        stage = jax.lax.axis_index(axis)
+        stage = jax.lax.axis_index(AXIS)
         perm = [(i, (i + 1) % s) for i in range(s)]
         by_round = jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), (local_params, local_valid))
 
@@ -179,7 +178,7 @@ def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mes
             if hand:  # the last stage finishes microbatch t - (S - 1)
                 done = t - (s - 1)
                 outs = batch.write(outs, y, jnp.maximum(done, 0), done >= 0, src=s - 1)
-            return (jax.lax.ppermute(y, axis, perm), loop, outs), (None if hand else y, aux)
+            return (jax.lax.ppermute(y, AXIS, perm), loop, outs), (None if hand else y, aux)
 
         loop0 = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
         outs0 = jnp.zeros_like(xs) if hand else jnp.zeros((), xs.dtype)
@@ -187,7 +186,7 @@ def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mes
         if hand:
             outs = batch.result(outs, src=s - 1)
         else:  # Stage s is active at ticks s .. s + R*M - 1; the last stage's final round is the result.
-            outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), axis)
+            outs = jax.lax.psum(jnp.where(stage == s - 1, ys[ticks - m:], 0), AXIS)
 
         def per_slot(a):  # [ticks, K, ...] -> this stage's [R * K, M, ...]
             a = jax.lax.dynamic_slice_in_dim(a, stage, repeats * m, 0).reshape(repeats, m, *a.shape[1:])
@@ -195,15 +194,15 @@ def _gpipe(layer_fn: LayerFn, valid: np.ndarray, params, x_MxB_, side_M_, *, mes
 
         return outs, jax.tree.map(per_slot, auxs)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P()),
-                         out_specs=(batch.spec(), P(axis)), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(AXIS), batch.spec(), P()),
+                         out_specs=(batch.spec(), P(AXIS)), axis_names={AXIS},
                          check_vma=False)(params, jnp.asarray(valid), x_MxB_, side_M_)
 
 
 def _one_f_one_b_backward(layer_fn: LayerFn, valid: np.ndarray, params, xs, side, ct_y, ct_aux: list, *, mesh,
-                          axis: str, split: bool = False):
+                          split: bool = False):
     """Gradients (slot params [S * K, ...], x [M, ...]) of sum(y * ct_y) + sum(aux * ct_aux), run by
-    the 1F1B schedule in one shard_map over `axis`.
+    the 1F1B schedule in one shard_map over `pipeline`.
 
     Stage s runs the forward of microbatch m at unit s + 2m and its backward at unit 2S - 1 - s + 2m
     (never the same unit: the parities differ), handing activations to s + 1 and input gradients to
@@ -212,17 +211,17 @@ def _one_f_one_b_backward(layer_fn: LayerFn, valid: np.ndarray, params, xs, side
     at most S - s microbatches are in flight on stage s, so this buffer does not grow with M. Weight
     gradients are added up as each backward produces them. An idle (stage, unit) runs neither branch
     (`lax.switch` on the stage's own op). x, ct_y and the x gradient are `StageBatch`es (split over
-    `axis` when `split`): each unit reads the first stage's x and the last stage's ct_y and stores
+    `pipeline` when `split`): each unit reads the first stage's x and the last stage's ct_y and stores
     the first stage's input gradient, one microbatch each.
     """
-    s = mesh.shape[axis]
+    s = mesh.shape[AXIS]
     m = xs.shape[0]
-    param_specs = stage_specs(params, axis)
-    aux_specs = [P(axis)] * len(ct_aux)
-    batch = StageBatch(split, m, axis=axis, num_stages=s)
+    param_specs = stage_specs(params)
+    aux_specs = [P(AXIS)] * len(ct_aux)
+    batch = StageBatch(split, m, s)
 
     def body(local_params, local_valid, xs, side, ct_y, ct_aux):
-        stage = jax.lax.axis_index(axis)
+        stage = jax.lax.axis_index(AXIS)
         side_of = lambda i: jax.tree.map(lambda a: a[i], side)  # noqa: E731
         chunk_vjp = ChunkVjp(layer_fn)
         _, res_shapes = jax.eval_shape(chunk_vjp.forward, local_params, local_valid, xs[0], side_of(0))
@@ -261,8 +260,8 @@ def _one_f_one_b_backward(layer_fn: LayerFn, valid: np.ndarray, params, xs, side
             first_b = (u - (2 * s - 1)) // 2  # the first stage's backward: the stack's input gradient
             first_on = (u % 2 == 1) & (first_b >= 0) & (first_b < m)
             dxs = batch.write(dxs, send_grad, jnp.clip(first_b, 0, m - 1), first_on, src=0)
-            recv_act = jax.lax.ppermute(send_act, axis, [(i, i + 1) for i in range(s - 1)])
-            recv_grad = jax.lax.ppermute(send_grad, axis, [(i + 1, i) for i in range(s - 1)])
+            recv_act = jax.lax.ppermute(send_act, AXIS, [(i, i + 1) for i in range(s - 1)])
+            recv_grad = jax.lax.ppermute(send_grad, AXIS, [(i + 1, i) for i in range(s - 1)])
             return (carry, dxs, recv_act, recv_grad), None
 
         # the last unit (stage 0's backward of microbatch M - 1) is 2 (M + S - 1) - 1
@@ -271,8 +270,8 @@ def _one_f_one_b_backward(layer_fn: LayerFn, valid: np.ndarray, params, xs, side
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, local_params)
         return grads, batch.result(dxs, src=0)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(axis), batch.spec(), P(), batch.spec(), aux_specs),
-                         out_specs=(param_specs, batch.spec()), axis_names={axis},
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(AXIS), batch.spec(), P(), batch.spec(), aux_specs),
+                         out_specs=(param_specs, batch.spec()), axis_names={AXIS},
                          check_vma=False)(params, jnp.asarray(valid), xs, side, ct_y, ct_aux)
 
 
@@ -338,14 +337,13 @@ def stage_batch_shards(mesh) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in STAGE_BATCH_AXES)
 
 
-def check_schedule(mesh, *, num_layers: int, batch: int, microbatches: int = 0, repeats: int = 1,
-                   axis: str = "pipeline") -> int:
-    """The microbatch count for `batch` rows on `mesh`'s `axis` stages, after checking that every
+def check_schedule(mesh, *, num_layers: int, batch: int, microbatches: int = 0, repeats: int = 1) -> int:
+    """The microbatch count for `batch` rows on `mesh`'s `pipeline` stages, after checking that every
     stage gets a layer (chunks of the circular schedule may be empty) and that the microbatches
     split over the stage batch shards. Raises ValueError naming what does not fit."""
-    stages = mesh.shape[axis]
+    stages = mesh.shape[AXIS]
     if stages > num_layers:
-        raise ValueError(f"{axis}={stages} stages exceed the {num_layers} layers they split")
+        raise ValueError(f"pipeline={stages} stages exceed the {num_layers} layers they split")
     return resolve_microbatches(batch, stages, stage_batch_shards(mesh), microbatches, repeats)
 
 

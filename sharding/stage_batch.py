@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from sharding.stages import AXIS
+
 
 def splits_stack_batch(schedule: str | None, num_microbatches: int, num_stages: int) -> bool:
     """Whether the stack's whole-batch arrays (its input, output, their gradients) stay split over
@@ -25,29 +27,29 @@ def splits_stack_batch(schedule: str | None, num_microbatches: int, num_stages: 
 
 
 class StageBatch:
-    """A [M, ...] batch of microbatches inside shard_map over `axis`: split (stage q holds
+    """A [M, ...] batch of microbatches inside shard_map over `pipeline`: split (stage q holds
     microbatches q * M / S .. (q + 1) * M / S - 1, the local array [M / S, ...]) or replicated
     ([M, ...] on every stage). Only one stage reads each microbatch (the stack's input on the first
     stage) or produces it (the output, the input gradient), one microbatch per tick: a split batch
-    moves it between its owner and that stage with a psum over `axis` of the owner's slot (the other
+    moves it between its owner and that stage with a psum over `pipeline` of the owner's slot (the other
     stages add zeros), so no stage holds the whole batch."""
 
-    def __init__(self, split: bool, num_microbatches: int, *, axis: str, num_stages: int):
-        self.split, self.axis = split, axis
+    def __init__(self, split: bool, num_microbatches: int, num_stages: int):
+        self.split = split
         self.per_stage = num_microbatches // num_stages if split else num_microbatches
 
     def spec(self) -> P:
-        return P(self.axis) if self.split else P()
+        return P(AXIS) if self.split else P()
 
     def read(self, local_M_: jax.Array, i: jax.Array) -> jax.Array:
         """Microbatch i, on every stage."""
         if not self.split:
             return local_M_[i]
-        return self._from(jax.lax.axis_index(self.axis) == i // self.per_stage, local_M_[i % self.per_stage])
+        return self._from(jax.lax.axis_index(AXIS) == i // self.per_stage, local_M_[i % self.per_stage])
 
     def write(self, local_M_: jax.Array, value: jax.Array, i: jax.Array, on: jax.Array, src: int) -> jax.Array:
         """Stores stage `src`'s `value` as microbatch i when `on` (the same on every stage)."""
-        stage = jax.lax.axis_index(self.axis)
+        stage = jax.lax.axis_index(AXIS)
         if self.split:
             value = self._from(stage == src, value)
             keep, slot = on & (stage == i // self.per_stage), i % self.per_stage
@@ -59,11 +61,11 @@ class StageBatch:
         """The written batch as the shard_map's output (`spec`): replicated, stage `src`'s, summed."""
         if self.split:
             return local_M_
-        return self._from(jax.lax.axis_index(self.axis) == src, local_M_)
+        return self._from(jax.lax.axis_index(AXIS) == src, local_M_)
 
     def _from(self, on: jax.Array, value: jax.Array) -> jax.Array:
         """`value` of the one stage where `on` holds, on every stage (the others add zeros)."""
-        return jax.lax.psum(jnp.where(on, value, jnp.zeros_like(value)), self.axis)
+        return jax.lax.psum(jnp.where(on, value, jnp.zeros_like(value)), AXIS)
 
 
 def split_stage_microbatches(x_Bx_: jax.Array, m: int, num_stages: int, batch_shards: int) -> jax.Array:

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 # (one layer's params, x [microbatch...], one microbatch's side inputs) -> (x, per-layer aux pytree)
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+AXIS = "pipeline"  # the mesh axis the stages are split over
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -42,9 +43,9 @@ def slot_of_layer(index: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return np.argsort(np.where(valid, index, len(index)), kind="stable")[:int(valid.sum())]
 
 
-def stage_specs(tree, axis: str) -> Any:
-    """PartitionSpecs splitting every leaf of `tree` over `axis` on its first (slot) dimension."""
-    return jax.tree.map(lambda a: P(axis, *([None] * (a.ndim - 1))), tree)
+def stage_specs(tree) -> Any:
+    """PartitionSpecs splitting every leaf of `tree` over the stages on its first (slot) dimension."""
+    return jax.tree.map(lambda a: P(AXIS, *([None] * (a.ndim - 1))), tree)
 
 
 def _axis_dim(spec, axis: str) -> int | None:
@@ -55,44 +56,44 @@ def _axis_dim(spec, axis: str) -> int | None:
     return None
 
 
-def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh, axis: str = "pipeline") -> Any:
-    """stacked[index] ([S * K, ...] slots, stage-major, split over `axis` on the slot dimension) for
-    an [L, ...] stack stored with `stored_specs` (PartitionSpecs; the layer axis cannot take `axis`
+def to_slots(stacked: Any, index: np.ndarray, stored_specs: Any, *, mesh) -> Any:
+    """stacked[index] ([S * K, ...] slots, stage-major, split over `pipeline` on the slot dimension) for
+    an [L, ...] stack stored with `stored_specs` (PartitionSpecs; the layer axis cannot take `pipeline`
     when S does not divide L, so a later dimension d holds it, rules.py). Each stage gathers the
-    slots of every stage from its own d-slice (local) and one tiled all_to_all over `axis` swaps
+    slots of every stage from its own d-slice (local) and one tiled all_to_all over `pipeline` swaps
     them: stage s ends with its K slots whole on d. No stage holds more than its slots' share of a
     weight; the plain gather `stacked[index]` leaves that to XLA's partitioner (on an even DualPipeV
     V it all-gathered the whole stack on every stage; docs/architecture.md, "Uneven splits"). A leaf
-    not split over `axis` is replicated there: each stage takes its slots. A dimension split over
-    `axis` beside other mesh axes is taken as split over `axis` first (XLA reshards it if the stored
-    order differs). A stack whose layer axis is split over `axis` is gathered whole first (see the
+    not split over `pipeline` is replicated there: each stage takes its slots. A dimension split over
+    `pipeline` beside other mesh axes is taken as split over `pipeline` first (XLA reshards it if the stored
+    order differs). A stack whose layer axis is split over `pipeline` is gathered whole first (see the
     comment below). The backward is the transpose (all_to_all back, local scatter-add). Without
     `stored_specs` (None), the plain gather."""
     if stored_specs is None:  # the plain gather
         return jax.tree.map(lambda a: a[index], stacked)
-    s = mesh.shape[axis]
+    s = mesh.shape[AXIS]
     table_SxK = jnp.asarray(np.asarray(index).reshape(s, -1))
     leaves, treedef = jax.tree.flatten(stacked)
     specs = jax.tree.leaves(stored_specs, is_leaf=lambda x: isinstance(x, P))  # one per leaf, in order
     if len(specs) != len(leaves):
         raise ValueError(f"stored_specs holds {len(specs)} PartitionSpecs for a stack of {len(leaves)} arrays")
-    # A layer axis split over `axis` (S divides L but the schedule's slots are not the stored
-    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `axis`:
+    # A layer axis split over `pipeline` (S divides L but the schedule's slots are not the stored
+    # layout: DualPipeV's V when 2S does not) is taken whole, as a leaf not split over `pipeline`:
     # the all_to_all below would index a stage's own layers by global layer numbers.
-    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, axis) for spec in specs)]
+    dim_of = [None if d == 0 else d for d in (_axis_dim(spec, AXIS) for spec in specs)]
 
     def body(*local):
-        stage = jax.lax.axis_index(axis)
+        stage = jax.lax.axis_index(AXIS)
         out = []
         for a, d in zip(local, dim_of):
             if d is None:
                 out.append(jnp.take(a, table_SxK[stage], axis=0))
             else:
-                out.append(jax.lax.all_to_all(a[index], axis, 0, d, tiled=True))
+                out.append(jax.lax.all_to_all(a[index], AXIS, 0, d, tiled=True))
         return tuple(out)
 
-    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(P() if d is None else P(*([None] * d), axis) for d in dim_of),
-                          out_specs=tuple(P(axis) for _ in leaves), axis_names={axis}, check_vma=False)(*leaves)
+    moved = jax.shard_map(body, mesh=mesh, in_specs=tuple(P() if d is None else P(*([None] * d), AXIS) for d in dim_of),
+                          out_specs=tuple(P(AXIS) for _ in leaves), axis_names={AXIS}, check_vma=False)(*leaves)
     return jax.tree.unflatten(treedef, moved)
 
 
