@@ -16,6 +16,7 @@ Letters: B batch, T positions (inputs), D model, V vocab, M MTP depths, L MoE la
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -91,19 +92,14 @@ def head_cross_entropy(head: Head, h_BxTxD: jax.Array, targets_BxT: jax.Array, m
     return head_nll(h_BxTxD, head.weight_DxV, targets_BxT, m, chunk=chunk, compute_dtype=head.compute_dtype), jnp.sum(m)
 
 
-def mean_cross_entropy(logits_BxTxV, targets_BxT, mask_BxT, head: Head | None = None) -> jax.Array:
-    """Mean -log p(target) over masked tokens; with `head`, the first argument is the hidden states [B, T, D]."""
-    total, count = (cross_entropy(logits_BxTxV, targets_BxT, mask_BxT) if head is None
-                    else head_cross_entropy(head, logits_BxTxV, targets_BxT, mask_BxT))
-    return total / jnp.maximum(count, 1.0)
-
-
-def mtp_loss(mtp_logits_MxBxTxV: jax.Array, batch: dict, head: Head | None = None) -> jax.Array:
-    """L_MTP = (1/M) sum_k CE_k (paper eq. 25 before lambda); depth k predicts t_{i+k+1}.
-    With `head`, the first argument is the depths' hidden states [M, B, T, D]."""
-    per_depth = [mean_cross_entropy(mtp_logits_MxBxTxV[k - 1], *inputs_and_targets(batch, depth=k)[1:], head)
-                 for k in range(1, mtp_logits_MxBxTxV.shape[0] + 1)]
-    return jnp.mean(jnp.stack(per_depth))
+def nll_sums(main, depths, batch: dict, head: Head | None = None) -> list[tuple[jax.Array, jax.Array]]:
+    """(summed -log p(target), target count) of the main head, then of each MTP depth k = 1 .. M
+    (target t_{i+k+1}). `main` [B, T, V] and `depths` [M, B, T, V] (None without MTP) are logits;
+    with `head`, the hidden states [B, T, D] / [M, B, T, D] it is applied to."""
+    ce = cross_entropy if head is None else functools.partial(head_cross_entropy, head)
+    num_depths = 0 if depths is None else depths.shape[0]
+    return [ce(main if k == 0 else depths[k - 1], *inputs_and_targets(batch, depth=k)[1:])
+            for k in range(num_depths + 1)]
 
 
 def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: float,
@@ -113,23 +109,24 @@ def training_losses(output, batch: dict, *, mtp_weight: float, balance_weight: f
 
     With `head` (`Head.of(model)`) the cross-entropies apply it to `output.hidden` and
     `output.mtp_hidden` (the logits are then unused and a jitted step never computes them).
-    The balance loss is averaged over all MoE layers, main and MTP alike, so alpha does not
-    scale with depth.
     """
-    _, targets, mask = inputs_and_targets(batch)
     main, depths = (output.logits, output.mtp_logits) if head is None else (output.hidden, output.mtp_hidden)
-    lm = mean_cross_entropy(main, targets, mask, head)
-    mtp = jnp.zeros((), jnp.float32) if depths is None else mtp_loss(depths, batch, head)
-    parts = objective(lm, mtp, (output.router_stats, output.mtp_router_stats), mtp_weight=mtp_weight,
-                      balance_weight=balance_weight)
+    parts = objective(nll_sums(main, depths, batch, head), (output.router_stats, output.mtp_router_stats),
+                      mtp_weight=mtp_weight, balance_weight=balance_weight)
     if output.indexer_loss is None:
         return parts
     return parts._replace(total=parts.total + indexer_weight * output.indexer_loss, indexer=output.indexer_loss)
 
 
-def objective(lm: jax.Array, mtp: jax.Array, router_stats, *, mtp_weight: float, balance_weight: float) -> Losses:
-    """lm + mtp_weight * mtp + balance_weight * the balance loss averaged over the MoE layers of
-    `router_stats` (RouterStats or None each, leaves [L, ...])."""
+def objective(sums: list[tuple[jax.Array, jax.Array]], router_stats, *, mtp_weight: float,
+              balance_weight: float) -> Losses:
+    """lm + mtp_weight * L_MTP + balance_weight * balance from `nll_sums` (each summed over any
+    leading microbatch axis first): lm is the main head's mean NLL, L_MTP = (1/M) sum_k CE_k (paper
+    eq. 25 before lambda), and the balance loss is averaged over the MoE layers of `router_stats`
+    (RouterStats or None each, leaves [L, ...]), main and MTP alike, so alpha does not scale with depth."""
+    means = [jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0) for total, count in sums]
+    lm = means[0]
+    mtp = jnp.mean(jnp.stack(means[1:])) if len(means) > 1 else jnp.zeros((), jnp.float32)
     per_layer = [s.balance_loss for s in router_stats if s is not None]
     balance = jnp.mean(jnp.concatenate(per_layer)) if per_layer else jnp.zeros((), jnp.float32)
     return Losses(lm + mtp_weight * mtp + balance_weight * balance, lm, mtp, balance)

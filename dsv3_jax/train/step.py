@@ -127,23 +127,18 @@ def _losses_in_microbatches(model, batch: dict, micro: int, *, mtp_weight: float
     """`loss_fn`'s result with the layers outside the MoE stack run in `micro` slices of the batch
     (`DeepSeekV3.forward_in_microbatches`): per slice the summed NLL and target count of the main
     head and each MTP depth, added up before the means, so the losses are the whole batch's. The
-    head is applied by the losses (`losses.head_cross_entropy`), as on the plain path."""
-    depths, head = model.config.num_mtp_layers, losses.Head.of(model)
+    head is applied by the losses (`losses.nll_sums`), as on the plain path."""
+    head = losses.Head.of(model)
 
     def sums(out, rows):
-        parts = [losses.head_cross_entropy(head, out.hidden, *losses.inputs_and_targets(rows)[1:])]
-        parts += [losses.head_cross_entropy(head, out.mtp_hidden[k - 1], *losses.inputs_and_targets(rows, depth=k)[1:])
-                  for k in range(1, depths + 1)]
-        return parts, out.mtp_router_stats
+        return losses.nll_sums(out.hidden, out.mtp_hidden, rows, head), out.mtp_router_stats
 
     inputs, where = _inputs(batch)
     (parts, mtp_stats), stats = model.forward_in_microbatches(inputs, sums, batch, **where, microbatches=micro)
-    means = [jnp.sum(total) / jnp.maximum(jnp.sum(count), 1.0) for total, count in parts]
     if mtp_stats is not None:  # [micro, depths, ...]: counts add up, means over equal slices average
         mtp_stats = type(mtp_stats)(jnp.sum(mtp_stats.expert_counts, 0), jnp.mean(mtp_stats.balance_loss, 0),
                                     jnp.mean(mtp_stats.dropped_fraction, 0))
-    mtp = jnp.mean(jnp.stack(means[1:])) if depths else jnp.zeros((), jnp.float32)
-    total = losses.objective(means[0], mtp, (stats, mtp_stats), mtp_weight=mtp_weight, balance_weight=balance_weight)
+    total = losses.objective(parts, (stats, mtp_stats), mtp_weight=mtp_weight, balance_weight=balance_weight)
     return total.total, (total, _counts(stats), _counts(mtp_stats), _dropped_fraction(stats, mtp_stats))
 
 

@@ -38,6 +38,11 @@ def test_targets_and_masks_follow_documents(depth):
         assert mask[0].tolist() == [True, True, False, True, True, False, False]
 
 
+def _mean_cross_entropy(logits, targets, mask):
+    total, count = losses.cross_entropy(logits, targets, mask)
+    return total / count
+
+
 def test_cross_entropy_is_the_masked_mean_of_numpy_nll():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 7, 20)).astype(np.float32)
@@ -46,7 +51,7 @@ def test_cross_entropy_is_the_masked_mean_of_numpy_nll():
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     want = (nll * mask).sum() / mask.sum()
-    np.testing.assert_allclose(losses.mean_cross_entropy(logits, targets, mask), want, rtol=1e-5)
+    np.testing.assert_allclose(_mean_cross_entropy(logits, targets, mask), want, rtol=1e-5)
 
 
 
@@ -59,7 +64,7 @@ def test_cross_entropy_gradient_is_softmax_minus_onehot_in_numpy():
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want = (probs - np.eye(11)[targets]) * mask[..., None] / mask.sum()
-    grad = jax.grad(losses.mean_cross_entropy)
+    grad = jax.grad(_mean_cross_entropy)
     for fn in (grad, jax.jit(grad)):
         np.testing.assert_allclose(fn(logits, targets, mask), want, rtol=1e-5, atol=1e-7)
 
