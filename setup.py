@@ -18,7 +18,7 @@ setup(
         "flax>=0.12.8,<0.14",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11.20",
-        "grain>=0.2.12",
+        "grain>=0.2.13",
         "absl-py>=2.1",
         "ml_collections>=1.0",
         "safetensors>=0.5",

@@ -40,12 +40,19 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from dsv3_jax import CheckpointError, cli, load_pretrained
+from dsv3_jax import CheckpointError, cli, load_pretrained, paths
 from dsv3_jax.checkpoint import run_folder
 from dsv3_jax.inference import Generation, bucket_slots, init_cache
 from dsv3_jax.model.quant import parameter_bytes
 from dsv3_jax.train.loop import make_data
-from dsv3_jax.train.metrics import format_duration, read_metrics
+from dsv3_jax.train.metrics import format_duration
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    text = paths.at(paths.join(workdir, "metrics.jsonl")).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
 
 # name -> (load_pretrained's weights, quantize); "unquantized" is every arm's reference.
 WEIGHT_ARMS = {

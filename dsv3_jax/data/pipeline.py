@@ -113,7 +113,7 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
         source = sources_lib.open_source(config.data, text_field=config.text_field, vocab_size=tok.vocab_size)
     process_index, process_count = _process(process_index, process_count)
     indices = split_indices(len(source), config.eval_fraction)[split]
-    ds = grain.MapDataset.source(_Subset(source, indices))
+    ds = grain.MapDataset.source(indices).map(functools.partial(_document, source))
     if split == "train":
         ds = ds.shuffle(seed=config.seed).repeat(config.num_epochs)
     ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _FlatMap(fan_out))
@@ -170,23 +170,14 @@ def split_indices(num_documents: int, eval_fraction: float) -> dict[str, np.ndar
 
 def checkpoint_save_args(iterator):
     """Orbax args that save a grain iterator, for `ocp.args.Composite(data=...)`."""
-    return _grain_checkpoint_args()[0](iterator)
+    import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
+    return grain.checkpoint.CheckpointSave(iterator)
 
 
 def checkpoint_restore_args(iterator):
     """Orbax args that restore `iterator` in place (it must come from the same config)."""
-    return _grain_checkpoint_args()[1](iterator)
-
-
-def _grain_checkpoint_args():
-    # grain >= 0.2.13 names them grain.checkpoint.Checkpoint{Save,Restore}; older releases
-    # export the same handler args as grain.python.PyGrainCheckpoint{Save,Restore}.
     import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
-    ckpt = getattr(grain, "checkpoint", None)
-    if ckpt is not None and hasattr(ckpt, "CheckpointSave"):
-        return ckpt.CheckpointSave, ckpt.CheckpointRestore
-    import grain.python as gp
-    return gp.PyGrainCheckpointSave, gp.PyGrainCheckpointRestore
+    return grain.checkpoint.CheckpointRestore(iterator)
 
 
 def _ensure_absl_flags_parsed():
@@ -199,10 +190,9 @@ def _ensure_absl_flags_parsed():
 
 def _process(process_index, process_count) -> tuple[int, int]:
     """(index, count) of this process; None asks JAX."""
-    if process_index is None or process_count is None:
-        import jax
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
+    import jax
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
     return process_index, process_count
@@ -223,17 +213,8 @@ def _uniform_hash(x: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
-class _Subset:
-    """A random-access view of `source` at `indices`."""
-
-    def __init__(self, source, indices: np.ndarray):
-        self.source, self.indices = source, indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i):
-        return self.source[int(self.indices[i])]
+def _document(source, index) -> str | np.ndarray:
+    return source[int(index)]
 
 
 def _document_chunks(tokenizer, add_bos: bool, seq_len: int, document) -> list[dict[str, np.ndarray]]:

@@ -6,12 +6,13 @@ position), so a restore resumes at exactly the next batch. Saves are asynchronou
 see `Checkpointer`): the step loop continues while the previous checkpoint is written; a crash mid-write leaves only an unfinished
 temporary folder, which Orbax ignores, so the last complete checkpoint is what a restart finds.
 
-`Preemption` turns SIGTERM (pre-emption) into a step, agreed by all processes, at which the run
+`preemption` turns SIGTERM (pre-emption) into a step, agreed by all processes, at which the run
 saves a final checkpoint and exits cleanly instead of dying mid-step (or hanging in a collective).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 
@@ -45,10 +46,7 @@ class Checkpointer:
         self.directory = paths.resolve(directory)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", integrity.ITEM))
-        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        logging.getLogger("absl").addFilter(_drop_orbax_errors)
 
     def restore(self, abstract_state, data_iterator, step: int | None = None):
         """Restores the state (returned) and moves `data_iterator` to the saved position in place.
@@ -97,10 +95,8 @@ class Checkpointer:
         multihost.barrier(f"dsv3_set_aside_{step}")
         self.manager.reload()
 
-    def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
-        """Saves when `step` is on the interval (or `force`); returns whether a save started."""
-        if step % self.every and not force:
-            return False
+    def save(self, step: int, state, data_iterator) -> bool:
+        """Saves `step` (the caller keeps the interval, `every`); returns whether a save started."""
         self._finish_and_rotate()
         sums = integrity.checksums(state)
         try:
@@ -158,15 +154,10 @@ class Checkpointer:
             self.manager.close()
 
 
-class _OrbaxErrors(logging.Filter):
+def _drop_orbax_errors(record: logging.LogRecord) -> bool:
     """Drops the errors Orbax's writer threads log, each with its traceback (a full disk: dozens of
     them): the failure reaches `Checkpointer._wait`, which raises it as one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "/orbax/checkpoint/" in record.pathname)
-
-
-_ORBAX_ERRORS = _OrbaxErrors()
+    return not (record.levelno >= logging.ERROR and "/orbax/checkpoint/" in record.pathname)
 
 
 def _all_agree(flag: bool) -> bool:
@@ -194,35 +185,23 @@ def abstract_like(tree, shardings=None):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-class Preemption:
-    """Context manager: SIGTERM (pre-emption) becomes a step at which every process saves and stops.
-
-    `reached(step)`, called by every process after each step, is True at the same step on all of them:
-    - one process: the step after SIGTERM arrived (a Python handler sets a flag);
+@contextlib.contextmanager
+def preemption():
+    """Turns SIGTERM (pre-emption) into a step at which every process saves and stops: yields
+    `reached(step)`, called by every process after each step, True at the same step on all of them:
+    - one process: the step after SIGTERM arrived (a Python handler notes it);
     - several (jax.distributed): JAX's preemption sync manager, started by `jax.distributed.initialize`,
       catches SIGTERM on whichever process gets it; the coordination service tells the others and
       they agree on the largest step any of them has reached, plus one
       (`sharding.multihost.reached_preemption`). So hosts signalled at different steps, or only one
       of them, all enter the collective save at the same step instead of hanging in the next step.
     """
-
-    def __init__(self):
-        self._requested = False
-        self._previous = None
-        self._multi = jax.process_count() > 1
-
-    def _handler(self, signum, frame):
-        self._requested = True
-
-    def __enter__(self):
-        if not self._multi:  # several processes: JAX's own SIGTERM handler feeds the sync manager
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if not self._multi:
-            signal.signal(signal.SIGTERM, self._previous)
-        return False
-
-    def reached(self, step: int) -> bool:
-        return multihost.reached_preemption(step) if self._multi else self._requested
+    if jax.process_count() > 1:  # JAX's own SIGTERM handler feeds the sync manager
+        yield multihost.reached_preemption
+        return
+    signalled = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: signalled.append(signum))
+    try:
+        yield lambda step: bool(signalled)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

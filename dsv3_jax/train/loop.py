@@ -13,6 +13,7 @@ step and return.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging as std_logging
 import os
@@ -37,11 +38,8 @@ class TrainingError(RuntimeError):
 
 def quiet_checkpoint_logs():
     """Orbax logs a dozen INFO lines per checkpoint through absl; keep its warnings only."""
-    class _DropOrbaxInfo(std_logging.Filter):
-        def filter(self, record):
-            return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
-
-    logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+    logging.get_absl_handler().addFilter(
+        lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
 
 
 def enable_compilation_cache(path: str):
@@ -157,22 +155,15 @@ def make_pretrain_eval(config):
                                      eval_fraction=config.data.pretrain_eval_fraction), "eval")
 
 
-def evaluate(eval_step, state, eval_ds, max_batches: int) -> float:
-    """Mean next-token loss over the held-out split (at most max_batches batches)."""
-    total, count = 0.0, 0.0
-    for i, batch in enumerate(eval_ds):
-        if i >= max_batches:
-            break
-        nll, n = eval_step(state, batch)
-        total, count = total + float(nll), count + float(n)
-    return total / max(count, 1.0)
-
-
-def _evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, max_batches: int) -> dict:
-    """The held-out losses: `eval_loss`, and `pretrain_eval_loss` with a pretraining eval split."""
-    losses = {"eval_loss": evaluate(eval_step, state, eval_ds, max_batches)}
-    if pretrain_eval_ds is not None:
-        losses["pretrain_eval_loss"] = evaluate(eval_step, state, pretrain_eval_ds, max_batches)
+def evaluate(eval_step, state, eval_sets: dict, max_batches: int) -> dict:
+    """{record key: mean next-token loss over that held-out split (at most max_batches batches)}."""
+    losses = {}
+    for key, dataset in eval_sets.items():
+        total, count = 0.0, 0.0
+        for batch in itertools.islice(dataset, max_batches):
+            nll, n = eval_step(state, batch)
+            total, count = total + float(nll), count + float(n)
+        losses[key] = total / max(count, 1.0)
     return losses
 
 
@@ -192,7 +183,7 @@ def train(config) -> list[dict]:
     lead = jax.process_index() == 0  # writes the run's files; every process saves its checkpoint shards
     ckpt = checkpointing.Checkpointer(paths.join(workdir, "checkpoints"), every=tc.checkpoint_every,
                                       keep=tc.keep_checkpoints, async_save=not host.on_cpu())
-    resume = ckpt.latest_step() is not None
+    resume = ckpt.manager.latest_step() is not None
     cfg, model = resolve_model(config, workdir, resume)
     if config.loss.get("indexer_weight", 0.0) and not cfg.has_indexer:
         raise ConfigError(f"config.loss.indexer_weight={config.loss.indexer_weight} trains the lightning indexer, "
@@ -204,6 +195,8 @@ def train(config) -> list[dict]:
         paths.write_text(paths.join(workdir, "model_config.json"), json.dumps(cfg.to_dict(), indent=2))
     train_iter, eval_ds = make_data(config, cfg.vocab_size)
     pretrain_eval_ds = make_pretrain_eval(config)
+    eval_sets = {"eval_loss": eval_ds, "pretrain_eval_loss": pretrain_eval_ds}
+    eval_sets = {key: dataset for key, dataset in eval_sets.items() if dataset is not None}
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     graphdef, tx, state, on_mesh, trainable = start_state(config, cfg, model, ckpt if resume else None, train_iter)
     del model  # its weights now live in the state (donated)
@@ -243,12 +236,12 @@ def train(config) -> list[dict]:
     records, window_start = [], start
     try:
         if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
-            records.append({"step": 0, **_evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches)})
+            records.append({"step": 0, **evaluate(eval_step, state, eval_sets, tc.eval_batches)})
             logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", records[0]["eval_loss"],
                          records[0]["pretrain_eval_loss"])
             writer.write(records[0])
         t_window = time.perf_counter()
-        with checkpointing.Preemption() as preemption:
+        with checkpointing.preemption() as preempted:
             previous = None  # the step before's skip count and scalars, checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 batch, first_batch = (next(train_iter) if first_batch is None else first_batch), None
@@ -262,13 +255,13 @@ def train(config) -> list[dict]:
                 if step % tc.log_every == 0 or step == tc.steps:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
-                        record |= _evaluate_all(eval_step, state, eval_ds, pretrain_eval_ds, tc.eval_batches)
+                        record |= evaluate(eval_step, state, eval_sets, tc.eval_batches)
                     steps_per_sec, eta = progress.tick(step)
                     _console(record, tc.steps, steps_per_sec, eta)
                     writer.write(record)
                     records.append(record)
                     window_start, t_window = step, time.perf_counter()
-                stop = preemption.reached(step)  # the same step on every process
+                stop = preempted(step)  # the same step on every process
                 saved = _save(ckpt, step, state, train_iter, m, force=step == tc.steps or stop)
                 if stop:
                     logging.warning("SIGTERM: %s at step %d; exiting", "saved a checkpoint" if saved else
@@ -291,7 +284,7 @@ def _save(ckpt: checkpointing.Checkpointer, step: int, state, train_iter, m, *, 
         logging.warning("step %d skipped a non-finite step (%d in a row): no checkpoint saved",
                         step, int(m["consecutive_skips"]))
         return False
-    saved = ckpt.save(step, state, train_iter, force=True)
+    saved = ckpt.save(step, state, train_iter)
     host.trim_heap()  # the save's host copies, before the next step's buffers
     return saved
 

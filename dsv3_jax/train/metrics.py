@@ -125,11 +125,6 @@ class MetricsWriter:
         self._tb.close()
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    text = paths.at(paths.join(workdir, "metrics.jsonl")).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 class Progress:
     """Throughput since the last report and ETA at the mean rate since the first (compile time excluded)."""
 
