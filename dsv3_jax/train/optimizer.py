@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from dsv3_jax.model.params import LAYERS, logical_axes
 
@@ -158,20 +158,12 @@ def select(tree: dict, mask: dict | None) -> dict:
     What the optimizer sees: its state holds moments for these leaves and no others."""
     if mask is None:
         return tree
-    out = {}
-    for key, m in mask.items():
-        if isinstance(m, dict):
-            sub = select(tree[key], m)
-            if sub:
-                out[key] = sub
-        elif m:
-            out[key] = tree[key]
-    return out
+    leaves = traverse_util.flatten_dict(tree)
+    chosen = {path: leaves[path] for path, keep in traverse_util.flatten_dict(mask).items() if keep}
+    return traverse_util.unflatten_dict(chosen)
 
 
 def combine(tree: dict, part: dict) -> dict:
     """`tree` with the leaves of `part` (a `select`ion of it) put in their places."""
-    out = dict(tree)
-    for key, value in part.items():
-        out[key] = combine(tree[key], value) if isinstance(value, dict) else value
-    return out
+    leaves = traverse_util.flatten_dict(tree, keep_empty_nodes=True) | traverse_util.flatten_dict(part)
+    return traverse_util.unflatten_dict(leaves)
