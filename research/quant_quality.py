@@ -138,7 +138,7 @@ def heldout_batches(run_dir: str, vocab_size: int, max_batches: int) -> list[dic
     """The run's held-out batches ({tokens, segment_ids, positions} [B, T + 1]), as its evals read them."""
     with open(os.path.join(run_dir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    _, eval_ds = make_data(config, vocab_size)
+    eval_ds = make_data(config, vocab_size)[1]["eval_loss"]
     return [{k: np.asarray(v) for k, v in b.items()} for _, b in zip(range(max_batches), eval_ds)]
 
 

@@ -18,6 +18,7 @@ import json
 import logging as std_logging
 import os
 import time
+from typing import Iterator
 
 import jax
 import numpy as np
@@ -127,32 +128,26 @@ def start_state(config, cfg: ModelConfig, model: DeepSeekV3 | None, ckpt: checkp
     return graphdef, tx, state, on_mesh, trainable
 
 
-def make_data(config, vocab_size: int):
-    """(train iterator, eval dataset); the pipeline checks every token id against the vocab."""
-    tokenizer = load_tokenizer(config.data.tokenizer)
+def make_data(config, vocab_size: int) -> tuple[Iterator[dict], dict]:
+    """(train iterator, {record key: held-out dataset}): the eval split of the run's data as
+    `eval_loss` and, with data.pretrain_eval, the held-out split of the pretraining corpus
+    (data.pretrain_path, as text: the same hash split a pretraining run on it holds out) as
+    `pretrain_eval_loss`. Rows of data.seq_len + 1 tokens (inputs and their next-token targets); the
+    pipeline checks every token id against the vocab."""
+    d = config.data
+    tokenizer = load_tokenizer(d.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({tokenizer.vocab_size} ids, {config.data.tokenizer or 'bundled tokenizer'})")
-    d = config.data
-    data_config = _data_config(config, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction,
-                               seed=d.seed, num_workers=d.num_workers, format=d.format, chat_template=d.chat_template)
-    train_ds, eval_ds = make_train_and_eval(data_config, tokenizer=tokenizer)
-    return iter(train_ds), eval_ds
-
-
-def _data_config(config, **fields) -> DataConfig:
-    """Rows of data.seq_len + 1 tokens (inputs and their next-token targets), config.data's batch and tokenizer."""
-    d = config.data
-    return DataConfig(seq_len=d.seq_len + 1, batch_size=d.batch_size, tokenizer=d.tokenizer, add_bos=d.add_bos, **fields)
-
-
-def make_pretrain_eval(config):
-    """The held-out split of the pretraining corpus (data.pretrain_path, as text), or None when
-    data.pretrain_eval is off: the same hash split a pretraining run on it holds out."""
-    if not config.data.pretrain_eval:
-        return None
-    return make_dataset(_data_config(config, data=config.data.pretrain_path,
-                                     eval_fraction=config.data.pretrain_eval_fraction), "eval")
+                         f"({tokenizer.vocab_size} ids, {d.tokenizer or 'bundled tokenizer'})")
+    rows = dict(seq_len=d.seq_len + 1, batch_size=d.batch_size, tokenizer=d.tokenizer, add_bos=d.add_bos)
+    train_ds, eval_ds = make_train_and_eval(DataConfig(
+        **rows, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction, seed=d.seed,
+        num_workers=d.num_workers, format=d.format, chat_template=d.chat_template), tokenizer=tokenizer)
+    eval_sets = {"eval_loss": eval_ds}
+    if d.pretrain_eval:
+        pretrain = DataConfig(**rows, data=d.pretrain_path, eval_fraction=d.pretrain_eval_fraction)
+        eval_sets["pretrain_eval_loss"] = make_dataset(pretrain, "eval")
+    return iter(train_ds), eval_sets
 
 
 def evaluate(eval_step, state, eval_sets: dict, max_batches: int) -> dict:
@@ -193,10 +188,7 @@ def train(config) -> list[dict]:
         record["model"] = cfg.to_dict()
         paths.write_text(paths.join(workdir, "config.json"), json.dumps(record, indent=2))
         paths.write_text(paths.join(workdir, "model_config.json"), json.dumps(cfg.to_dict(), indent=2))
-    train_iter, eval_ds = make_data(config, cfg.vocab_size)
-    pretrain_eval_ds = make_pretrain_eval(config)
-    eval_sets = {"eval_loss": eval_ds, "pretrain_eval_loss": pretrain_eval_ds}
-    eval_sets = {key: dataset for key, dataset in eval_sets.items() if dataset is not None}
+    train_iter, eval_sets = make_data(config, cfg.vocab_size)
     schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     graphdef, tx, state, on_mesh, trainable = start_state(config, cfg, model, ckpt if resume else None, train_iter)
     del model  # its weights now live in the state (donated)
@@ -235,7 +227,8 @@ def train(config) -> list[dict]:
     progress = metrics_lib.Progress(tc.steps)
     records, window_start = [], start
     try:
-        if start == 0 and pretrain_eval_ds is not None and tc.eval_every:  # the starting model: forgetting's baseline
+        # The starting model, before a fine-tune: the baseline of what it forgets of its pretraining.
+        if start == 0 and "pretrain_eval_loss" in eval_sets and tc.eval_every:
             records.append({"step": 0, **evaluate(eval_step, state, eval_sets, tc.eval_batches)})
             logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", records[0]["eval_loss"],
                          records[0]["pretrain_eval_loss"])
