@@ -41,7 +41,9 @@ import dataclasses
 import functools
 
 import grain
+import jax
 import numpy as np
+from absl import flags
 
 from dsv3_jax.data import chat as chat_lib
 from dsv3_jax.data import sources as sources_lib
@@ -111,7 +113,10 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
     else:
         fan_out = functools.partial(_document_chunks, tok, config.add_bos, config.seq_len)
         source = sources_lib.open_source(config.data, text_field=config.text_field, vocab_size=tok.vocab_size)
-    process_index, process_count = _process(process_index, process_count)
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
     indices = split_indices(len(source), config.eval_fraction)[split]
     ds = grain.MapDataset.source(indices).map(functools.partial(_document, source))
     if split == "train":
@@ -131,7 +136,10 @@ def make_dataset(config: DataConfig, split: str = "train", *, tokenizer=None,
     if process_count > 1:
         ds = ds.map(functools.partial(_process_rows, process_index * config.batch_size, config.batch_size))
     if config.num_workers:
-        _ensure_absl_flags_parsed()
+        # grain's worker processes read absl flags; outside `absl.app.run` (tests, notebooks) nobody
+        # has parsed them, so accept the defaults rather than fail on first access.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
     return ds
 
@@ -178,24 +186,6 @@ def checkpoint_restore_args(iterator):
     """Orbax args that restore `iterator` in place (it must come from the same config)."""
     import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
     return grain.checkpoint.CheckpointRestore(iterator)
-
-
-def _ensure_absl_flags_parsed():
-    # grain's worker processes read absl flags; outside `absl.app.run` (tests, notebooks) nobody
-    # has parsed them, so accept the defaults rather than fail on first access.
-    from absl import flags
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-
-
-def _process(process_index, process_count) -> tuple[int, int]:
-    """(index, count) of this process; None asks JAX."""
-    import jax
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"{process_index=} must be in [0, {process_count=}).")
-    return process_index, process_count
 
 
 def _process_rows(start: int, n: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -176,12 +176,9 @@ def _join_orbax_restore_barrier() -> None:
         ocp.multihost.sync_global_processes("Checkpointer:restore")
 
 
-def abstract_like(tree, shardings=None):
+def abstract_like(tree, shardings):
     """ShapeDtypeStructs of a pytree of arrays or ShapeDtypeStructs, each in its sharding from
-    `shardings` (default: the leaf's own): a restore target that allocates nothing, each device
-    reading only its own shards."""
-    if shardings is None:
-        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+    `shardings`: a restore target that allocates nothing, each device reading only its own shards."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
