@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 from flax import nnx
 from ml_collections import config_flags
@@ -112,6 +113,12 @@ def num_devices(sizes: dict[str, int], opts: Options) -> int:
     return jax.device_count()
 
 
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` placed with `shardings` (the largest shard per leaf)."""
+    return sum(int(np.prod(sh.shard_shape(tuple(leaf.shape)), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+               for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
 def abstract_train_state(cfg: ModelConfig, tx, seed: int):
     """(abstract model with metadata, graphdef, TrainState of ShapeDtypeStructs); allocates nothing."""
     model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(seed)))
@@ -134,9 +141,9 @@ def plan(config, opts: Options = Options()) -> dict:
     model, graphdef, state = abstract_train_state(cfg, tx, config.train.seed)
     shardings = sharded.train_state_shardings(model, state, mesh, rules)
 
-    params_b = sharded.per_device_bytes(state.params, shardings.params)
-    bias_b = sharded.per_device_bytes(state.router_bias, shardings.router_bias)
-    opt_b = sharded.per_device_bytes(state.opt_state, shardings.opt_state)
+    params_b = per_device_bytes(state.params, shardings.params)
+    bias_b = per_device_bytes(state.router_bias, shardings.router_bias)
+    opt_b = per_device_bytes(state.opt_state, shardings.opt_state)
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
     tokens_per_device = batch * seq // batch_shards
@@ -278,7 +285,7 @@ def report_init(cfg: ModelConfig, tx, seed: int, shardings, mesh, n: int, opts: 
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = jitted.trace().lower(lowering_platforms=(opts.platform,))
     outputs = jax.tree.leaves(lowered.out_info)
-    out_b = sharded.per_device_bytes(outputs, [x.sharding for x in outputs])
+    out_b = per_device_bytes(outputs, [x.sharding for x in outputs])
     print(f"train state init lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}"
           f"{n}-device mesh in {time.perf_counter() - t0:.1f}s: its outputs per device {out_b / GiB:.3f} GiB "
           f"(each device initialises only its shards)")

@@ -103,12 +103,6 @@ def make_sharded_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransforma
     return sharded_step
 
 
-def per_device_bytes(tree, shardings) -> int:
-    """Bytes one device holds of `tree` placed with `shardings` (the largest shard per leaf)."""
-    return sum(int(np.prod(sh.shard_shape(tuple(leaf.shape)), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-               for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
-
-
 class MeshTraining(NamedTuple):
     """What the training loop needs to run on a mesh: where the state and each batch go."""
 
