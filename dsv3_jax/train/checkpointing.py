@@ -38,8 +38,8 @@ class Checkpointer:
         self.every, self.keep = every, keep
         self._async = async_save
         self._verified: int | None = None  # the newest step read back intact
-        # The interval and the rotation are applied here, not by Orbax: Orbax also saves whenever no
-        # checkpoint exists yet, and its max_to_keep would delete intact steps behind a damaged one.
+        # The interval (`every`, kept by the caller) and the rotation are not Orbax's: Orbax also saves whenever
+        # no checkpoint exists yet, and its max_to_keep would delete intact steps behind a damaged one.
         options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None,
                                                enable_async_checkpointing=async_save, create=True)
         # A local folder or a URL (gs://...): Orbax writes through epath and tensorstore either way.

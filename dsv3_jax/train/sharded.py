@@ -41,13 +41,6 @@ def variable_shardings(variables: nnx.State, mesh, rules, *, strict: bool = Fals
     return out
 
 
-def _as_tree(pure: dict, flat: dict) -> dict:
-    def pick(path, _):
-        return flat[tuple(sharding.rules.key_name(k) for k in path)][1]
-
-    return jax.tree_util.tree_map_with_path(pick, pure)
-
-
 def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, rules=None) -> state_lib.TrainState:
     """A TrainState of NamedShardings (same structure as `state`) for `model`'s logical axes."""
     rules = sharding.get_rules(rules)
@@ -56,8 +49,8 @@ def train_state_shardings(model: nnx.Module, state: state_lib.TrainState, mesh, 
     flat_biases = variable_shardings(biases, mesh, rules)
     rep = sharding.replicated(mesh)
     out = jax.tree.map(lambda _: rep, state)
-    return out.replace(params=_as_tree(state.params, flat_params),
-                       router_bias=_as_tree(state.router_bias, flat_biases),
+    return out.replace(params=sharding.follow_params(state.params, flat_params, mesh),
+                       router_bias=sharding.follow_params(state.router_bias, flat_biases, mesh),
                        opt_state=sharding.follow_params(state.opt_state, flat_params, mesh, zero_axis="data"))
 
 

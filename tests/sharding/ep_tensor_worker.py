@@ -43,7 +43,7 @@ def moe_flops(cfg, mesh) -> float:
     graphdef, variables = nnx.split(MoE(dataclasses.replace(cfg, moe_impl="dense"), rngs=nnx.Rngs(0)))
     rules = sharding.get_rules("default")
     pure = nnx.to_pure_dict(variables)
-    var_sh = sharded._as_tree(pure, sharded.variable_shardings(variables, mesh, rules))
+    var_sh = sharding.follow_params(pure, sharded.variable_shardings(variables, mesh, rules), mesh)
     x_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rules["batch"], None, None))
     x = jax.ShapeDtypeStruct((parity_worker.BATCH, parity_worker.SEQ, cfg.hidden_size), jnp.float32, sharding=x_sh)
     abstract = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), pure, var_sh)
