@@ -89,10 +89,10 @@ class MetricsWriter:
     are dropped, so the file reads like an uninterrupted run. DIR may be a URL (dsv3_jax/paths.py):
     an object store has no append, so there the file is rewritten whole on every write (as
     TensorBoard's own GCS writer does on every flush), and a killed run loses no logged line.
+    DIR must exist (the trainer makes it).
     """
 
     def __init__(self, workdir: str, resume_step: int = 0):
-        paths.makedirs(workdir)
         self.path = paths.join(workdir, "metrics.jsonl")
         self._lines = self._kept_lines(resume_step)  # rewritten whole on a URL; a local file is appended to
         paths.write_text(self.path, "".join(self._lines))
