@@ -39,8 +39,10 @@ class TrainingError(RuntimeError):
 
 def quiet_checkpoint_logs():
     """Orbax logs a dozen INFO lines per checkpoint through absl; keep its warnings only."""
-    logging.get_absl_handler().addFilter(
-        lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
+    def keep(record) -> bool:
+        return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
 
 
 def enable_compilation_cache(path: str):
@@ -140,9 +142,9 @@ def make_data(config, vocab_size: int) -> tuple[Iterator[dict], dict]:
         raise ValueError(f"config.model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size} ids, {d.tokenizer or 'bundled tokenizer'})")
     rows = dict(seq_len=d.seq_len + 1, batch_size=d.batch_size, tokenizer=d.tokenizer, add_bos=d.add_bos)
-    train_ds, eval_ds = make_train_and_eval(DataConfig(
-        **rows, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction, seed=d.seed,
-        num_workers=d.num_workers, format=d.format, chat_template=d.chat_template), tokenizer=tokenizer)
+    run_data = DataConfig(**rows, data=d.path, text_field=d.text_field, eval_fraction=d.eval_fraction, seed=d.seed,
+                          num_workers=d.num_workers, format=d.format, chat_template=d.chat_template)
+    train_ds, eval_ds = make_train_and_eval(run_data, tokenizer=tokenizer)
     eval_sets = {"eval_loss": eval_ds}
     if d.pretrain_eval:
         pretrain = DataConfig(**rows, data=d.pretrain_path, eval_fraction=d.pretrain_eval_fraction)
