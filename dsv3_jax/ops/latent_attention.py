@@ -130,8 +130,53 @@ def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
     return jax.lax.fori_loop(0, num_blocks, body, init)
 
 
+def _fold(carry_BxHxW, part_TxHxW, rows_T):
+    """Work items' partial softmaxes (max, sum, acc, each over its own keys) folded into their rows'
+    by log-sum-exp; items of row B (padding) are dropped."""
+    (m_B, l_B, acc_B), (m_T, l_T, acc_T) = carry_BxHxW, part_TxHxW
+    b = m_B.shape[0]
+    m_new = jnp.maximum(m_B, jax.ops.segment_max(m_T, rows_T, b, indices_are_sorted=True))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing visible yet stays 0
+    alpha_B, beta_T = jnp.exp(m_B - m_safe), jnp.exp(m_T - m_safe[jnp.minimum(rows_T, b - 1)])
+    l_B = alpha_B * l_B + jax.ops.segment_sum(beta_T * l_T, rows_T, b, indices_are_sorted=True)
+    acc_T = beta_T[..., None] * acc_T
+    return m_new, l_B, alpha_B[..., None] * acc_B + jax.ops.segment_sum(acc_T, rows_T, b, indices_are_sorted=True)
+
+
+def _over_pages(q_lat, q_pe, pages, page_table_BxM, before_B, layer, softmax_scale, dt):
+    """The online softmax of heads-first queries [B, H, W, *] over each row's slots before `before_B`,
+    read from a pool of pages: the (row, page) pairs in use, in row order, B of them per step (the
+    last step padded with items of row B), each item a partial softmax over its page folded into its
+    row's; steps past the last pair are never run. -> (max, sum, acc) as `_over_prefix`'s."""
+    b, latent, scale, k_pe = q_lat.shape[0], *pages[:3]
+    if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
+    m, k = page_table_BxM.shape[1], latent.shape[-2]
+    pages_B = (before_B + k - 1) // k
+    ends_B = jnp.cumsum(pages_B)
+    empty = (jnp.full((b, *q_lat.shape[1:3]), -jnp.inf, jnp.float32), jnp.zeros((b, *q_lat.shape[1:3]), jnp.float32),
+             jnp.zeros(q_lat.shape, jnp.float32))
+
+    def read(a, page_T):
+        return None if a is None else (a[page_T] if layer is None else a[layer, page_T])
+
+    def body(i, carry):
+        t_T = i * b + jnp.arange(b)
+        rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last pair
+        row_T = jnp.minimum(rows_T, b - 1)
+        j_T = jnp.minimum(t_T - ends_B[row_T] + pages_B[row_T], m - 1)  # the item's page of its row
+        page_T = page_table_BxM[row_T, j_T]
+        visible_Tx1x1xK = (j_T[:, None] * k + jnp.arange(k) < before_B[row_T, None])[:, None, None, :]
+        latent_TxKxC = dequantize(read(latent, page_T), read(scale, page_T), dt)
+        part = _block_step(empty, q_lat[row_T], q_pe[row_T], latent_TxKxC, read(k_pe, page_T), visible_Tx1x1xK,
+                           softmax_scale, dt)
+        return _fold(carry, part, rows_T)
+
+    return jax.lax.fori_loop(0, (ends_B[-1] + b - 1) // b, body, empty)
+
+
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
-           block: int = READ_BLOCK, layer=None) -> jax.Array:
+           block: int = READ_BLOCK, layer=None, page_table=None) -> jax.Array:
     """Softmax over the cache slots before each row's first position (read `block` slots at a time)
     and over the call's own entries up to each query -> o_lat [B, W, H, C] float32.
 
@@ -140,6 +185,14 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     own = (latent [B, W, C], k_pe [B, W, R]) as computed (not rounded to the cache dtype: as in
     FlashMLA, a token's own step attends to exact entries, later steps read the stored ones).
     q_pe is already rotated; positions are consecutive per row.
+
+    page_table int [B, M]: the XLA path of a paged latent cache (beside `pallas_kernels.mla_decode`'s
+    paged form; dsv3_jax builds no paged cache yet). `cache` is then a pool of pages shared by the
+    batch, (latent [N, K, C], latent_scale [N, K, G] | None, k_pe [N, K, R]) or stacked [L, N, K, ...],
+    and row b's slot s lives in page page_table[b, s // K] at offset s % K; entries past a row's prefix
+    (positions[b, 0] <= M * K) are never used and may hold anything. Only the pages the rows use are
+    read, B pages a step, so the cost grows with the sum of the rows' prefixes, not B x the longest
+    (`block` is unused: a page is a block).
     """
     dt = compute_dtype
     q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))
@@ -148,7 +201,10 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
         visible_Bx1x1xP = visible_BxP[:, None, None, :]
         return _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1x1xP, softmax_scale, dt)
 
-    carry = _over_prefix(step, q_lat.shape[:3] + (q_lat.shape[-1],), cache, positions_BxW, layer, block, dt)
+    if page_table is None:
+        carry = _over_prefix(step, q_lat.shape[:3] + (q_lat.shape[-1],), cache, positions_BxW, layer, block, dt)
+    else:
+        carry = _over_pages(q_lat, q_pe, cache, page_table, positions_BxW[:, 0], layer, softmax_scale, dt)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
     return jnp.transpose(acc / l_sum[..., None], (0, 2, 1, 3))
 
