@@ -1,14 +1,17 @@
 """Attention in MLA's latent space over the latent cache: the core of the absorbed form.
 
 Letters: B batch, W queries of this call, S cache slots, H heads, C latent (kv_lora_rank),
-R rope dim, G latent scales per token (ceil(C / 128) for fp8, 1 for int8), P slots per block read.
+R rope dim, G latent scales per token (ceil(C / 128) for fp8, 1 for int8), P slots per block read;
+a paged cache: N pages in the pool, K slots per page, M page-table entries per row, T (row, page)
+work items per step.
 
 A call's W tokens sit at consecutive positions p0 .. p0 + W - 1 (slot s of the cache holds the
 token at position s). They attend to the cache slots s < p0 and to their own fresh entries up to
 their position, so the cache never needs clearing: slots from p0 on are never read. The cache is
 read block by block (P slots at a time) with an online softmax: an fp8 block is dequantised as it
 is read, so neither the whole cache in the compute dtype nor [B, H, W, S] scores ever exist, and
-blocks past every row's p0 are not read at all.
+blocks past every row's p0 are not read at all. A paged cache (`attend`'s page_table) is read as
+the list of (row, page) pairs the rows use, so rows of different lengths cost their own lengths.
 
 `attend` is the core of the absorbed form (decode, speculative verify: few queries, so the
 queries move into the latent space once). `attend_expanded` is the expanded (naive) form for a

@@ -38,22 +38,25 @@ def paged_layout(cache, cache_dtype, seed=0):
 @pytest.mark.parametrize("cache_dtype,compute_dtype", [("float32", jnp.float32), ("bfloat16", jnp.bfloat16),
                                                         ("float8", jnp.float32), ("int8", jnp.bfloat16)])
 def test_paged_equals_contiguous(cache_dtype, compute_dtype, w):
-    """Rows of no prefix, less than a page, four pages and a full table, at shuffled page ids; slots past
-    each row's prefix, layer 0 and spare pages hold GARBAGE; the contiguous path reads the same tokens."""
+    """Rows of no prefix, less than a page, four pages and a full table, at shuffled page ids, the last
+    two sharing their first page; slots past each row's prefix, layer 0 and spare pages hold GARBAGE;
+    the contiguous path reads the same tokens."""
     ks = jax.random.split(jax.random.key(0), 6)
-    past_Bx1xS = (jnp.arange(M * K) >= BEFORE[:, None])[:, :, None]
-    latent = jnp.where(past_Bx1xS, GARBAGE, jax.random.normal(ks[0], (B, M * K, C)))
-    k_pe = jnp.where(past_Bx1xS, GARBAGE, jax.random.normal(ks[1], (B, M * K, R)))
+    past_BxSx1 = (jnp.arange(M * K) >= BEFORE[:, None])[:, :, None]
+    latent = jnp.where(past_BxSx1, GARBAGE, jax.random.normal(ks[0], (B, M * K, C)))
+    k_pe = jnp.where(past_BxSx1, GARBAGE, jax.random.normal(ks[1], (B, M * K, R)))
+    latent, k_pe = (a.at[3, :K].set(a[2, :K]) for a in (latent, k_pe))  # rows 2 and 3 share a first page
     cache = encode(latent, k_pe, cache_dtype)
     pool, table = paged_layout(cache, cache_dtype)
+    table = table.at[3, 0].set(table[2, 0])
     q_lat, q_pe = jax.random.normal(ks[2], (B, w, H, C)), jax.random.normal(ks[3], (B, w, H, R))
     own = jax.random.normal(ks[4], (B, w, C)), jax.random.normal(ks[5], (B, w, R))
     positions = jnp.asarray(BEFORE[:, None] + np.arange(w), jnp.int32)
     kw = dict(softmax_scale=0.05, compute_dtype=compute_dtype)
 
     want = jax.jit(lambda *a: attend(*a, block=K, **kw))(q_lat, q_pe, cache, own, positions)
-    got = jax.jit(lambda *a: attend(*a, page_table=table, layer=jnp.int32(1), **kw))(q_lat, q_pe, pool, own,
-                                                                                    positions)
+    paged = jax.jit(lambda table, layer, *a: attend(*a, page_table=table, layer=layer, **kw))  # both traced
+    got = paged(table, jnp.int32(1), q_lat, q_pe, pool, own, positions)
     assert got.shape == (B, w, H, C) and got.dtype == jnp.float32
     want, got = np.asarray(want), np.asarray(got)
     assert np.isfinite(want).all() and np.abs(want).max() < 10  # no GARBAGE reached the contiguous path
