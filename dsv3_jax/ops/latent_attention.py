@@ -157,8 +157,8 @@ def _over_pages(q_lat, q_pe, pages, page_table_BxM, before_B, layer, softmax_sca
     m, k = page_table_BxM.shape[1], latent.shape[-2]
     pages_B = (before_B + k - 1) // k
     ends_B = jnp.cumsum(pages_B)
-    empty = (jnp.full((b, *q_lat.shape[1:3]), -jnp.inf, jnp.float32), jnp.zeros((b, *q_lat.shape[1:3]), jnp.float32),
-             jnp.zeros(q_lat.shape, jnp.float32))
+    empty = (jnp.full(q_lat.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(q_lat.shape[:3], jnp.float32),
+             jnp.zeros(q_lat.shape, jnp.float32))  # a step's T = B items start from it as the rows do
 
     def read(a, page_T):
         return None if a is None else (a[page_T] if layer is None else a[layer, page_T])
@@ -167,7 +167,7 @@ def _over_pages(q_lat, q_pe, pages, page_table_BxM, before_B, layer, softmax_sca
         t_T = i * b + jnp.arange(b)
         rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last pair
         row_T = jnp.minimum(rows_T, b - 1)
-        j_T = jnp.minimum(t_T - ends_B[row_T] + pages_B[row_T], m - 1)  # the item's page of its row
+        j_T = jnp.minimum(t_T - ends_B[row_T] + pages_B[row_T], m - 1)  # its entry in the row's table
         page_T = page_table_BxM[row_T, j_T]
         visible_Tx1x1xK = (j_T[:, None] * k + jnp.arange(k) < before_B[row_T, None])[:, None, None, :]
         latent_TxKxC = dequantize(read(latent, page_T), read(scale, page_T), dt)
