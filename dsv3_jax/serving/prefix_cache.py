@@ -16,19 +16,8 @@ every block of the matched prefix).
 from __future__ import annotations
 
 import collections
-import hashlib
 
-import numpy as np
-
-
-def block_keys(prompt: list[int], width: int, blocks: int) -> list[bytes]:
-    """Keys of the prompt's first `blocks` blocks of `width` tokens (each names its whole prefix)."""
-    keys, key = [], b""
-    tokens = np.asarray(prompt, np.int64)
-    for k in range(blocks):
-        key = hashlib.sha256(key + tokens[k * width:(k + 1) * width].tobytes()).digest()
-        keys.append(key)
-    return keys
+from dsv3_jax.inference.page_pool import block_keys
 
 
 class PrefixCache:
