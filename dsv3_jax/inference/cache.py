@@ -78,7 +78,9 @@ def _stack(cfg: ModelConfig, cache_dtype: str, layers: int, batch: int, slots: i
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, cache_dtype: str = "bfloat16", *,
                with_mtp: bool = False) -> ModelCache:
-    """A zero cache of `slots` positions for every layer (and the MTP depths when `with_mtp`)."""
+    """A zero cache of `slots` positions for every layer (and the MTP depths when `with_mtp`). The
+    pool of a paged cache is the same arrays, `batch` pages of `slots` tokens each, read through a
+    page table the caller sets (`ModelCache.page_table`)."""
     return ModelCache(_stack(cfg, cache_dtype, cfg.num_dense_layers, batch, slots),
                    _stack(cfg, cache_dtype, cfg.num_moe_layers, batch, slots),
                    _stack(cfg, cache_dtype, cfg.num_mtp_layers if with_mtp else 0, batch, slots))

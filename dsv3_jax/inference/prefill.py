@@ -76,7 +76,7 @@ def prefill_chunk(model, cache: ModelCache, window_BxN: jax.Array, start: jax.Ar
     position's next token (the prompt's, or at a row's last prompt token the sampled one)."""
     b, n = window_BxN.shape
     depths = 0 if cache.mtp is None else cache.mtp.latent.shape[0]
-    width, slots = n - 1 - depths, jax.tree.leaves(cache)[0].shape[2]
+    width, slots = n - 1 - depths, cache.slots
     rows = jnp.arange(b)
     index = start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
     positions = jnp.minimum(index, slots - 1)  # padding writes stay inside the cache

@@ -66,7 +66,9 @@ EXPANDED_MIN_WIDTH = 16
 class LatentCache(NamedTuple):
     """MLA's cache: normalised latent and roped key per token, indexed by position (slot s holds
     position s). Arrays are [B, S, ...] for one layer, [L, B, S, ...] for a layer stack, or
-    [B, W, ...] for the entries one call writes. The dtypes are the cache layout
+    [B, W, ...] for the entries one call writes. A paged cache holds a pool of pages instead,
+    [(L,) N, K, ...], read through a page table [B, M]: row b's slot s is page table[b, s // K],
+    offset s % K. The dtypes are the cache layout
     (`dsv3_jax.inference.cache`); a float8 latent comes with its per-128 scales, an int8 latent
     with one scale per token. A model with the lightning indexer also caches its key per token."""
 
@@ -82,11 +84,18 @@ class LatentCache(NamedTuple):
             return jnp.dtype(self.latent.dtype).name
         return "float8"
 
-    def write(self, entries: LatentCache, positions_BxW: jax.Array, layer=None) -> LatentCache:
+    def write(self, entries: LatentCache, positions_BxW: jax.Array, layer=None, page_table=None) -> LatentCache:
         """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked;
-        `layer=slice(None)`: a whole stack's entries [L, B, W, ...] in one scatter)."""
+        `layer=slice(None)`: a whole stack's entries [L, B, W, ...] in one scatter); with a
+        `page_table` [B, M] into its pages, an entry whose page is -1 (none) or past the table (as past
+        a contiguous cache's slots) not at all."""
         rows = jnp.arange(positions_BxW.shape[0])[:, None]
-        index = (rows, positions_BxW) if layer is None else (layer, rows, positions_BxW)
+        index = (rows, positions_BxW)
+        if page_table is not None:
+            n, k = self.latent.shape[-3:-1]
+            page_BxW = jnp.take_along_axis(page_table, positions_BxW // k, axis=1, mode="fill", fill_value=-1)
+            index = (jnp.where(page_BxW < 0, n, page_BxW), positions_BxW % k)  # page n: out of bounds, dropped
+        index = index if layer is None else (layer, *index)
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
 
 
@@ -156,20 +165,24 @@ class MLA(nnx.Module):
         return self.kv_norm(c_kv), apply_rope(k_pe, cos, sin, interleave=self.cfg.rope_interleave)
 
     def __call__(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None,
-                 *, cache: LatentCache | None = None, positions: jax.Array | None = None, layer=None):
+                 *, cache: LatentCache | None = None, positions: jax.Array | None = None, layer=None,
+                 page_table: jax.Array | None = None):
         """x [B, T, D], cos/sin [B, T, R/2], segment_ids [B, T] or None -> [B, T, D] (expanded form).
 
-        With `cache` (one layer [B, S, ...], or a stack [L, B, S, ...] read at `layer`) and the tokens'
-        `positions` [B, T] (consecutive per row): the absorbed form over the cache slots before
-        `positions` plus this call's own entries.
+        With `cache` (one layer [B, S, ...], or a stack [L, B, S, ...] read at `layer`; with a
+        `page_table` [B, M] a pool of pages) and the tokens' `positions` [B, T] (consecutive per row):
+        the absorbed form over the cache slots before `positions` plus this call's own entries.
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
         if cache is not None and self.cfg.has_indexer:
+            if page_table is not None:
+                raise ValueError("a paged latent cache (page_size) does not serve the lightning indexer's sparse "
+                                 "attention yet (index_n_heads > 0): use the contiguous cache (page_size unset)")
             return self.sparse_cached(x_BxTxD, cos, sin, cache, positions, layer)
         if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
-            return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer)
+            return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer, page_table)
         if cache is not None:
-            return self.absorbed(x_BxTxD, cos, sin, cache, positions, layer)
+            return self.absorbed(x_BxTxD, cos, sin, cache, positions, layer, page_table=page_table)
         return self.expanded(x_BxTxD, cos, sin, segment_ids)
 
     def _qkv(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -211,7 +224,7 @@ class MLA(nnx.Module):
         return out, IndexerTerms(logits, probs, keep)
 
     def expanded_chunk(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
-                       positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
+                       positions_BxT: jax.Array, layer=None, page_table=None) -> tuple[jax.Array, LatentCache]:
         """A prompt chunk at consecutive `positions`: causal attention over its own expanded keys and
         values (`attention_impl`) merged with attention over the cache slots before it, expanded from
         the cached latent block by block -> (out [B, T, D], the entries [B, T, ...] to store)."""
@@ -222,7 +235,7 @@ class MLA(nnx.Module):
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         prefix, prefix_lse = latent_attention.attend_expanded(q_nope, q_pe, w_uk, w_uv, cache, positions_BxT,
                                                               softmax_scale=cfg.softmax_scale, compute_dtype=dt,
-                                                              layer=layer)
+                                                              layer=layer, page_table=page_table)
         out = latent_attention.merge(prefix, prefix_lse, fresh, fresh_lse)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
@@ -250,7 +263,7 @@ class MLA(nnx.Module):
         return out, entries._replace(index_k=index_k, index_k_scale=index_k_scale)
 
     def absorbed(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
-                 positions_BxT: jax.Array, layer=None, own_index_k: jax.Array | None = None
+                 positions_BxT: jax.Array, layer=None, own_index_k: jax.Array | None = None, page_table=None
                  ) -> tuple[jax.Array, LatentCache]:
         """Queries in the latent space over the cache slots before `positions` and the call's own
         entries; with the call's index keys `own_index_k` [B, T, K], over each query's top-k only."""
@@ -264,7 +277,7 @@ class MLA(nnx.Module):
         kw = dict(softmax_scale=cfg.softmax_scale, compute_dtype=dt, layer=layer)
         if own_index_k is None:
             attend = latent_attention.attend_pallas if pallas else latent_attention.attend
-            o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, **kw)
+            o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, page_table=page_table, **kw)
         else:
             q_index, w_index = self.indexer.queries(x_BxTxD, self.query_latent(x_BxTxD), cos, sin)
             chosen = cached_topk(q_index, w_index, cache, own_index_k, positions_BxT, cfg.index_topk, layer=layer,

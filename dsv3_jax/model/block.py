@@ -31,6 +31,7 @@ class Context(NamedTuple):
     segment_ids: jax.Array | None  # [B, T] documents of a packed row (0 = padding)
     token_mask: jax.Array | None  # [B, T] bool, tokens that count in router statistics
     positions: jax.Array | None = None  # [B, T] positions = cache slots written; None without a cache
+    page_table: jax.Array | None = None  # int [B, M] of a paged cache (`ModelCache.page_table`); else None
 
 
 class Block(nnx.Module):
@@ -53,7 +54,8 @@ class Block(nnx.Module):
             a, terms = self.attn.expanded(h, ctx.cos, ctx.sin, ctx.segment_ids, indexer_terms=True)
             extra = indexer_kl(*terms, ctx.token_mask)
         else:
-            a = self.attn(h, ctx.cos, ctx.sin, ctx.segment_ids, cache=cache, positions=ctx.positions, layer=layer)
+            a = self.attn(h, ctx.cos, ctx.sin, ctx.segment_ids, cache=cache, positions=ctx.positions, layer=layer,
+                          page_table=ctx.page_table)
             a, extra = a if cache is not None else (a, None)
         x = x_BxTxD + a
         if isinstance(self.ffn, MoE):
@@ -93,7 +95,7 @@ def run_stack(blocks: Block, x_BxTxD: jax.Array, ctx: Context, *, remat: bool, c
         blocks_axes = nnx.StateAxes({_routed_expert_weights: None, ...: 0}) if isinstance(blocks.ffn, MoE) else 0
         scan = nnx.scan(cached, in_axes=(nnx.Carry, blocks_axes, 0), out_axes=(nnx.Carry, 0))
         x, (stats, entries_L) = scan(x_BxTxD, blocks, jnp.arange(num_layers))
-        return x, stats, cache.write(entries_L, ctx.positions, slice(None))
+        return x, stats, cache.write(entries_L, ctx.positions, slice(None), ctx.page_table)
 
     constrain = params.layer_constraint(blocks)
     num_layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]

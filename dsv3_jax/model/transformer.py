@@ -27,11 +27,20 @@ from sharding import pipeline
 
 
 class ModelCache(NamedTuple):
-    """The latent cache of every stack; layouts (dtypes, sizes) come from `dsv3_jax.inference.cache`."""
+    """The latent cache of every stack; layouts (dtypes, sizes) come from `dsv3_jax.inference.cache`.
+    Paged (`page_table` set): every stack is a pool of pages [L, N, K, ...], one page id naming the
+    same page in each, and the table says which pages hold the rows of this call."""
 
-    dense: LatentCache | None  # [L_dense, B, S, ...]
-    moe: LatentCache | None  # [L_moe, B, S, ...]
-    mtp: LatentCache | None  # [M, B, S, ...]
+    dense: LatentCache | None  # [L_dense, B, S, ...] or paged [L_dense, N, K, ...]
+    moe: LatentCache | None  # [L_moe, B, S, ...] or paged [L_moe, N, K, ...]
+    mtp: LatentCache | None  # [M, B, S, ...] or paged [M, N, K, ...]
+    page_table: jax.Array | None = None  # int32 [B, M]: row b's slot s in page [b, s // K] (-1: none)
+
+    @property
+    def slots(self) -> int:
+        """Positions a row can address: S, or M x K through the page table."""
+        latent = next(c for c in self[:3] if c is not None).latent
+        return latent.shape[2] if self.page_table is None else self.page_table.shape[1] * latent.shape[2]
 
 
 class ModelOutput(NamedTuple):
@@ -86,14 +95,16 @@ class DeepSeekV3(nnx.Module):
         return jnp.einsum("...D,DV->...V", h.astype(dt), self.head[...].astype(dt),
                           preferred_element_type=jnp.float32)
 
-    def _context(self, tokens_BxT, positions, segment_ids, token_mask, cached: bool) -> Context:
+    def _context(self, tokens_BxT, positions, segment_ids, token_mask, cache: ModelCache | None = None) -> Context:
         b, t = tokens_BxT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cos, sin = rope_angles(positions, self.config)
         if token_mask is None and segment_ids is not None:
             token_mask = segment_ids > 0
-        return Context(cos, sin, segment_ids, token_mask, positions if cached else None)
+        if cache is None:
+            return Context(cos, sin, segment_ids, token_mask)
+        return Context(cos, sin, segment_ids, token_mask, positions, cache.page_table)
 
     def forward(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, with_mtp: bool = True, cache: ModelCache | None = None,
@@ -118,7 +129,7 @@ class DeepSeekV3(nnx.Module):
             raise ValueError("forward with a cache takes with_mtp=False, no segment_ids and no indexer_loss")
         if indexer_loss and not cfg.has_indexer:
             raise ValueError("indexer_loss needs a model with the lightning indexer (index_n_heads > 0)")
-        ctx = self._context(tokens_BxT, positions, segment_ids, token_mask, cached=cache is not None)
+        ctx = self._context(tokens_BxT, positions, segment_ids, token_mask, cache)
         emb = self.embed_tokens(tokens_BxT)
         dense, moe = (None, None) if cache is None else (cache.dense, cache.moe)
         x, stats = emb, None
@@ -182,7 +193,7 @@ class DeepSeekV3(nnx.Module):
             model, (tokens, pos, seg) = rebuild(), args
             x = model.embed_tokens(tokens)
             if model.dense_layers is not None:
-                x, _, _ = run_stack(model.dense_layers, x, model._context(tokens, pos, seg, None, False), remat=cfg.remat,
+                x, _, _ = run_stack(model.dense_layers, x, model._context(tokens, pos, seg, None), remat=cfg.remat,
                                     unroll_max_layers=cfg.unroll_max_layers)
             return x
 
@@ -190,11 +201,11 @@ class DeepSeekV3(nnx.Module):
         x = pipeline.merge_microbatches(pipeline.map_microbatches(before, inputs, microbatches))
         stats = None
         if self.moe_layers is not None:
-            x, stats, _ = self._moe_stack(x, self._context(*inputs, None, False), None)
+            x, stats, _ = self._moe_stack(x, self._context(*inputs, None), None)
 
         def after(args):
             model, (tokens, pos, seg, x, extra) = rebuild(), args
-            ctx = model._context(tokens, pos, seg, None, False)
+            ctx = model._context(tokens, pos, seg, None)
             return head_fn(model._outputs(x, model.embed_tokens(tokens), ctx, None, with_mtp=True), extra)
 
         return pipeline.map_microbatches(after, (*inputs, x, extras), microbatches), stats
@@ -205,9 +216,9 @@ class DeepSeekV3(nnx.Module):
         one further (t_{i+depth+1} at i), writing its latent entries at `positions` in `cache.mtp`."""
         graphdef, state = nnx.split(self.mtp)
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[depth], state))
-        ctx = self._context(tokens_next_BxT, positions_BxT, None, None, cached=True)
+        ctx = self._context(tokens_next_BxT, positions_BxT, None, None, cache)
         h, _, entries = layer(h_prev_BxTxD, self.embed_tokens(tokens_next_BxT), ctx, cache.mtp, depth)
-        return h, cache._replace(mtp=cache.mtp.write(entries, positions_BxT, depth))
+        return h, cache._replace(mtp=cache.mtp.write(entries, positions_BxT, depth, cache.page_table))
 
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

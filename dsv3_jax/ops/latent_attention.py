@@ -112,6 +112,12 @@ def _reader(cache, layer, block: int):
     return read
 
 
+def _empty(acc_shape):
+    """The online softmax before any key: (max -inf, sum 0, acc 0), acc_shape [B, H, W, *]."""
+    return (jnp.full(acc_shape[:3], -jnp.inf, jnp.float32), jnp.zeros(acc_shape[:3], jnp.float32),
+            jnp.zeros(acc_shape, jnp.float32))
+
+
 def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
     """The online softmax (`step(carry, latent [B, P, C] dequantised to dt, k_pe [B, P, R],
     visible [B, P])`) over the cache slots before each row's first position, `block` slots at a
@@ -120,8 +126,7 @@ def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
     block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
     read = _reader(cache, layer, block)
     before_B = positions_BxW[:, 0]
-    init = (jnp.full(acc_shape[:3], -jnp.inf, jnp.float32), jnp.zeros(acc_shape[:3], jnp.float32),
-            jnp.zeros(acc_shape, jnp.float32))
+    init = _empty(acc_shape)
 
     def body(i, carry):
         start = i * block
@@ -146,19 +151,19 @@ def _fold(carry_BxHxW, part_TxHxW, rows_T):
     return m_new, l_B, alpha_B[..., None] * acc_B + jax.ops.segment_sum(acc_T, rows_T, b, indices_are_sorted=True)
 
 
-def _over_pages(q_lat, q_pe, pages, page_table_BxM, before_B, layer, softmax_scale, dt):
-    """The online softmax of heads-first queries [B, H, W, *] over each row's slots before `before_B`,
-    read from a pool of pages: the (row, page) pairs in use, in row order, B of them per step (the
-    last step padded with items of row B), each item a partial softmax over its page folded into its
-    row's; steps past the last pair are never run. -> (max, sum, acc) as `_over_prefix`'s."""
-    b, latent, scale, k_pe = q_lat.shape[0], *pages[:3]
+def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, dt):
+    """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
+    pages: the (row, page) pairs in use, in row order, B of them per step (the last step padded with
+    items of row B), each item a partial softmax over its page (`step(empty, latent [T, K, C],
+    k_pe [T, K, R], visible [T, K], rows [T])`, the queries of rows T) folded into its row's; steps
+    past the last pair are never run."""
+    b, (latent, scale, k_pe) = acc_shape[0], pages[:3]
     if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
         raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
     m, k = page_table_BxM.shape[1], latent.shape[-2]
     pages_B = (before_B + k - 1) // k
     ends_B = jnp.cumsum(pages_B)
-    empty = (jnp.full(q_lat.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(q_lat.shape[:3], jnp.float32),
-             jnp.zeros(q_lat.shape, jnp.float32))  # a step's T = B items start from it as the rows do
+    empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
 
     def read(a, page_T):
         return None if a is None else (a[page_T] if layer is None else a[layer, page_T])
@@ -169,13 +174,19 @@ def _over_pages(q_lat, q_pe, pages, page_table_BxM, before_B, layer, softmax_sca
         row_T = jnp.minimum(rows_T, b - 1)
         j_T = jnp.minimum(t_T - ends_B[row_T] + pages_B[row_T], m - 1)  # its entry in the row's table
         page_T = page_table_BxM[row_T, j_T]
-        visible_Tx1x1xK = (j_T[:, None] * k + jnp.arange(k) < before_B[row_T, None])[:, None, None, :]
+        visible_TxK = j_T[:, None] * k + jnp.arange(k) < before_B[row_T, None]
         latent_TxKxC = dequantize(read(latent, page_T), read(scale, page_T), dt)
-        part = _block_step(empty, q_lat[row_T], q_pe[row_T], latent_TxKxC, read(k_pe, page_T), visible_Tx1x1xK,
-                           softmax_scale, dt)
-        return _fold(carry, part, rows_T)
+        return _fold(carry, step(empty, latent_TxKxC, read(k_pe, page_T), visible_TxK, row_T), rows_T)
 
     return jax.lax.fori_loop(0, (ends_B[-1] + b - 1) // b, body, empty)
+
+
+def _over_cache(step, acc_shape, cache, positions_BxW, layer, block: int, dt, page_table):
+    """The online softmax over each row's slots before its first position: of a contiguous cache
+    (`_over_prefix`) or, with `page_table`, of a pool of pages (`_over_pages`)."""
+    if page_table is None:
+        return _over_prefix(step, acc_shape, cache, positions_BxW, layer, block, dt)
+    return _over_pages(step, acc_shape, cache, page_table, positions_BxW[:, 0], layer, dt)
 
 
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
@@ -190,9 +201,9 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     q_pe is already rotated; positions are consecutive per row.
 
     page_table int [B, M]: the XLA path of a paged latent cache (beside `pallas_kernels.mla_decode`'s
-    paged form; dsv3_jax builds no paged cache yet). `cache` is then a pool of pages shared by the
-    batch, (latent [N, K, C], latent_scale [N, K, G] | None, k_pe [N, K, R]) or stacked [L, N, K, ...],
-    and row b's slot s lives in page page_table[b, s // K] at offset s % K; entries past a row's prefix
+    paged form). `cache` is then a pool of pages shared by the batch, (latent [N, K, C],
+    latent_scale [N, K, G] | None, k_pe [N, K, R]) or stacked [L, N, K, ...], and row b's slot s
+    lives in page page_table[b, s // K] at offset s % K; entries past a row's prefix
     (positions[b, 0] <= M * K) are never used and may hold anything. Only the pages the rows use are
     read, B pages a step, so the cost grows with the sum of the rows' prefixes, not B x the longest
     (`block` is unused: a page is a block).
@@ -200,14 +211,12 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     dt = compute_dtype
     q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))
 
-    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP):
+    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP, rows=slice(None)):
         visible_Bx1x1xP = visible_BxP[:, None, None, :]
-        return _block_step(carry, q_lat, q_pe, latent_BxPxC, k_pe_BxPxR, visible_Bx1x1xP, softmax_scale, dt)
+        return _block_step(carry, q_lat[rows], q_pe[rows], latent_BxPxC, k_pe_BxPxR, visible_Bx1x1xP, softmax_scale,
+                           dt)
 
-    if page_table is None:
-        carry = _over_prefix(step, q_lat.shape[:3] + (q_lat.shape[-1],), cache, positions_BxW, layer, block, dt)
-    else:
-        carry = _over_pages(q_lat, q_pe, cache, page_table, positions_BxW[:, 0], layer, softmax_scale, dt)
+    carry = _over_cache(step, q_lat.shape, cache, positions_BxW, layer, block, dt, page_table)
     _, l_sum, acc = _block_step(carry, q_lat, q_pe, *own, _own_mask(positions_BxW), softmax_scale, dt)
     return jnp.transpose(acc / l_sum[..., None], (0, 2, 1, 3))
 
@@ -223,22 +232,25 @@ def _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias_Bx1x1xP, 
 
 
 def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache, positions_BxW, *,
-                    softmax_scale: float, compute_dtype, block: int = READ_BLOCK, layer=None
+                    softmax_scale: float, compute_dtype, block: int = READ_BLOCK, layer=None, page_table=None
                     ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of a chunk's queries over the cache slots before each row's first position,
     keys and values expanded per head from the cached latent a block of `block` slots at a time
     (blocks past every row's start are never read nor expanded) -> (out [B, W, H, V] float32,
-    lse [B, W, H] float32; -inf where a row has no prefix). `cache` and `layer` as in `attend`."""
+    lse [B, W, H] float32; -inf where a row has no prefix). `cache`, `layer` and `page_table` as in
+    `attend`."""
     dt = compute_dtype
     q_nope = jnp.transpose(q_nope_BxWxHxN, (0, 2, 1, 3)).astype(dt)
     q_pe = jnp.transpose(q_pe_BxWxHxR, (0, 2, 1, 3)).astype(dt)
     w_uk, w_uv = w_uk_CxHxN.astype(dt), w_uv_CxHxV.astype(dt)
 
-    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP):
+    def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP, rows=slice(None)):
         bias = jnp.where(visible_BxP, 0.0, -jnp.inf)[:, None, None, :]
-        return _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias, w_uk, w_uv, softmax_scale, dt)
+        return _expanded_step(carry, q_nope[rows], q_pe[rows], latent_BxPxC, k_pe_BxPxR, bias, w_uk, w_uv,
+                              softmax_scale, dt)
 
-    m, l_sum, acc = _over_prefix(step, q_nope.shape[:3] + (w_uv.shape[-1],), cache, positions_BxW, layer, block, dt)
+    acc_shape = q_nope.shape[:3] + (w_uv.shape[-1],)
+    m, l_sum, acc = _over_cache(step, acc_shape, cache, positions_BxW, layer, block, dt, page_table)
     lse = jnp.where(l_sum > 0, m + jnp.log(jnp.where(l_sum > 0, l_sum, 1.0)), -jnp.inf)
     out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
     return jnp.transpose(out, (0, 2, 1, 3)), jnp.transpose(lse, (0, 2, 1))
@@ -268,12 +280,14 @@ def _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, dt):
 
 
 def attend_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float,
-                  compute_dtype, layer=None) -> jax.Array:
-    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache, merged with
-    the token's own entry by log-sum-exp -> [B, 1, H, C] float32."""
+                  compute_dtype, layer=None, page_table=None) -> jax.Array:
+    """`attend` for one query per row: the split-KV Pallas decode kernel over the cache (or, with
+    `page_table`, its pool of pages), merged with the token's own entry by log-sum-exp
+    -> [B, 1, H, C] float32."""
     q_lat, q_pe, latent, k_pe, scale = _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, compute_dtype)
     o_BxHxC, lse_BxH = pallas_kernels.mla_decode(q_lat, q_pe, latent, k_pe, positions_BxW[:, 0],
-                                                 softmax_scale=softmax_scale, return_lse=True, kv_scale=scale)
+                                                 softmax_scale=softmax_scale, return_lse=True, kv_scale=scale,
+                                                 page_table=page_table)
     return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, None, softmax_scale, compute_dtype)
 
 

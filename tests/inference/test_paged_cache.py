@@ -1,0 +1,67 @@
+"""A paged latent cache (a pool of pages written and read through a page table) against the
+contiguous cache on the same tokens: a cached forward's logits over prompt chunks (the expanded
+form) then decode steps (the absorbed form), and a write through no page."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv3_jax.inference.cache import init_cache
+from dsv3_jax.model.attention import EXPANDED_MIN_WIDTH, LatentCache
+from tests.inference.conftest import VOCAB
+
+B, K, M = 2, 8, 8  # rows, slots per page, page-table entries per row: 64 positions a row
+SPARE = 3  # pool pages no row owns
+GARBAGE = 100.0  # every pool entry before it is written: one such key read would swamp a softmax
+W = EXPANDED_MIN_WIDTH
+SPANS = [(0, W), (W, W), (2 * W, 3), (2 * W + 3, 1)]  # (start, width): two prompt chunks, a verify window, a decode step
+
+
+def _cached_logits(model, tokens_BxT, cache):
+    """float32 logits [B, T, V] of the tokens fed through `cache` span by span (one jitted program)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, cache):
+        m, out = nnx.merge(graphdef, state), []
+        for start, width in SPANS:
+            positions = jnp.broadcast_to(jnp.arange(start, start + width, dtype=jnp.int32), (B, width))
+            step = m.forward(tokens_BxT[:, start:start + width], positions=positions, with_mtp=False, cache=cache)
+            cache, out = step.cache, out + [step.logits]
+        return jnp.concatenate(out, axis=1)
+
+    return np.asarray(run(state, cache))
+
+
+def _paged(cfg, cache_dtype: str):
+    """A pool of B * M + SPARE pages holding GARBAGE (`init_cache` with pages for rows and a page's
+    slots for positions), each row's M pages at shuffled ids."""
+    pool = jax.tree.map(lambda a: jnp.full_like(a, GARBAGE), init_cache(cfg, B * M + SPARE, K, cache_dtype))
+    table_BxM = np.random.default_rng(0).permutation(B * M + SPARE)[:B * M].reshape(B, M)
+    return pool._replace(page_table=jnp.asarray(table_BxM, jnp.int32))
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8"])
+def test_paged_cached_forward_equals_the_contiguous_one(model, cache_dtype):
+    t = SPANS[-1][0] + 1
+    tokens = jax.random.randint(jax.random.key(3), (B, t), 0, VOCAB, jnp.int32)
+    want = _cached_logits(model, tokens, init_cache(model.config, B, M * K, cache_dtype))
+    got = _cached_logits(model, tokens, _paged(model.config, cache_dtype))
+    assert np.std(want) > 1.0  # O(1) logits: the tolerance is meaningful
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_write_through_no_page_is_dropped():
+    """Row 0 holds page 2 then none (-1): its entry at position 3 lands in page 2 at offset 3, the one
+    at 5 (no page) and the one at 8 (past the table) nowhere, and no other page changes."""
+    pool = LatentCache(jnp.zeros((3, 4, 2)), None, jnp.zeros((3, 4, 1)))
+    entries = LatentCache(jnp.ones((1, 3, 2)), None, jnp.ones((1, 3, 1)))
+    out = pool.write(entries, jnp.array([[3, 5, 8]]), page_table=jnp.array([[2, -1]]))
+    want = np.zeros((3, 4, 2))
+    want[2, 3] = 1
+    np.testing.assert_array_equal(out.latent, want)
+    np.testing.assert_array_equal(out.k_pe, want[..., :1])
+
