@@ -23,6 +23,7 @@ from flax import nnx
 
 from dsv3_jax.inference import prefill, steps
 from dsv3_jax.inference.cache import bucket_slots, init_cache
+from dsv3_jax.inference.page_pool import PagePool
 from dsv3_jax.inference.sampling import SamplingConfig
 from dsv3_jax.model.transformer import check_tokens
 
@@ -102,14 +103,17 @@ class Generation:
     [L, B, S, ...]) place the weights and the cache for sharded decoding. `rows`: the rows asked for
     (default all); the later ones only pad the batch to a multiple of a mesh's token shards, and no
     statistic counts them. `offload`: an `expert_cache.ExpertOffload` of this model, whose device cache
-    of routed experts the steps run through.
+    of routed experts the steps run through. `page_size`: a paged cache of pages of that many tokens
+    (`PagePool`), each row holding pages for its own prompt and new tokens only, not the longest
+    row's; the server's cache layout, same tokens.
     """
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, lengths=None, stop_tokens=(), use_mtp: bool = False,
                  pad_id: int = 0, cache_dtype: str | None = None, prefill_chunk: int = prefill.DEFAULT_CHUNK,
-                 param_shardings=None, cache_sharding=None, rows: int | None = None, offload=None):
-        cfg = model.config
+                 param_shardings=None, cache_sharding=None, rows: int | None = None, offload=None,
+                 page_size: int | None = None):
+        cfg = self.model_config = model.config
         self.prompts, self.lengths = _validate(model, prompts, max_new_tokens, lengths, stop_tokens, use_mtp)
         self.max_new_tokens, self.stop_tokens, self.pad_id = max_new_tokens, tuple(int(s) for s in stop_tokens), pad_id
         self.sampling = SamplingConfig(float(temperature), top_k, top_p)
@@ -120,14 +124,19 @@ class Generation:
         b, t = self.prompts.shape
         self.chunks = prefill.plan(t, prefill_chunk)
         slots = bucket_slots(max(t + max_new_tokens + self.depths, prefill.padded_end(t, prefill_chunk)))
-        cache = init_cache(cfg, b, slots, cache_dtype or cfg.compute_dtype, with_mtp=use_mtp)
+        cache_dtype = cache_dtype or cfg.compute_dtype
+        if page_size is not None:
+            if cache_sharding is not None:
+                raise ValueError("page_size (a paged cache) runs on one device: leave cache_sharding unset")
+            cache = self._paged_cache(cache_dtype, use_mtp, page_size, slots)
+        else:
+            cache = init_cache(cfg, b, slots, cache_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
         self.steps = steps.compiled(graphdef, steps.StepOptions(use_mtp, self.sampling), cache_sharding)
         if offload is not None:  # an `expert_cache.ExpertOffload` installed on this model
             # a step's valid tokens: a prefill chunk's (at most the prompt's) over the rows, or a decode step's
             self.steps = offload.wrap(self.steps, b * max(min(prefill_chunk, t), 1 + self.depths))
         self.rows = b if rows is None else rows
-        self.model_config = cfg
         self.stats = GenerateStats()
         self._out = np.full((b, t + max_new_tokens), pad_id, np.int32)
         self._out[:, :t] = np.where(np.arange(t)[None] < self.lengths[:, None], self.prompts, pad_id)
@@ -135,6 +144,23 @@ class Generation:
         self._done = np.zeros((b,), bool)
         self._all_rows, self._all_active = np.arange(b, dtype=np.int32), np.ones((b,), bool)
         self._requested = np.arange(b) < self.rows
+
+    def _paged_cache(self, cache_dtype: str, use_mtp: bool, page_size: int, slots: int):
+        """A pool of pages for every row's prompt, new tokens and drafts (a power of two of them, so
+        calls of similar size share a compile, and never more than B rows of `slots`), and the rows'
+        page table covering `slots` positions."""
+        b, extra = self.prompts.shape[0], self.max_new_tokens + self.depths
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1 token, got {page_size}")
+        needed, m = int(np.sum(-(-(self.lengths + extra) // page_size))), -(-slots // page_size)
+        pool = PagePool(min(1 << (needed - 1).bit_length(), b * m), page_size)
+        table_BxM = np.full((b, m), -1, np.int32)
+        for row in range(b):
+            pool.admit(row, self.prompts[row, :self.lengths[row]].tolist())
+            pool.grow(row, extra)
+            pool.fill_row(table_BxM, row, row)
+        cache = init_cache(self.model_config, pool.num_pages, page_size, cache_dtype, with_mtp=use_mtp)
+        return cache._replace(page_table=table_BxM)
 
     def _keep(self, tokens_BxK: np.ndarray, n_BxK: np.ndarray) -> StepTokens:
         """Writes each active row's first n tokens, cut at max_new_tokens and after a stop token."""

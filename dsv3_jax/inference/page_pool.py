@@ -17,7 +17,7 @@ request holds stays cached for reuse and is evicted least recently used, only wh
 empty. A prompt of T tokens reuses at most (T - 1) // K pages: its last token is always prefilled,
 since its logits give the first generated token.
 
-The engine and `generate()` keep their slot cache for now: the paged cache's wiring is still to come.
+`generate(page_size=)` reserves every row's pages up front; the engine keeps its slot cache for now.
 """
 
 from __future__ import annotations

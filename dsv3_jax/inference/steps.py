@@ -103,7 +103,8 @@ class Steps(NamedTuple):
 
 
 def _take(cache, rows_N):
-    whole = rows_N.shape[0] == jax.tree.leaves(cache)[0].shape[1]  # then rows_N is every row, in order
+    # rows_N is every row, in order; or the cache is a pool of pages that its table's rows read in place
+    whole = cache.page_table is not None or rows_N.shape[0] == jax.tree.leaves(cache)[0].shape[1]
     return whole, cache if whole else jax.tree.map(lambda a: jnp.take(a, rows_N, axis=1), cache)
 
 

@@ -1,5 +1,6 @@
 """Greedy generation over the latent cache against the full-sequence forward; compilation reuse; errors."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -59,6 +60,8 @@ def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
     (dict(stop_tokens=(VOCAB,)), "stop_tokens"),
     (dict(cache_dtype="int4"), "cache_dtype"),
     (dict(prefill_chunk=24), "prefill_chunk"),
+    (dict(page_size=0), "page_size"),
+    (dict(page_size=4, cache_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), "page_size.*one device"),
     (dict(prompts=np.array([1, 2], np.int32)), r"\[batch, length\]"),
 ])
 def test_errors_name_the_problem(model, kwargs, match):
