@@ -12,6 +12,8 @@ from dsv3_jax import DeepSeekV3
 from dsv3_jax.inference import generate
 from dsv3_jax.inference.cache import init_cache
 from dsv3_jax.model.attention import EXPANDED_MIN_WIDTH, LatentCache
+from dsv3_jax.model.rope import rope_angles
+from dsv3_jax.ops.latent_attention import encode
 from tests.inference.conftest import MAX_NEW, VOCAB, tiny_config
 
 B, K, M = 2, 8, 8  # rows, slots per page, page-table entries per row: 64 positions a row
@@ -86,3 +88,27 @@ def test_generate_on_a_paged_cache_equals_the_full_forward(model, ragged_batch, 
     for b, n in enumerate(lengths):
         np.testing.assert_array_equal(np.asarray(out)[b, :n + MAX_NEW], greedy_reference[0][b, :n + MAX_NEW])
     assert stats.decode_traces <= 1  # the page table's rows change nothing a compile depends on
+
+
+def test_the_pallas_decode_reads_the_pages():
+    """attention_impl="pallas": a one-token decode over pages of 128 (a TPU lane block; in interpret
+    mode here), at shuffled ids among GARBAGE pages, equals the XLA decode over the same fp8 tokens
+    laid out contiguously."""
+    cfg, k = tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0), 128
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (B, 1, cfg.hidden_size))
+    cache = LatentCache(*encode(jax.random.normal(keys[1], (B, 2 * k, cfg.kv_lora_rank)),
+                                jax.random.normal(keys[2], (B, 2 * k, cfg.qk_rope_head_dim)), "float8"))
+    table_BxM = jnp.array([[3, 0], [1, 4]], jnp.int32)  # pages 2 and 5 are no row's
+    pool = LatentCache(*(None if a is None else jnp.full((6, k, a.shape[-1]), GARBAGE, a.dtype)
+                         .at[table_BxM].set(a.reshape(B, 2, k, -1)) for a in cache))
+    positions = jnp.array([[7], [k + 33]], jnp.int32)
+    cos, sin = rope_angles(positions, cfg)
+    outs = {}
+    for impl, c, table in (("xla", cache, None), ("pallas", pool, table_BxM)):
+        attn = DeepSeekV3(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0)).dense_layers.attn
+        graphdef, state = nnx.graphdef(attn), jax.tree.map(lambda a: a[0], nnx.state(attn))
+        run = jax.jit(lambda s, c, t: nnx.merge(graphdef, s)(x, cos, sin, cache=c, positions=positions, page_table=t))
+        outs[impl] = np.asarray(run(state, c, table)[0])
+    assert np.std(outs["xla"]) > 0.1
+    np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=2e-4, atol=2e-4 * np.abs(outs["xla"]).max())
