@@ -3,6 +3,7 @@
     python -m experiments.generate --checkpoint=RUN_OR_CKPT_OR_HF_DIR [--tokenizer=tokenizer.json] \
         --prompt="Once upon a time" [--prompt=...] [--max_new_tokens=64] [--temperature=0.7] \
         [--top_k=50] [--top_p=0.95] [--seed=0] [--use_mtp] [--cache_dtype=bfloat16] [--prefill_chunk=512] [--stats] \
+        [--page_size=16] \
         [--mesh=fsdp=2,expert=4 [--rules=default]] [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
         [--expert_placement=FILE] [--redundant_experts=N] [--record_expert_load=load.json] \
         [--offload_experts --expert_cache=C [--expert_cache_policy=lru|lfu]]
@@ -69,6 +70,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
                       flag_values=fv)
     flags.DEFINE_integer("prefill_chunk", DEFAULT_CHUNK, "prompt tokens per prefill step", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "a paged latent cache of pages of this many tokens, each prompt holding "
+                         "pages for its own tokens (default: one cache row per prompt)", flag_values=fv)
     flags.DEFINE_string("dtype", None, "parameter dtype to load in (default: the checkpoint's)", flag_values=fv)
     flags.DEFINE_boolean("no_bos", False, "do not prepend the tokenizer's BOS", flag_values=fv)
     flags.DEFINE_boolean("stats", False, "print expert activation frequencies of the prompts", flag_values=fv)
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
                          seed=args.seed, lengths=lengths, stop_tokens=stop,
                          use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
                          prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
-                         rows=len(args.prompt), offload=offload)
+                         rows=len(args.prompt), offload=offload, page_size=args.page_size)
     except (ValueError, OSError) as e:
         return cli.fail(e)
     if run:

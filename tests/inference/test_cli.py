@@ -23,7 +23,7 @@ def char_tokenizer(path: pathlib.Path) -> pathlib.Path:
 def test_cli_streams_and_reports(tmp_path):
     tok = char_tokenizer(tmp_path / "tokenizer.json")
     res = run_module("experiments.generate", f"--checkpoint={HF_DIR}", f"--tokenizer={tok}", "--prompt=hello world",
-                     "--max_new_tokens=5", "--stats", "--cache_dtype=int8", timeout=600)
+                     "--max_new_tokens=5", "--stats", "--cache_dtype=int8", "--page_size=4", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert out.startswith("hello world"), out

@@ -20,7 +20,7 @@ B, K, M = 2, 8, 8  # rows, slots per page, page-table entries per row: 64 positi
 SPARE = 3  # pool pages no row owns
 GARBAGE = 100.0  # every pool entry before it is written: one such key read would swamp a softmax
 W = EXPANDED_MIN_WIDTH
-SPANS = [(0, W), (W, W), (2 * W, 3), (2 * W + 3, 1)]  # (start, width): two prompt chunks, a verify window, a decode step
+SPANS = [(0, W), (W, W), (2 * W, 3), (2 * W + 3, 1)]  # (start, width): 2 prompt chunks, a verify window, a decode
 
 
 def _cached_logits(model, tokens_BxT, cache):
