@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -112,11 +113,35 @@ def damaged(step: int | None, item_dir: str, name: str, why: str) -> CheckpointE
                            f"intact ({why})")
 
 
+_READ_ERROR = re.compile(r"'path': '([^'/]+)/'")  # the array's folder in TensorStore's spec
+
+
 def from_read_error(step: int | None, item_dir: str, error: BaseException) -> CheckpointError | None:
     """A restore's TensorStore error on a damaged file (Orbax raises a bare `Exception` whose
     message is the array's spec) as a `CheckpointError` naming the array; None for other errors."""
-    found = re.search(r"'path': '([^'/]+)/'", str(error))
+    _quiet_abandoned_reads()
+    found = _READ_ERROR.search(str(error))
     return damaged(step, item_dir, found.group(1), first_line(error)) if found else None
+
+
+def _quiet_abandoned_reads() -> None:
+    """Drops the tracebacks of the reads a failed restore leaves behind, so its error stays one line.
+
+    Orbax closes its event loop when one read fails. TensorStore's other reads of the step go on:
+    as each finishes, its callback meets the closed loop, and the read coroutines Orbax dropped are
+    collected later; Python reports both as unraisable. Other unraisable errors reach the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_abandoned_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        loop_closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (loop_closed or _READ_ERROR.search(str(error))):
+            previous(unraisable)
+
+    hook.quiets_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def first_line(error: BaseException) -> str:
