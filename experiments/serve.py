@@ -2,6 +2,7 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
+        [--page_size=128 [--max_cache_tokens=N]] \
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
@@ -54,6 +55,11 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_batch", 16, "decode slots (concurrent requests)", flag_values=fv)
     flags.DEFINE_integer("max_seq_len", 2048, "context per slot: prompt + max_tokens", flag_values=fv)
     flags.DEFINE_integer("chunk", 64, "prefill chunk length (a power of two)", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "a paged latent cache of pages of this many tokens, requests holding "
+                         "pages for what they have and the newest preempted when they run out (default: one cache "
+                         "row of max_seq_len per slot)", flag_values=fv)
+    flags.DEFINE_integer("max_cache_tokens", None, "with --page_size: tokens the page pool holds, all requests "
+                         "together (default: max_batch x max_seq_len)", flag_values=fv)
     flags.DEFINE_integer("max_queue", 256, "waiting requests beyond which the server answers 429", flag_values=fv)
     flags.DEFINE_integer("max_request_bytes", MAX_REQUEST_BYTES, "largest request body accepted; a bigger one is "
                          "refused (413) before it is read", flag_values=fv)
@@ -99,7 +105,8 @@ def build(args):
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
-                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules,
+                    chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules, page_size=args.page_size,
+                    cache_tokens=args.max_cache_tokens,
                     offload=ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
                     if args.offload_experts else None)
     if note := cli.expert_slots_note(runner.offload, "--chunk"):
@@ -110,9 +117,10 @@ def build(args):
                  "buckets of %s rows%s", time.perf_counter() - start, runner.chunk, runner.decode_buckets,
                  f", on the mesh {dict(mesh.shape)}" if mesh is not None else "")
     _warn_on_compiles()
-    prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
-    if args.use_mtp and args.prefix_cache_blocks:
-        logging.info("prefix caching is off with --use_mtp")
+    # not with MTP (see serving/engine.py), nor with a paged cache, whose shared pages are still to come
+    prefix = 0 if args.use_mtp or args.page_size else args.prefix_cache_blocks
+    if prefix != args.prefix_cache_blocks:
+        logging.info("prefix caching is off with --use_mtp or --page_size")
     eos_ids = read_generation_config(args.checkpoint).eos_ids  # generation_config.json's, if the folder has one
     engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix, eos_ids=eos_ids)
     engine.start()

@@ -16,7 +16,10 @@ answer is complete (or, where no completion fits the budget, ends at "length").
 
 A step that raises may have consumed the donated cache, so the engine resets: the requests in
 slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
-With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
+On a paged cache (`Runner(page_size=)`) a request is admitted when the pages of what it has fit
+the pool, and a decode step that finds the pages short preempts the newest request: its pages go
+back and it is resumed later by prefilling its prompt and the tokens it has (vLLM's policy), so
+its answer is the same. With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
 (whole prefill chunks, `prefix_cache`) and stores the full chunks it prefills. `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
 requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
 incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
@@ -110,6 +113,8 @@ class Engine:
                  eos_ids: tuple[int, ...] = ()):
         if prefix_cache and runner.drafts:
             raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
+        if prefix_cache and runner.page_size is not None:
+            raise ValueError("prefix_cache copies slot cache rows: leave it off with a paged cache (page_size)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         # ids that end a request unless it sets ignore_eos: the tokenizer's EOS and any that the
         # checkpoint's generation_config.json adds
@@ -229,6 +234,8 @@ class Engine:
         if request is not None:
             self._prefill(slot, request, sampling)
         with self.cond:
+            if self.runner.page_size is not None:
+                self._reserve()
             active = np.array([r is not None and not r.chunks for r in self.slots])
             positions, tokens = self.positions.copy(), self.next_tokens.copy()
             sampling = RowSampling(*(a.copy() for a in self.sampling))
@@ -254,22 +261,43 @@ class Engine:
                 logprobs = _logprobs(TokenLogprobs(*(a[slot] for a in result.logprobs)), r.params.logprobs, n)
                 self._accept(slot, r, result.emitted[slot, :n].tolist(), logprobs)
 
+    def _reserve(self) -> None:
+        """Paged: pages for every decoding slot's next step (its fed token and drafts), preempting
+        the newest request while they are short (vLLM's policy): its pages go back and it waits at
+        the head of the queue, to be prefilled again from its prompt and the tokens it has."""
+        for slot, r in enumerate(self.slots):
+            if r is None or r.chunks:
+                continue
+            while not self.runner.grow(slot, r, int(self.positions[slot]) + 1 + self.runner.drafts):
+                victim = self.runner.pool.newest()
+                self._free(self.slots.index(victim))
+                self.waiting.appendleft(victim)
+                victim.prompt_logprobs = []  # its prefill starts over
+                self.metrics.preemptions += 1
+                if victim is r:
+                    break
+
     def _admit(self) -> list[tuple[int, list]]:
         """Fills free slots, lowest first; -> (slot, cached prefix blocks) to write before they prefill."""
         restores = []
         for slot, r in enumerate(self.slots):
             if r is None and self.waiting:
-                request = self.waiting.popleft()
+                request = self.waiting[0]
+                tokens = request.prompt + request.generated  # a preempted request resumes from what it has
+                if self.runner.page_size is not None and not self.runner.admit(slot, request, tokens):
+                    break  # first come, first served: the pages free up as requests end
+                self.waiting.popleft()
                 self.slots[slot] = request
                 p = request.params
                 blocks = self.prefix.match(request.prompt) if self.prefix and p.prefix_cache and not p.echo else []
                 cached = len(blocks) * self.runner.chunk
-                request.chunks = [c for c in self.runner.chunks(len(request.prompt)) if c[0] >= cached]
+                request.chunks = [c for c in self.runner.chunks(len(tokens)) if c[0] >= cached]
                 self.metrics.prefix_hit(cached)
                 if blocks:
                     restores.append((slot, blocks))
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
                 self.penalties.start(slot, request.prompt, p.penalties)
+                self.penalties.observe(slot, request.generated)
                 self.positions[slot] = cached
         return restores
 
@@ -279,7 +307,7 @@ class Engine:
         if request.matcher is not None:  # its first token follows the grammar
             bitmask_1xG = self.runner.free_bitmask[0, :1].copy()
             request.matcher.fill(bitmask_1xG, 0, self._budget(request))
-        out = self.runner.prefill_chunk(slot, request.prompt, start, sampling,
+        out = self.runner.prefill_chunk(slot, request.prompt + request.generated, start, sampling,
                                         None if bitmask_1xG is None else bitmask_1xG[0])
         if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
             key = self.prefix.wants(request.prompt, start // self.runner.chunk)
@@ -295,7 +323,8 @@ class Engine:
                 request.prompt_logprobs += _logprobs(out.logprobs, request.params.logprobs, valid - last)
             if not last:
                 return
-            self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
+            if not request.generated:  # not a resumed request
+                self.metrics.first_token(time.perf_counter() - request.arrival, len(request.prompt))
             self.next_tokens[slot] = out.next_tokens
         self._accept(slot, request, [int(out.next_tokens[0])],
                      _logprobs(out.logprobs, request.params.logprobs, valid, first=valid - 1))
@@ -349,6 +378,8 @@ class Engine:
         return min(request.params.max_tokens - used, self.runner.context - len(request.prompt) - used)
 
     def _free(self, slot: int) -> None:
+        if self.runner.page_size is not None and self.slots[slot] is not None:
+            self.runner.release(slot, self.slots[slot])
         self.slots[slot] = None
         self.positions[slot] = 0
         self.sampling.set_row(slot, temperature=0.0, top_k=0, top_p=1.0, seed=0)

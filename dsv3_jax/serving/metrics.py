@@ -22,7 +22,7 @@ class Metrics:
         self.num_slots = num_slots
         self.expert_cache = expert_cache  # offloaded experts: the cache's `expert_cache.CacheStats`, else None
         self.requests_received = self.generated_tokens = self.prompt_tokens = self.prefix_hit_tokens = 0
-        self.ttft_count = self.decode_steps = self.proposed_drafts = self.accepted_drafts = 0
+        self.ttft_count = self.decode_steps = self.proposed_drafts = self.accepted_drafts = self.preemptions = 0
         self.ttft_sum = self.decode_seconds = 0.0
         self.finished_by_reason: collections.Counter = collections.Counter()
         self.responses_by_code: collections.Counter = collections.Counter()
@@ -96,6 +96,8 @@ class Metrics:
             metric("decode_step_seconds_total", "counter", "Time in decode steps.", [("", self.decode_seconds)])
             metric("time_to_first_token_seconds", "summary", "Arrival to first token.",
                    [("_sum", self.ttft_sum), ("_count", self.ttft_count)])
+            metric("preemptions_total", "counter", "Requests preempted for cache pages (resumed by prefill).",
+                   [("", self.preemptions)])
             metric("mtp_acceptance_rate", "gauge", "Accepted / proposed MTP drafts (0 without --use_mtp).",
                    [("", self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0)])
             if self.expert_counts is not None:

@@ -49,6 +49,7 @@ from flax import nnx
 
 from dsv3_jax.inference import init_cache, prefill, steps
 from dsv3_jax.inference.cache import CACHE_DTYPES, cache_sharding, token_shards  # noqa: F401 (re-exported)
+from dsv3_jax.inference.page_pool import PagePool
 from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.penalties import table_width
 
@@ -91,10 +92,15 @@ def _write_block(cache, block, slot, start, *, sharding=None):
 
 
 class Runner:
-    """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`."""
+    """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`.
+
+    `page_size`: a paged cache instead, a pool of `cache_tokens` tokens (default max_batch x
+    max_seq_len) in pages of `page_size` that the slots' requests hold as they need them (`admit`,
+    `grow`, `release`; `PagePool`): slots bound the requests in flight, pages the tokens they hold."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
-                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None):
+                 chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None,
+                 page_size: int | None = None, cache_tokens: int | None = None):
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
@@ -104,6 +110,13 @@ class Runner:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         prefill.check_chunk(chunk)
+        cache_tokens = max_batch * max_seq_len if cache_tokens is None else cache_tokens
+        if page_size is not None and (mesh is not None or page_size < 1
+                                      or cache_tokens // page_size < -(-max_seq_len // page_size)):
+            raise ValueError(f"a paged cache (page_size={page_size}) runs on one device (no mesh), with pages of "
+                             f">= 1 token, and cache_tokens={cache_tokens} must hold the pages of one request of "
+                             f"max_seq_len={max_seq_len}")
+        self.page_size, self.cache_tokens = page_size, cache_tokens
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype = cache_dtype or cfg.compute_dtype
         self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
@@ -130,11 +143,40 @@ class Runner:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
-        """A new zero cache: after a failed step, whose donated cache may be gone."""
-        cache = init_cache(self.config, self.max_batch, self.max_seq_len, self.cache_dtype,
-                           with_mtp=self.drafts > 0)
+        """A new zero cache (and, paged, an empty pool): after a failed step, whose donated cache may be gone."""
+        rows, slots = self.max_batch, self.max_seq_len
+        if self.page_size is not None:
+            self.pool = PagePool(self.cache_tokens // self.page_size, self.page_size)
+            self.table = np.full((self.max_batch, -(-self.max_seq_len // self.page_size)), -1, np.int32)
+            rows, slots = self.pool.num_pages, self.page_size
+        cache = init_cache(self.config, rows, slots, self.cache_dtype, with_mtp=self.drafts > 0)
         # committed to a device (or placed on the mesh), as every step's output is: one compiled step for both
         self.cache = jax.device_put(cache, self.cache_sharding or jax.devices()[0])
+
+    def admit(self, slot: int, rid, tokens: list[int]) -> bool:
+        """Paged: pages for a prompt of `tokens` in the slot's table row; False when they do not fit."""
+        if not self.pool.can_admit(tokens):
+            return False
+        self.pool.admit(rid, tokens)
+        self.pool.fill_row(self.table, slot, rid)
+        return True
+
+    def grow(self, slot: int, rid, end: int) -> bool:
+        """Paged: pages for the slot's positions before `end`; False, nothing changed, when too few are free."""
+        more = end - self.pool.requests[rid].tokens
+        if more > 0 and not self.pool.grow(rid, more):
+            return False
+        self.pool.fill_row(self.table, slot, rid)
+        return True
+
+    def release(self, slot: int, rid) -> None:
+        """Paged: the request's pages back to the pool, the slot's table row empty."""
+        self.pool.release(rid)
+        self.table[slot] = -1
+
+    def _cache(self, rows_N: np.ndarray):
+        """The cache a step over rows_N takes: paged, with those rows' page table."""
+        return self.cache if self.page_size is None else self.cache._replace(page_table=self.table[rows_N])
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
@@ -151,7 +193,8 @@ class Runner:
         row = RowSampling(*(None if a is None else a[slot:slot + 1] for a in sampling))
         carry = prefill.init_carry(self.config, 1, self.drafts)
         with self._on_mesh():
-            out, self.cache = self.steps.prefill(self.state, self.cache, np.array([slot], np.int32), window,
+            rows = np.array([slot], np.int32)
+            out, self.cache = self.steps.prefill(self.state, self._cache(rows), rows, window,
                                                  np.int32(start), np.array([prompt.shape[1]], np.int32), carry, row,
                                                  None, bitmask_G[None])
         (carry, logprobs) = jax.device_get(out)
@@ -185,8 +228,8 @@ class Runner:
     def _step(self, rows_N, tokens_NxK, positions_N, active_N, sampling, bitmask_NxKxG):
         """The compiled decode step over rows_N (host arrays in, as warm-up passes them: no other compile)."""
         with self._on_mesh():
-            out, self.cache = self.steps.decode(self.state, self.cache, rows_N, tokens_NxK, positions_N, active_N,
-                                                sampling, None, None, bitmask_NxKxG)
+            out, self.cache = self.steps.decode(self.state, self._cache(rows_N), rows_N, tokens_NxK, positions_N,
+                                                active_N, sampling, None, None, bitmask_NxKxG)
         return out
 
     def warm_up(self) -> None:
@@ -204,7 +247,7 @@ class Runner:
             self.offload.warm_up(compile_steps)  # at each expert slot count a step may grow to
         else:
             compile_steps()
-        if self.chunk <= self.max_seq_len:  # prefix-cache blocks: the cache rows of a full chunk
+        if self.chunk <= self.max_seq_len and self.page_size is None:  # prefix-cache blocks: a full chunk's rows
             self.write_block(0, 0, self.read_block(0, 0))
 
 

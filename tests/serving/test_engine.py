@@ -94,6 +94,32 @@ def test_mtp_speculation_keeps_greedy_output(model):
     assert m.proposed_drafts > 0 and 0 <= m.accepted_drafts <= m.proposed_drafts
 
 
+@pytest.mark.parametrize("use_mtp", [False, True])
+def test_a_paged_cache_too_small_for_all_preempts_and_keeps_greedy_output(model, use_mtp):
+    """Six requests needing 19 pages of 8 tokens on 4 slots and a pool of 12 pages: the newest are
+    preempted when a step finds the pages short, resumed by prefilling what they have, and every
+    answer equals generate() alone."""
+    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=CHUNK, use_mtp=use_mtp, page_size=8, cache_tokens=96)
+    eng = Engine(runner, load_tokenizer(), max_queue=16)
+    eng.start()
+    try:
+        rng = np.random.RandomState(1)
+        prompts = [rng.randint(0, VOCAB, n).tolist() for n in (3, 8, 17, 30, 8, 3)]
+        max_tokens = [12, 9, 14, 7, 16, 11]
+        sinks = [TokenSink() for _ in prompts]
+        for prompt, n, sink in zip(prompts, max_tokens, sinks):
+            eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
+        for sink in sinks:
+            assert sink.done.wait(300), "a request never finished"
+    finally:
+        eng.shutdown()
+    for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
+        alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
+        assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
+    assert eng.metrics.preemptions > 0
+    assert runner.pool.held_pages == 0 and (runner.table == -1).all()  # every page back once all ended
+
+
 def test_cancel_frees_the_slot_at_once(engine):
     sink = TokenSink()
     request = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), sink))
