@@ -17,7 +17,8 @@ request holds stays cached for reuse and is evicted least recently used, only wh
 empty. A prompt of T tokens reuses at most (T - 1) // K pages: its last token is always prefilled,
 since its logits give the first generated token.
 
-`generate(page_size=)` reserves every row's pages up front; the engine keeps its slot cache for now.
+`generate(page_size=)` reserves every row's pages up front; the serving engine admits, grows,
+preempts and releases as its requests come and go (prompt pages not yet published there).
 """
 
 from __future__ import annotations
