@@ -167,10 +167,16 @@ class Engine:
 
     def health(self) -> dict:
         """{"status": "ok" | "recovering" | "failed", "last_error": the last failed step's error or None,
-        "resets": resets so far, "slots_in_use": slots holding a request, "queue_length": requests waiting}."""
+        "resets": resets so far, "slots_in_use": slots holding a request, "queue_length": requests waiting};
+        on a paged cache also "cache_tokens_used" (pages held, shared ones once) and "cache_tokens_total"."""
         with self.cond:
-            return {"status": self.state, "last_error": self.last_error, "resets": self.resets,
-                    "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting)}
+            state = {"status": self.state, "last_error": self.last_error, "resets": self.resets,
+                     "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting)}
+            if self.runner.page_size is not None:
+                pool = self.runner.pool
+                state |= {"cache_tokens_used": pool.held_pages * pool.page_size,
+                          "cache_tokens_total": pool.num_pages * pool.page_size}
+            return state
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)

@@ -71,7 +71,9 @@ class Metrics:
             recent = [n for t, n in self._window if t >= now - WINDOW_SECONDS]
         return sum(recent) / WINDOW_SECONDS
 
-    def render(self, *, queue_length: int, slots_in_use: int, first_moe_layer: int = 0) -> str:
+    def render(self, *, queue_length: int, slots_in_use: int, first_moe_layer: int = 0,
+               cache_tokens: tuple[int, int] | None = None) -> str:
+        """The Prometheus text; `cache_tokens`: a paged cache's (tokens held, tokens in the pool)."""
         lines: list[str] = []
 
         def metric(name, kind, help_, samples):
@@ -88,6 +90,11 @@ class Metrics:
             metric("queue_length", "gauge", "Requests waiting for a slot.", [("", queue_length)])
             metric("slots_in_use", "gauge", "Decode slots holding a request.", [("", slots_in_use)])
             metric("slots_total", "gauge", "Decode slots (max_batch).", [("", self.num_slots)])
+            metric("requests_running", "gauge", "Requests in a slot (prefilling or decoding).", [("", slots_in_use)])
+            if cache_tokens is not None:
+                metric("cache_tokens_used", "gauge", "Tokens of the paged cache's pages held by requests.",
+                       [("", cache_tokens[0])])
+                metric("cache_tokens_total", "gauge", "Tokens the paged cache's pool holds.", [("", cache_tokens[1])])
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
             metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache.",
                    [("", self.prefix_hit_tokens)])

@@ -118,6 +118,8 @@ def test_a_paged_cache_too_small_for_all_preempts_and_keeps_greedy_output(model,
         assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
     assert eng.metrics.preemptions > 0
     assert runner.pool.held_pages == 0 and (runner.table == -1).all()  # every page back once all ended
+    health = eng.health()
+    assert (health["cache_tokens_used"], health["cache_tokens_total"]) == (0, 96)
 
 
 def test_cancel_frees_the_slot_at_once(engine):
