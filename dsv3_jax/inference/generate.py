@@ -157,7 +157,8 @@ class Generation:
         table_BxM = np.full((b, m), -1, np.int32)
         for row in range(b):
             pool.admit(row, self.prompts[row, :self.lengths[row]].tolist())
-            pool.grow(row, extra)
+            if not pool.grow(row, extra):  # the pool is sized above for every row's pages
+                raise RuntimeError(f"page pool of {pool.num_pages} pages short for row {row}")
             pool.fill_row(table_BxM, row, row)
         cache = init_cache(self.model_config, pool.num_pages, page_size, cache_dtype, with_mtp=use_mtp)
         return cache._replace(page_table=table_BxM)
