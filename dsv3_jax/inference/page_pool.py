@@ -8,17 +8,21 @@ that are not there, `grow` says so and changes nothing; the caller then preempts
 (`newest`, vLLM's policy): `release` returns its pages, and it is admitted again later, recomputing
 its prefill.
 
-Prefixes are shared as pages, never copied. A full page of a prompt is keyed by the hash chain over
-the prompt's tokens up to its end (`block_keys`, as the prefix cache's blocks), once the caller says
-it is written (`publish`). A later prompt with the same tokens reuses the page: reference counts
-say how many requests hold it. Only full pages are shared and a request writes only past its shared
-pages, so a shared page is written once and copy-on-write is never needed. A keyed page that no
-request holds stays cached for reuse and is evicted least recently used, only when the free list is
-empty. A prompt of T tokens reuses at most (T - 1) // K pages: its last token is always prefilled,
-since its logits give the first generated token.
+Prefixes are shared as pages, never copied, in granules of `granule` pages (G tokens): granule g of
+a prompt is keyed by the hash chain over the prompt's tokens up to its end (`block_keys`), and once
+the caller says it is written (`publish`) a later prompt with the same tokens reuses its pages;
+reference counts say how many requests hold each. A page is shared only as part of a whole granule
+of the prompt and a request writes only past its shared granules, so a shared page is written once
+and copy-on-write is never needed. With G a multiple of the prefill chunk (the server's
+lcm(page_size, chunk)), a shared granule's pages were written by whole prefill chunks over the
+same tokens, so a request that reuses them prefills the rest in the chunks a cold prefill runs and
+gets the same bits. A keyed page that no request holds stays cached for reuse and is evicted least
+recently used, only when the free list is empty. A prompt of T tokens reuses at most its first
+(T - 1) // G granules: its last token is always prefilled, since its logits give the first
+generated token.
 
 `generate(page_size=)` reserves every row's pages up front; the serving engine admits, grows,
-preempts and releases as its requests come and go (prompt pages not yet published there).
+preempts, publishes and releases as its requests come and go.
 """
 
 from __future__ import annotations
@@ -44,22 +48,25 @@ def block_keys(prompt: list[int], width: int, blocks: int) -> list[bytes]:
 class _Request:
     pages: list[int]  # page j holds the request's slots [j K, (j + 1) K)
     tokens: int  # slots reserved
-    keys: list[bytes]  # keys of the prompt's full pages
-    published: int = 0  # full prompt pages offered for sharing so far
+    keys: list[bytes]  # keys of the prompt's whole granules
+    published: int = 0  # whole prompt granules offered for sharing so far
 
 
 class PagePool:
     """`num_pages` pages of `page_size` tokens: a free list, per-request page lists, reference counts
-    and an LRU cache of keyed pages no request holds. free + held + cached == num_pages always."""
+    and an LRU cache of keyed pages no request holds. free + held + cached == num_pages always.
+    Prefixes are shared in granules of `granule` pages. A page's key is (its granule's key, its
+    place in the granule)."""
 
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, got {num_pages=}, {page_size=}")
-        self.num_pages, self.page_size = num_pages, page_size
+    def __init__(self, num_pages: int, page_size: int, granule: int = 1):
+        if num_pages < 1 or page_size < 1 or granule < 1:
+            raise ValueError(f"a page pool needs num_pages, page_size and granule >= 1, got {num_pages=}, "
+                             f"{page_size=}, {granule=}")
+        self.num_pages, self.page_size, self.granule = num_pages, page_size, granule
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
         self.refs_N = np.zeros(num_pages, np.int32)  # requests holding each page
-        self.page_of: dict[bytes, int] = {}  # key -> page, for every keyed page, held or cached
-        self.key_of: dict[int, bytes] = {}
+        self.page_of: dict[tuple[bytes, int], int] = {}  # key -> page, for every keyed page, held or cached
+        self.key_of: dict[int, tuple[bytes, int]] = {}
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recent first
         self.requests: dict[object, _Request] = {}  # in admission order
 
@@ -81,43 +88,48 @@ class PagePool:
             raise KeyError(f"request {rid!r} holds no pages in the pool (never admitted, or released)")
         return self.requests[rid]
 
+    def _granule_keys(self, prompt: list[int], granules: int) -> list[bytes]:
+        return block_keys(prompt, self.granule * self.page_size, granules)
+
     def _shared_prefix(self, prompt: list[int]) -> list[int]:
-        """The keyed pages of the prompt's longest cached prefix, at most (T - 1) // K of them."""
+        """The keyed pages of the prompt's longest cached run of whole granules, at most (T - 1) // G."""
         found = []
-        for key in block_keys(prompt, self.page_size, (len(prompt) - 1) // self.page_size):
-            if key not in self.page_of:
+        for key in self._granule_keys(prompt, (len(prompt) - 1) // (self.granule * self.page_size)):
+            pages = [self.page_of.get((key, i)) for i in range(self.granule)]
+            if None in pages:
                 break
-            found.append(self.page_of[key])
+            found += pages
         return found
 
-    def _need(self, prompt: list[int]) -> tuple[list[int], int]:
+    def _need(self, prompt: list[int], share: bool) -> tuple[list[int], int]:
         """(shared prefix pages, pages beyond them) a prompt needs; raises on an empty prompt."""
         if len(prompt) < 1:
             raise ValueError("a request needs a prompt of >= 1 token, got an empty one")
-        shared = self._shared_prefix(prompt)
+        shared = self._shared_prefix(prompt) if share else []
         return shared, self._pages_for(len(prompt)) - len(shared)
 
-    def can_admit(self, prompt: list[int]) -> bool:
-        """Whether the prompt's pages fit: those beyond its shared prefix, out of the available pages
-        less the cached ones the prefix itself would take back."""
-        shared, new = self._need(prompt)
+    def can_admit(self, prompt: list[int], share: bool = True) -> bool:
+        """Whether the prompt's pages fit: those beyond its shared prefix (none unless `share`), out of
+        the available pages less the cached ones the prefix itself would take back."""
+        shared, new = self._need(prompt, share)
         return new <= self.available - sum(p in self.cached for p in shared)
 
-    def admit(self, rid, prompt: list[int]) -> int:
-        """Reserves pages for the prompt's tokens under the id `rid`, reusing its shared prefix pages.
-        -> the number of prompt tokens already in the cache (prefill starts there)."""
+    def admit(self, rid, prompt: list[int], share: bool = True) -> int:
+        """Reserves pages for the prompt's tokens under the id `rid`, reusing the pages of its longest
+        cached prefix when `share`. -> the number of prompt tokens already in the cache (prefill
+        starts there: a multiple of G)."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is admitted already")
-        if not self.can_admit(prompt):
+        if not self.can_admit(prompt, share):
             raise ValueError(f"request {rid!r} of {len(prompt)} tokens needs more pages than the "
                              f"{self.available} available: check can_admit first, or preempt")
-        shared, new = self._need(prompt)
+        shared, new = self._need(prompt, share)
         for page in shared:
             self.cached.pop(page, None)
             self.refs_N[page] += 1
-        keys = block_keys(prompt, self.page_size, len(prompt) // self.page_size)
+        keys = self._granule_keys(prompt, len(prompt) // (self.granule * self.page_size))
         self.requests[rid] = _Request(shared + [self._take() for _ in range(new)], len(prompt), keys,
-                                      published=len(shared))
+                                      published=len(shared) // self.granule)
         return len(shared) * self.page_size
 
     def _take(self) -> int:
@@ -144,14 +156,16 @@ class PagePool:
         return True
 
     def publish(self, rid, written: int) -> None:
-        """The request's first `written` slots are in its pages now: its full prompt pages among them
-        become shareable (a key another page has already keeps that page, this one stays private)."""
+        """The request's first `written` slots are in its pages now: the pages of its whole prompt
+        granules among them become shareable (a key another page has already keeps that page, this
+        one stays private)."""
         request = self._request(rid)
-        end = min(written // self.page_size, len(request.keys))
-        for j in range(request.published, end):
-            if request.keys[j] not in self.page_of:
-                self.page_of[request.keys[j]] = request.pages[j]
-                self.key_of[request.pages[j]] = request.keys[j]
+        end = min(written // (self.granule * self.page_size), len(request.keys))
+        for g in range(request.published, end):
+            for i in range(self.granule):
+                key, page = (request.keys[g], i), request.pages[g * self.granule + i]
+                if key not in self.page_of:
+                    self.page_of[key], self.key_of[page] = page, key
         request.published = max(request.published, end)
 
     def newest(self):

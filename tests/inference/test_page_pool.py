@@ -25,10 +25,12 @@ def _check(pool: PagePool, model: dict, prompts: dict):
     for rid, pages in held.items():
         for j, page in enumerate(pages):
             owners.setdefault(page, []).append((rid, j))
+    g = pool.granule
     for page, by in owners.items():
-        if len(by) > 1:  # shared: a full page at the same place of prompts equal up to its end
-            ends = {tuple(prompts[rid][:(j + 1) * K]) for rid, j in by}
-            assert len(ends) == 1 and len(next(iter(ends))) == (by[0][1] + 1) * K, (page, by)
+        if len(by) > 1:  # shared: a page at the same place of prompts equal up to the end of its granule
+            end = (by[0][1] // g + 1) * g * K
+            ends = {tuple(prompts[rid][:end]) for rid, j in by}
+            assert len(ends) == 1 and len(next(iter(ends))) == end, (page, by)
             assert len({j for _, j in by}) == 1 and page in pool.key_of
     free, cached = set(pool.free), set(pool.cached)
     assert len(free) == len(pool.free) and not free & cached and not (free | cached) & set(owners)
@@ -37,9 +39,10 @@ def _check(pool: PagePool, model: dict, prompts: dict):
     assert cached <= set(pool.key_of) and set(pool.page_of.values()) == set(pool.key_of)
 
 
-def test_a_random_sequence_of_admit_grow_publish_release_keeps_the_books():
-    rng = random.Random(0)
-    pool = PagePool(24, K)
+@pytest.mark.parametrize("granule", [1, 2])
+def test_a_random_sequence_of_admit_grow_publish_release_keeps_the_books(granule):
+    rng = random.Random(granule)
+    pool = PagePool(24, K, granule)
     model, prompts, next_id = {}, {}, 0
     stems = [[rng.randrange(50) for _ in range(13)] for _ in range(3)]  # shared prefixes
     refused = grown_refused = preempted = hits = most_cached = 0
@@ -52,7 +55,7 @@ def test_a_random_sequence_of_admit_grow_publish_release_keeps_the_books():
             before = pool.available
             if pool.can_admit(prompt):
                 reused = pool.admit(next_id, prompt)
-                assert reused % K == 0 and reused <= len(prompt) - 1
+                assert reused % (granule * K) == 0 and reused <= len(prompt) - 1
                 hits += reused > 0
                 model[next_id], prompts[next_id] = len(prompt), prompt
                 new = -(-len(prompt) // K) - reused // K
@@ -139,6 +142,23 @@ def test_n_requests_with_one_long_shared_prefix_hold_its_pages_once():
     assert list(pool.refs_N[shared]) == [n] * 10
 
 
+def test_prefixes_are_shared_in_whole_granules_once_written_and_only_when_asked():
+    pool = PagePool(32, K, granule=2)  # granules of 2 pages, 2 K tokens
+    prompt = list(range(5 * K))  # two whole granules and a page
+    pool.admit("a", prompt)
+    pool.publish("a", 3 * K)  # granule 1 is half written: only granule 0 is keyed
+    assert sorted(pool.key_of) == pool.requests["a"].pages[:2]
+    pool.publish("a", 5 * K)  # page 4 is no whole granule of the prompt: never keyed
+    assert sorted(pool.key_of) == pool.requests["a"].pages[:4]
+    a = pool.requests["a"].pages
+    assert pool.admit("b", prompt) == 4 * K and pool.requests["b"].pages[:4] == a[:4]
+    assert pool.admit("c", prompt[:4 * K]) == 2 * K  # its last token is prefilled: one granule reused
+    assert pool.admit("d", prompt[:3 * K] + [99] * 2 * K) == 2 * K  # granule 1 differs in its 2nd page
+    assert pool.requests["d"].pages[:2] == a[:2] and a[2] not in pool.requests["d"].pages
+    assert pool.admit("e", prompt, share=False) == 0 and not set(pool.requests["e"].pages) & set(a)
+    assert list(pool.refs_N[a]) == [4, 4, 2, 2, 1]
+
+
 def test_page_table_rows_name_each_requests_pages_and_minus_one_past_them():
     pool = PagePool(8, K)
     pool.admit("x", list(range(3 * K)))
@@ -153,7 +173,7 @@ def test_page_table_rows_name_each_requests_pages_and_minus_one_past_them():
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="num_pages >= 1"):
+    with pytest.raises(ValueError, match="granule >= 1"):
         PagePool(0, K)
     pool = PagePool(4, K)
     with pytest.raises(ValueError, match="empty"):
