@@ -19,8 +19,11 @@ slots end with an "error" event, the runner rebuilds its cache, and the queue is
 On a paged cache (`Runner(page_size=)`) a request is admitted when the pages of what it has fit
 the pool, and a decode step that finds the pages short preempts the newest request: its pages go
 back and it is resumed later by prefilling its prompt and the tokens it has (vLLM's policy), so
-its answer is the same. With `prefix_cache`, a prompt starts from the cached cache rows of its longest cached prefix
-(whole prefill chunks, `prefix_cache`) and stores the full chunks it prefills. `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
+its answer is the same. With `prefix_cache`, a prompt starts from the cache of its longest cached
+prefix, in whole prefill chunks so that the chunks it still prefills are a cold prefill's: on a
+paged cache it shares the pool's pages of that prefix and publishes its own prompt pages as they are
+written (`PagePool`: never copied, freed least recently used), else it copies cached rows into its
+slot and stores copies of the full chunks it prefills (`prefix_cache`). `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
 requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
 incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
 """
@@ -106,20 +109,20 @@ class Request:
 
 
 class Engine:
-    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off.
+    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off; on a
+    paged cache any value > 0 shares prompt pages instead, the pool's free pages bounding them.
     `eos_ids`: end-of-sequence ids beyond the tokenizer's own (generation_config.json's)."""
 
     def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0,
                  eos_ids: tuple[int, ...] = ()):
         if prefix_cache and runner.drafts:
             raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
-        if prefix_cache and runner.page_size is not None:
-            raise ValueError("prefix_cache copies slot cache rows: leave it off with a paged cache (page_size)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         # ids that end a request unless it sets ignore_eos: the tokenizer's EOS and any that the
         # checkpoint's generation_config.json adds
         self.eos_ids = tuple(dict.fromkeys((tokenizer.eos_id, *eos_ids)))
-        self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache else None
+        self.share_pages = bool(prefix_cache) and runner.page_size is not None
+        self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache and not self.share_pages else None
         self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
@@ -289,18 +292,22 @@ class Engine:
         for slot, r in enumerate(self.slots):
             if r is None and self.waiting:
                 request = self.waiting[0]
+                p = request.params
+                reuse = p.prefix_cache and not p.echo  # echo scores every prompt token
                 tokens = request.prompt + request.generated  # a preempted request resumes from what it has
-                if self.runner.page_size is not None and not self.runner.admit(slot, request, tokens):
-                    break  # first come, first served: the pages free up as requests end
+                if self.runner.page_size is None:
+                    blocks = self.prefix.match(request.prompt) if self.prefix and reuse else []
+                    cached = len(blocks) * self.runner.chunk
+                    if blocks:
+                        restores.append((slot, blocks))
+                else:
+                    cached = self.runner.admit(slot, request, tokens, share=self.share_pages and reuse)
+                    if cached is None:
+                        break  # first come, first served: the pages free up as requests end
                 self.waiting.popleft()
                 self.slots[slot] = request
-                p = request.params
-                blocks = self.prefix.match(request.prompt) if self.prefix and p.prefix_cache and not p.echo else []
-                cached = len(blocks) * self.runner.chunk
                 request.chunks = [c for c in self.runner.chunks(len(tokens)) if c[0] >= cached]
                 self.metrics.prefix_hit(cached)
-                if blocks:
-                    restores.append((slot, blocks))
                 self.sampling.set_row(slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
                 self.penalties.start(slot, request.prompt, p.penalties)
                 self.penalties.observe(slot, request.generated)
@@ -324,6 +331,8 @@ class Engine:
                 return
             request.chunks.pop(0)
             self.positions[slot] = start + valid
+            if self.share_pages and request.params.prefix_cache:
+                self.runner.pool.publish(request, start + valid)
             last = not request.chunks
             if request.params.echo:  # entry i scores prompt token start + i + 1 (the last one: the sampled token)
                 request.prompt_logprobs += _logprobs(out.logprobs, request.params.logprobs, valid - last)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -146,20 +147,23 @@ class Runner:
         """A new zero cache (and, paged, an empty pool): after a failed step, whose donated cache may be gone."""
         rows, slots = self.max_batch, self.max_seq_len
         if self.page_size is not None:
-            self.pool = PagePool(self.cache_tokens // self.page_size, self.page_size)
+            # prefixes shared in whole prefill chunks: a reused prefix's pages hold a cold prefill's bits
+            granule = math.lcm(self.page_size, self.chunk) // self.page_size
+            self.pool = PagePool(self.cache_tokens // self.page_size, self.page_size, granule)
             self.table = np.full((self.max_batch, -(-self.max_seq_len // self.page_size)), -1, np.int32)
             rows, slots = self.pool.num_pages, self.page_size
         cache = init_cache(self.config, rows, slots, self.cache_dtype, with_mtp=self.drafts > 0)
         # committed to a device (or placed on the mesh), as every step's output is: one compiled step for both
         self.cache = jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
-    def admit(self, slot: int, rid, tokens: list[int]) -> bool:
-        """Paged: pages for a prompt of `tokens` in the slot's table row; False when they do not fit."""
-        if not self.pool.can_admit(tokens):
-            return False
-        self.pool.admit(rid, tokens)
+    def admit(self, slot: int, rid, tokens: list[int], share: bool = False) -> int | None:
+        """Paged: pages for a prompt of `tokens` in the slot's table row, those of its longest cached
+        prefix shared when `share`; -> the prompt tokens already cached, None when they do not fit."""
+        if not self.pool.can_admit(tokens, share):
+            return None
+        cached = self.pool.admit(rid, tokens, share)
         self.pool.fill_row(self.table, slot, rid)
-        return True
+        return cached
 
     def grow(self, slot: int, rid, end: int) -> bool:
         """Paged: pages for the slot's positions before `end`; False, nothing changed, when too few are free."""

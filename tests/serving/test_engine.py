@@ -1,4 +1,5 @@
-"""Continuous batching against `generate()` alone, cancellation, the bounded queue, recovery from a failed step."""
+"""Continuous batching against `generate()` alone, cancellation, the bounded queue, recovery from a failed step,
+the paged cache: preemption and prefix sharing."""
 
 import contextlib
 import threading
@@ -265,6 +266,82 @@ def test_prefix_cache_evicts_the_least_recently_used_block():
     cache.put(cache.wants(c, 0), "block0 of 3")
     assert cache.match(b) == [] and cache.match(a) == ["block0 of 1"] and cache.match(c) == ["block0 of 3"]
     assert cache.match([1] * 4) == []  # 4 tokens: its one block holds the last token, which is prefilled
+
+
+class PoolSink(TokenSink):
+    """A token sink that also records, at each of its events, the pages every admitted request holds
+    (from the engine thread, between steps) and the pool's held page count."""
+
+    def __init__(self, pool_of):
+        super().__init__()
+        self.pool_of, self.snapshots = pool_of, []
+
+    def __call__(self, event):
+        pool = self.pool_of()
+        self.snapshots.append((pool.held_pages, [list(r.pages) for r in pool.requests.values()]))
+        super().__call__(event)
+
+
+def _submit_together(eng, prompts, max_tokens, **params) -> list[PoolSink]:
+    """Queues every request before the engine's next admission (submit re-enters the held lock)."""
+    sinks = [PoolSink(lambda: eng.runner.pool) for _ in prompts]
+    with eng.cond:
+        for prompt, n, sink in zip(prompts, max_tokens, sinks):
+            eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, **params), sink))
+    for sink in sinks:
+        assert sink.done.wait(300) and sink.reason == "length"
+    return sinks
+
+
+def _alone(model, prompt, n) -> list[int]:
+    return np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):].tolist()
+
+
+def test_shared_prompt_pages_are_held_once_reused_evicted_and_answers_stay_exact(model):
+    """The paged preemption test's shapes (no new compile). Pages of 8, chunks of 16: a granule of 2
+    pages. Three requests sharing a 2-chunk prefix hold its 4 pages once; opted-out and echo requests
+    reuse nothing; three distinct prompts needing 21 pages on 12 evict the cached prefix and preempt."""
+    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=CHUNK, page_size=8, cache_tokens=96)
+    eng = Engine(runner, load_tokenizer(), max_queue=16, prefix_cache=1)
+    eng.start()
+    rng = np.random.RandomState(3)
+    prefix = rng.randint(0, VOCAB, 2 * CHUNK).tolist()
+    shared = [prefix + rng.randint(0, VOCAB, n).tolist() for n in (3, 5, 2)]
+    distinct = [rng.randint(0, VOCAB, 30).tolist() for _ in range(3)]
+    hits = []
+    try:
+        first, = _submit_together(eng, shared[:1], [5])  # cold: publishes the prefix's two granules
+        published = first.snapshots[0][1][0][:4]
+        hits.append(eng.metrics.prefix_hit_tokens)
+        together = _submit_together(eng, shared, [5, 5, 5])
+        hits.append(eng.metrics.prefix_hit_tokens)
+        opted_out, = _submit_together(eng, shared[1:2], [5], prefix_cache=False)
+        echoed, = _submit_together(eng, shared[1:2], [5], echo=True, logprobs=0)
+        hits.append(eng.metrics.prefix_hit_tokens)
+        pressed = _submit_together(eng, distinct, [20, 20, 20])  # 21 pages on 12: evictions, preemptions
+        hits.append(eng.metrics.prefix_hit_tokens)
+        evicted, = _submit_together(eng, shared[:1], [5])
+        hits.append(eng.metrics.prefix_hit_tokens)
+    finally:
+        eng.shutdown()
+    held, pages = max((s for sink in together for s in sink.snapshots), key=lambda s: len(s[1]))
+    assert len(pages) == 3 and all(p[:4] == published for p in pages), "the prefix's pages, shared"
+    assert held == 4 + sum(len(p) - 4 for p in pages) < sum(len(p) for p in pages)
+    reused = np.diff(hits).tolist()
+    assert reused[:2] == [3 * 2 * CHUNK, 0], "each reuses the prefix's 2 chunks; opted out and echo none"
+    assert reused[2] > 0 and eng.metrics.preemptions, "a resumed request reuses its own published pages"
+    assert reused[3] == 0, "the prefix's pages were evicted for the distinct prompts"
+    assert runner.pool.held_pages == 0 and (runner.table == -1).all()
+    answers = [first] + together + [opted_out, echoed] + pressed + [evicted]
+    prompts = shared[:1] + shared + shared[1:2] * 2 + distinct + shared[:1]
+    for i, (prompt, sink) in enumerate(zip(prompts, answers)):
+        assert sink.tokens == _alone(model, prompt, len(sink.tokens)), f"request {i}"
+
+
+def test_prefix_sharing_stays_off_with_mtp(model):
+    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=CHUNK, use_mtp=True, page_size=8, cache_tokens=96)
+    with pytest.raises(ValueError, match="use_mtp off"):
+        Engine(runner, load_tokenizer(), prefix_cache=1)
 
 
 def test_generation_config_eos_ids_end_a_request(model, engine):
