@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
         [--concurrency=1,4,16] [--expert_cache=C]
-    python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16]
+    python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16] [--page_size=P]
     python -m benchmarks.bench_serve --mode=grammar [--requests=16] [--max_tokens=64] [--concurrency=1,4,16]
 
 Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
@@ -19,7 +19,8 @@ bytes moved per output token and stall time over that row (from /metrics).
 --mode=prefix: --requests prompts share a --prefix-token prefix, each with its own 16-token
 suffix, sent one after another (greedy, 8 tokens each) with the server's prefix cache off (the
 request field `prefix_cache: false`) and then on; prints TTFT p50 of each, their ratio (target
->= 3x) and whether the outputs are identical.
+>= 3x) and whether the outputs are identical. With --page_size the server runs a paged cache, whose
+prefix cache is the prompts' shared pages.
 
 --mode=grammar: structured outputs' cost per token. At each concurrency the same prompts run free
 and under a JSON schema (`guided_json`: an array of at least --max_tokens integers, so every request
@@ -179,7 +180,8 @@ def bench_prefix(checkpoint: str, args) -> None:
     prefix = [1] + rng.integers(3, 2048, args.prefix - 1).tolist()
     prompts = [prefix + rng.integers(3, 2048, 16).tolist() for _ in range(args.requests)]
     blocks = (args.prefix + 16) // 32 + 1  # --chunk=32: every block of one prompt fits
-    server = Server(checkpoint, args.port, args.max_batch, args.prefix + 64, f"--prefix_cache_blocks={blocks}")
+    paged = (f"--page_size={args.page_size}",) if args.page_size else ()
+    server = Server(checkpoint, args.port, args.max_batch, args.prefix + 64, f"--prefix_cache_blocks={blocks}", *paged)
     results = {}
     try:
         server.stream(prompts[0][:40], 2, prefix_cache=False)  # first request through the HTTP stack
@@ -237,6 +239,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
     flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar"], "what to measure", flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "--mode=prefix: serve from a paged cache of these pages (prefixes "
+                         "shared as pages)", flag_values=fv)
     flags.DEFINE_integer("expert_cache", None, "concurrency mode: offload the routed experts behind a device cache "
                          "of C per layer (generate() and the server), and report its hit rate, bytes moved per "
                          "token and stall time", flag_values=fv)

@@ -2,7 +2,7 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
-        [--page_size=128 [--max_cache_tokens=N]] \
+        [--page_size=128 [--max_cache_tokens=N | --cache_memory_fraction=0.9]] \
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
@@ -59,12 +59,17 @@ def define_flags(fv: flags.FlagValues) -> None:
                          "pages for what they have and the newest preempted when they run out (default: one cache "
                          "row of max_seq_len per slot)", flag_values=fv)
     flags.DEFINE_integer("max_cache_tokens", None, "with --page_size: tokens the page pool holds, all requests "
-                         "together (default: max_batch x max_seq_len)", flag_values=fv)
+                         "together (default: what fits --cache_memory_fraction of the device's memory after the "
+                         "weights; where the device reports no memory, as on CPU, max_batch x max_seq_len)",
+                         flag_values=fv)
+    flags.DEFINE_float("cache_memory_fraction", 0.9, "with --page_size: the share of the device's memory the weights "
+                       "and the page pool may fill, when --max_cache_tokens is not given", flag_values=fv)
     flags.DEFINE_integer("max_queue", 256, "waiting requests beyond which the server answers 429", flag_values=fv)
     flags.DEFINE_integer("max_request_bytes", MAX_REQUEST_BYTES, "largest request body accepted; a bigger one is "
                          "refused (413) before it is read", flag_values=fv)
     flags.DEFINE_integer("prefix_cache_blocks", 64, "prompt-prefix blocks (--chunk positions of cache rows each) "
-                         "kept for reuse, LRU; 0 = off", flag_values=fv)
+                         "kept for reuse, LRU; 0 = off. With --page_size any value > 0 shares the prompts' pages "
+                         "themselves, the pool's pages bounding them", flag_values=fv)
     flags.DEFINE_boolean("use_mtp", False, "MTP speculative decoding (drafts verified in one step)", flag_values=fv)
     flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
                       flag_values=fv)
@@ -82,6 +87,8 @@ def parse_args(argv=None):
 
 def build(args):
     """-> (FastAPI app, engine), the engine started and every step compiled."""
+    import jax
+
     from dsv3_jax import load_pretrained
     from dsv3_jax.checkpoint import run_folder
     from dsv3_jax.checkpoint.hf_tokenizer import read_generation_config
@@ -104,11 +111,15 @@ def build(args):
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
+    cache_tokens, source = pool_tokens(args, model.config, max_seq_len) if args.page_size else (None, "")
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules, page_size=args.page_size,
-                    cache_tokens=args.max_cache_tokens,
+                    cache_tokens=cache_tokens,
                     offload=ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
                     if args.offload_experts else None)
+    if args.page_size:
+        logging.info("paged cache: %d tokens in %d pages of %d, %.3f GB (%s)", runner.pool.num_pages * args.page_size,
+                     runner.pool.num_pages, args.page_size, sum(a.nbytes for a in jax.tree.leaves(runner.cache)) / 1e9, source)
     if note := cli.expert_slots_note(runner.offload, "--chunk"):
         logging.info(note)
     start = time.perf_counter()
@@ -117,15 +128,32 @@ def build(args):
                  "buckets of %s rows%s", time.perf_counter() - start, runner.chunk, runner.decode_buckets,
                  f", on the mesh {dict(mesh.shape)}" if mesh is not None else "")
     _warn_on_compiles()
-    # not with MTP (see serving/engine.py), nor with a paged cache, whose shared pages are still to come
-    prefix = 0 if args.use_mtp or args.page_size else args.prefix_cache_blocks
+    prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
     if prefix != args.prefix_cache_blocks:
-        logging.info("prefix caching is off with --use_mtp or --page_size")
+        logging.info("prefix caching is off with --use_mtp")
     eos_ids = read_generation_config(args.checkpoint).eos_ids  # generation_config.json's, if the folder has one
     engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix, eos_ids=eos_ids)
     engine.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
     return make_app(engine, chat, name, args.max_request_bytes), engine
+
+
+def pool_tokens(args, cfg, max_seq_len: int) -> tuple[int, str]:
+    """-> (tokens of the page pool, where the figure comes from): --max_cache_tokens, else what fits
+    the first device's memory after the weights, else (no memory reported: CPU) max_batch x max_seq_len."""
+    import jax
+
+    from dsv3_jax.inference import cache_bytes_per_token
+    from dsv3_jax.inference.page_pool import fitting_tokens
+
+    if args.max_cache_tokens is not None:
+        return args.max_cache_tokens, "--max_cache_tokens"
+    layers = cfg.num_layers + (cfg.num_mtp_layers if args.use_mtp else 0)
+    token_bytes = cache_bytes_per_token(cfg, args.cache_dtype or cfg.compute_dtype) * layers
+    fits = fitting_tokens(jax.devices()[0].memory_stats(), token_bytes, args.cache_memory_fraction)
+    if fits is None:
+        return args.max_batch * max_seq_len, "max_batch x max_seq_len: the device reports no memory"
+    return fits, f"{args.cache_memory_fraction:.0%} of the device's memory less what the weights hold"
 
 
 def _warn_on_compiles() -> None:

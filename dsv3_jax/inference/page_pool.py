@@ -44,6 +44,18 @@ def block_keys(prompt: list[int], width: int, blocks: int) -> list[bytes]:
     return keys
 
 
+def fitting_tokens(memory_stats: dict | None, token_bytes: int, fraction: float) -> int | None:
+    """Cache tokens of `token_bytes` each that fit in `fraction` of a device's memory beside what it
+    holds already (the weights), from `jax.Device.memory_stats()` (vLLM's --gpu-memory-utilization);
+    None where the device reports no memory limit (CPU: memory_stats() is None)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the cache memory fraction must lie in (0, 1], got {fraction}")
+    if not memory_stats or "bytes_limit" not in memory_stats:
+        return None
+    free = int(fraction * memory_stats["bytes_limit"]) - memory_stats.get("bytes_in_use", 0)
+    return max(free, 0) // token_bytes
+
+
 @dataclasses.dataclass
 class _Request:
     pages: list[int]  # page j holds the request's slots [j K, (j + 1) K)

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from dsv3_jax.inference.page_pool import PagePool
+from dsv3_jax.inference.page_pool import PagePool, fitting_tokens
 
 K = 4  # tokens a page
 
@@ -188,3 +188,18 @@ def test_bad_input_is_named():
     pool.release("a")
     with pytest.raises(ValueError, match="nothing to preempt"):
         pool.newest()
+
+
+@pytest.mark.parametrize("limit, in_use", [(80 << 30, 13 << 30), (16 << 30, 15 << 30), (10 ** 9, 0)])
+def test_the_memory_default_fills_the_fraction_of_the_device_left_by_the_weights(limit, in_use):
+    """Stats as a GPU's `memory_stats()` gives them: the tokens fit beside what is in use, one more would not."""
+    token_bytes, fraction = 656 * 61, 0.9  # the 671B's float8 cache
+    tokens = fitting_tokens({"bytes_limit": limit, "bytes_in_use": in_use, "peak_bytes_in_use": limit}, token_bytes,
+                            fraction)
+    if in_use >= fraction * limit:
+        assert tokens == 0  # the weights already take more: the pool is refused by the runner, naming it
+    else:
+        assert in_use + tokens * token_bytes <= fraction * limit < in_use + (tokens + 1) * token_bytes
+    assert fitting_tokens(None, token_bytes, fraction) is None  # a CPU: the caller's fallback
+    with pytest.raises(ValueError, match="fraction must lie in"):
+        fitting_tokens(None, token_bytes, 1.5)
