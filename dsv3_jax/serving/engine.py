@@ -22,9 +22,10 @@ back and it is resumed later by prefilling its prompt and the tokens it has (vLL
 its answer is the same. With `prefix_cache`, a prompt starts from the cache of its longest cached
 prefix, in whole prefill chunks so that the chunks it still prefills are a cold prefill's: on a
 paged cache it shares the pool's pages of that prefix and publishes its own prompt pages as they are
-written (`PagePool`: never copied, freed least recently used), else it copies cached rows into its
-slot and stores copies of the full chunks it prefills (`prefix_cache`). `health()` says "ok", "recovering" (during a reset) or "failed" (the reset itself raised; new
-requests are refused with `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
+written (`PagePool`: never copied, evicted least recently used), else it copies cached rows into its
+slot and stores copies of the full chunks it prefills (`prefix_cache`). `health()` says "ok",
+"recovering" (during a reset) or "failed" (the reset itself raised; new requests are refused with
+`EngineFailed`), with the last error. Text is detokenized (`TextStream`,
 incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
 """
 
