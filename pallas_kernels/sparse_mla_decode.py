@@ -62,7 +62,7 @@ class BlockSizes:
 
 
 def _row_dmas(b, idx_ref, first, slot, hbm_refs, buf_refs, sem, block_k, start: bool):
-    """Starts (or waits for) the DMAs that gather rows idx_ref[0, first : first + block_k] of batch
+    """Starts (or waits for) the DMAs that gather rows idx_ref[0, first : first + block_k] of cache
     row b of each HBM array into `slot` of its VMEM buffer; -1 entries move nothing."""
     def one_row(i, carry):
         row = idx_ref[0, first + i]
@@ -77,13 +77,14 @@ def _row_dmas(b, idx_ref, first, slot, hbm_refs, buf_refs, sem, block_k, start: 
     lax.fori_loop(0, block_k, one_row, 0)
 
 
-def _tpu_kernel(idx_smem, idx_vmem, ql_ref, qp_ref, *refs, scale, block_k, blocks_per_split, quantized):
+def _tpu_kernel(idx_smem, idx_vmem, ql_ref, qp_ref, *refs, scale, block_k, blocks_per_split, quantized, paged):
     n = 3 if quantized else 2
     hbm, bufs = refs[:n], refs[n + 2:2 * n + 2]
     o_ref, lse_ref = refs[n:n + 2]
     sem, m_ref, l_ref, acc_ref = refs[2 * n + 2:]
     b, j = pl.program_id(0), pl.program_id(2)
-    fetch = functools.partial(_row_dmas, b, idx_smem, hbm_refs=hbm, buf_refs=bufs, sem=sem, block_k=block_k)
+    cache_row = 0 if paged else b  # a paged pool is one cache row that every query row indexes
+    fetch = functools.partial(_row_dmas, cache_row, idx_smem, hbm_refs=hbm, buf_refs=bufs, sem=sem, block_k=block_k)
 
     @pl.when(j == 0)
     def _():
@@ -124,18 +125,23 @@ def _triton_kernel(idx_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
     _finish(lax.fori_loop(0, blocks_per_split, body, _init(*o_ref.shape)), o_ref, lse_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_sizes", "backend", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "block_sizes", "backend", "interpret", "paged"))
 def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, indices_BxK, *,
                       softmax_scale: float, kv_scale=None, block_sizes: BlockSizes | None = None,
-                      backend=None, interpret=None):
+                      backend=None, interpret=None, paged: bool = False):
     """-> (out [B,H,R] f32, lse [B,H] f32): absorbed MLA decode over the cache rows named by
     `indices_BxK` (int32, -1 = no entry). kv_scale: [B,S,ceil(R/128)] f32 for an e4m3 or int8
     `kv_latent` (dequantised block by block), else None. lse is the log-sum-exp of the scaled scores
-    over the selected entries (-inf where a row selects none, whose output is 0)."""
+    over the selected entries (-inf where a row selects none, whose output is 0). `paged`: the cache
+    is a pool of pages shared by the batch (kv_latent [N,K,R], k_pe [N,K,P], kv_scale [N,K,G], as
+    `mla_decode`'s with a page table) and an index names the pool's slot page * K + offset."""
     be = _backend.resolve(backend, interpret)
     bs = block_sizes or BlockSizes()
     bs.validate(be)
-    check_cache_shapes(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, kv_scale)
+    check_cache_shapes(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, kv_scale, paged=paged)
+    if paged:  # one cache row of N x K slots that every query row indexes
+        kv_latent_BxSxR, k_pe_BxSxP, kv_scale = (None if a is None else a.reshape(1, -1, a.shape[-1])
+                                                 for a in (kv_latent_BxSxR, k_pe_BxSxP, kv_scale))
     b, h, r = q_latent_BxHxR.shape
     if indices_BxK.ndim != 2 or indices_BxK.shape[0] != b or not jnp.issubdtype(indices_BxK.dtype, jnp.integer):
         raise ValueError(f"indices must be integer [B={b}, K], got {indices_BxK.dtype} {indices_BxK.shape}")
@@ -151,6 +157,7 @@ def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, i
     if quantized:
         cache.append(pad_axis(kv_scale.astype(jnp.float32), 2, rp // 128))
     kw = dict(scale=float(softmax_scale), block_k=bk, blocks_per_split=bps, quantized=quantized)
+    cache_row = (lambda bi: 0) if paged else (lambda bi: bi)
     q_specs, o_specs, head_blocks = head_specs(be, bs.block_h, ql, qp)
     if be.style == "tpu":
         grid_spec = pl.GridSpec(
@@ -164,12 +171,12 @@ def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, i
                            + [pltpu.SemaphoreType.DMA((len(cache), 2)), pltpu.VMEM((hp, 1), jnp.float32),
                               pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, rp), jnp.float32)])
         inputs = [idx.reshape(b, splits, 1, per_split), idx.reshape(b, splits * bps, 1, bk), ql, qp, *cache]
-        kernel = functools.partial(_tpu_kernel, **kw)
+        kernel = functools.partial(_tpu_kernel, **kw, paged=paged)
     else:
         grid_spec = pl.GridSpec(
             grid=(b, splits, head_blocks),
             in_specs=[pl.BlockSpec((None, splits * per_split), lambda bi, si, hi: (bi, 0))] + q_specs
-                     + [pl.BlockSpec((None, s, a.shape[2]), lambda bi, si, hi: (bi, 0, 0)) for a in cache],
+                     + [pl.BlockSpec((None, s, a.shape[2]), lambda bi, si, hi: (cache_row(bi), 0, 0)) for a in cache],
             out_specs=o_specs)
         inputs = [idx, ql, qp, *cache]
         kernel = functools.partial(_triton_kernel, **kw)
@@ -177,9 +184,13 @@ def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, i
 
 
 def sparse_mla_decode_reference(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, indices_BxK, *,
-                                softmax_scale: float, kv_scale=None, **_):
+                                softmax_scale: float, kv_scale=None, paged: bool = False, **_):
     """Plain-jnp `sparse_mla_decode`: gather the selected rows, fp32 softmax over them."""
     f32, hi = jnp.float32, lax.Precision.HIGHEST
+    if paged:  # the pool's slots, the same for every row
+        kv_latent_BxSxR, k_pe_BxSxP, kv_scale = (None if a is None else jnp.broadcast_to(
+            a.reshape(1, -1, a.shape[-1]), (indices_BxK.shape[0], a.shape[0] * a.shape[1], a.shape[-1]))
+            for a in (kv_latent_BxSxR, k_pe_BxSxP, kv_scale))
     s, r = kv_latent_BxSxR.shape[1:]
     valid_BxK = (indices_BxK >= 0) & (indices_BxK < s)
     rows_BxKx1 = jnp.where(valid_BxK, indices_BxK, 0)[..., None]

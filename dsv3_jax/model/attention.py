@@ -89,12 +89,7 @@ class LatentCache(NamedTuple):
         `layer=slice(None)`: a whole stack's entries [L, B, W, ...] in one scatter); with a
         `page_table` [B, M] into its pages, an entry whose page is -1 (none) or past the table (as past
         a contiguous cache's slots) not at all."""
-        rows = jnp.arange(positions_BxW.shape[0])[:, None]
-        index = (rows, positions_BxW)
-        if page_table is not None:
-            n, k = self.latent.shape[-3:-1]
-            page_BxW = jnp.take_along_axis(page_table, positions_BxW // k, axis=1, mode="fill", fill_value=-1)
-            index = (jnp.where(page_BxW < 0, n, page_BxW), positions_BxW % k)  # page n: out of bounds, dropped
+        index = latent_attention.cache_index(positions_BxW, page_table, self.latent.shape[-3:-1])
         index = index if layer is None else (layer, *index)
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
 
@@ -175,10 +170,7 @@ class MLA(nnx.Module):
         Returns (out [B, T, D], the entries [B, T, ...] to store at `positions`).
         """
         if cache is not None and self.cfg.has_indexer:
-            if page_table is not None:
-                raise ValueError("a paged latent cache (page_size) does not serve the lightning indexer's sparse "
-                                 "attention yet (index_n_heads > 0): use the contiguous cache (page_size unset)")
-            return self.sparse_cached(x_BxTxD, cos, sin, cache, positions, layer)
+            return self.sparse_cached(x_BxTxD, cos, sin, cache, positions, layer, page_table)
         if cache is not None and x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH:
             return self.expanded_chunk(x_BxTxD, cos, sin, cache, positions, layer, page_table)
         if cache is not None:
@@ -241,23 +233,24 @@ class MLA(nnx.Module):
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
 
     def sparse_cached(self, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array, cache: LatentCache,
-                      positions_BxT: jax.Array, layer=None) -> tuple[jax.Array, LatentCache]:
-        """DeepSeek Sparse Attention through the cache: each query attends to its `index_topk` best
-        entries (`absorbed` over the gathered rows). While no query of the call sees more than
-        `index_topk` tokens that is each of them, and the dense cached form runs instead (its
-        result, to the rounding of the branch's own compilation). The entries to store carry the
-        index keys too."""
+                      positions_BxT: jax.Array, layer=None, page_table=None) -> tuple[jax.Array, LatentCache]:
+        """DeepSeek Sparse Attention through the cache (or, with a `page_table`, its pool of pages):
+        each query attends to its `index_topk` best entries (`absorbed` over the gathered rows).
+        While no query of the call sees more than `index_topk` tokens that is each of them, and the
+        dense cached form runs instead (its result, to the rounding of the branch's own
+        compilation). The entries to store carry the index keys too."""
         cfg = self.cfg
         if cache.index_k is None:
             raise ValueError("a model with the lightning indexer (index_n_heads > 0) needs a cache with its index "
                              "keys: build it with dsv3_jax.inference.init_cache for this config")
         own_index_k = self.indexer.keys(x_BxTxD, cos, sin)
         dense = self.expanded_chunk if x_BxTxD.shape[1] >= EXPANDED_MIN_WIDTH else self.absorbed
-        run_dense = functools.partial(dense, x_BxTxD, cos, sin, cache, positions_BxT, layer)
-        if cache.latent.shape[-2] <= cfg.index_topk:  # no position past index_topk exists
+        run_dense = functools.partial(dense, x_BxTxD, cos, sin, cache, positions_BxT, layer, page_table=page_table)
+        if latent_attention.row_slots(cache.latent, page_table) <= cfg.index_topk:  # no position past index_topk
             out, entries = run_dense()
         else:
-            run_sparse = functools.partial(self.absorbed, x_BxTxD, cos, sin, cache, positions_BxT, layer, own_index_k)
+            run_sparse = functools.partial(self.absorbed, x_BxTxD, cos, sin, cache, positions_BxT, layer, own_index_k,
+                                           page_table=page_table)
             out, entries = jax.lax.cond(jnp.max(positions_BxT) < cfg.index_topk, run_dense, run_sparse)
         index_k, index_k_scale = latent_attention.encode_index_key(own_index_k, cache.cache_dtype)
         return out, entries._replace(index_k=index_k, index_k_scale=index_k_scale)
@@ -281,8 +274,8 @@ class MLA(nnx.Module):
         else:
             q_index, w_index = self.indexer.queries(x_BxTxD, self.query_latent(x_BxTxD), cos, sin)
             chosen = cached_topk(q_index, w_index, cache, own_index_k, positions_BxT, cfg.index_topk, layer=layer,
-                                 pallas=pallas)
+                                 pallas=pallas, page_table=page_table)
             attend = latent_attention.attend_sparse_pallas if pallas else latent_attention.attend_sparse
-            o_lat = attend(q_lat, q_pe, cache, own, chosen, **kw)
+            o_lat = attend(q_lat, q_pe, cache, own, chosen, page_table=page_table, **kw)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

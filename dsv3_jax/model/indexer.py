@@ -26,7 +26,7 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import params
 from dsv3_jax.model.norm import LayerNorm
 from dsv3_jax.model.rope import apply_rope
-from dsv3_jax.ops.latent_attention import layer_slice
+from dsv3_jax.ops.latent_attention import rows_view
 from dsv3_jax.ops.linear import project
 import pallas_kernels
 
@@ -95,13 +95,14 @@ def indexer_kl(logits_BxTxS: jax.Array, attn_probs_BxTxS: jax.Array, selected_Bx
 
 
 def cached_topk(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, own_k_BxWxK: jax.Array, positions_BxW: jax.Array,
-                topk: int, *, layer=None, pallas: bool = False) -> jax.Array:
+                topk: int, *, layer=None, pallas: bool = False, page_table=None) -> jax.Array:
     """The `topk` entries of largest logit for a cached call's W queries at consecutive `positions`,
     over the cache slots before the call (its index keys `cache.index_k` of `layer`, [B, S, K]) and
     the call's own exact keys up to each query -> int32 [B, W, min(topk, S + W)]: j < S is cache
-    slot j, S + w the call's own entry w, -1 none (fewer visible). `pallas` (one query per row):
-    the cached keys' logits from the indexer kernel."""
-    keys_BxSxK, scale_BxSx1 = layer_slice(cache.index_k, layer), layer_slice(cache.index_k_scale, layer)
+    slot j, S + w the call's own entry w, -1 none (fewer visible). With a `page_table` [B, M] the
+    keys are a pool of pages and each row's are read through its table (S = M x K). `pallas` (one
+    query per row): the cached keys' logits from the indexer kernel."""
+    keys_BxSxK, scale_BxSx1 = (rows_view(a, layer, page_table) for a in (cache.index_k, cache.index_k_scale))
     s, f32 = keys_BxSxK.shape[1], jnp.float32
     if pallas:
         w_fold_BxI = w_BxWxI[:, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0

@@ -27,6 +27,7 @@ bf16 rope key. The latent's dtype says which scale layout a cache carries.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -321,29 +322,59 @@ def encode_index_key(k_BxWxK: jax.Array, cache_dtype: str) -> tuple[jax.Array, j
     return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
-def _gather(a: jax.Array | None, layer, slots_BxWxK: jax.Array) -> jax.Array | None:
-    """Rows a[(layer,) b, slots[b, w, k]] -> [B, W, K, ...]: one gather from the stack, no layer copy."""
+def cache_index(slots_BxX: jax.Array, page_table_BxM: jax.Array | None = None, pool_NxK: tuple[int, int] = (0, 0)):
+    """Where each row's `slots` [B, ...] live in a cache array's (row, slot) axes: (b, s) in a
+    contiguous cache; with a `page_table`, (page_table[b, s // K], s % K) in a pool of N pages of K
+    slots (`pool_NxK`), a slot with no page (-1, or past the table) at page N, out of bounds: a
+    scatter drops it, a gather reads a clamped page (whose value the caller masks)."""
+    b = slots_BxX.shape[0]
+    if page_table_BxM is None:
+        return jnp.arange(b).reshape((b,) + (1,) * (slots_BxX.ndim - 1)), slots_BxX
+    n, k = pool_NxK
+    entry_BxX = (slots_BxX // k).reshape(b, -1)
+    page = jnp.take_along_axis(page_table_BxM, entry_BxX, axis=1, mode="fill", fill_value=-1).reshape(slots_BxX.shape)
+    return jnp.where(page < 0, n, page), slots_BxX % k
+
+
+def gather_slots(a: jax.Array | None, layer, slots_BxX: jax.Array, page_table=None) -> jax.Array | None:
+    """Entries a[(layer,) b, slots[b, ...]] -> [B, ..., *] of a cache array [(L,) B, S, *], or
+    with a `page_table` of a pool [(L,) N, K, *]: one gather from the stack, no layer copy."""
     if a is None:
         return None
-    rows = jnp.arange(slots_BxWxK.shape[0])[:, None, None]
-    return a[rows, slots_BxWxK] if layer is None else a[layer, rows, slots_BxWxK]
+    index = cache_index(slots_BxX, page_table, a.shape[-3:-1])
+    return a[index] if layer is None else a[(layer, *index)]
+
+
+def row_slots(a: jax.Array, page_table_BxM: jax.Array | None = None) -> int:
+    """Slots a row addresses: S of a cache array [(L,) B, S, *], M x K through a page table."""
+    return a.shape[-2] if page_table_BxM is None else page_table_BxM.shape[1] * a.shape[-2]
+
+
+def rows_view(a: jax.Array | None, layer, page_table=None) -> jax.Array | None:
+    """One layer of a cache array as rows [B, S, *]: the contiguous cache's own, or each row's
+    pages gathered through `page_table` (S = M x K), for a read of every slot of a row."""
+    if page_table is None or a is None:
+        return layer_slice(a, layer)
+    b, s = page_table.shape[0], row_slots(a, page_table)
+    return gather_slots(a, layer, jnp.broadcast_to(jnp.arange(s), (b, s)), page_table)
 
 
 def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, softmax_scale: float, compute_dtype,
-                  layer=None) -> jax.Array:
+                  layer=None, page_table=None) -> jax.Array:
     """Softmax over each query's chosen entries only (DeepSeek Sparse Attention) -> o_lat [B, W, H, C]
     float32. `chosen` [B, W, K] int: j < S is cache slot j, S + w the call's own entry w (`own` as in
     `attend`: exact, not rounded), -1 none; every query has at least one. Reads B x W x K rows,
-    whatever the cache length."""
+    whatever the cache length. With a `page_table` [B, M] the cache is a pool of pages (as in
+    `attend`), S = M x K and slot j is read through the table."""
     dt, f32 = compute_dtype, jnp.float32
     latent, scale, k_pe = cache[:3]
-    s, w = latent.shape[-2], chosen_BxWxK.shape[1]
+    s, w = row_slots(latent, page_table), chosen_BxWxK.shape[1]
     slots, mine = jnp.clip(chosen_BxWxK, 0, s - 1), jnp.clip(chosen_BxWxK - s, 0, w - 1)
     from_own = (chosen_BxWxK >= s)[..., None]
     rows = jnp.arange(chosen_BxWxK.shape[0])[:, None, None]
-    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt),
-                            dequantize(_gather(latent, layer, slots), _gather(scale, layer, slots), dt))
-    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), _gather(k_pe, layer, slots).astype(dt))
+    read = functools.partial(gather_slots, layer=layer, slots_BxX=slots, page_table=page_table)
+    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt), dequantize(read(latent), read(scale), dt))
+    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), read(k_pe).astype(dt))
     scores = (jnp.einsum("BWHC,BWKC->BWHK", q_lat_BxWxHxC.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
               + jnp.einsum("BWHR,BWKR->BWHK", q_pe_BxWxHxR.astype(dt), k_pe_BxWxKxR, preferred_element_type=f32))
     p = jax.nn.softmax(jnp.where(chosen_BxWxK[:, :, None, :] >= 0, scores * softmax_scale, -jnp.inf), axis=-1)
@@ -351,13 +382,19 @@ def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, soft
 
 
 def attend_sparse_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, softmax_scale: float,
-                         compute_dtype, layer=None) -> jax.Array:
+                         compute_dtype, layer=None, page_table=None) -> jax.Array:
     """`attend_sparse` for one query per row: the sparse Pallas decode kernel over the chosen cache
-    rows, merged with the token's own entry (if chosen) by log-sum-exp -> [B, 1, H, C] float32."""
+    rows (with a `page_table`, the pool's slots they live in), merged with the token's own entry (if
+    chosen) by log-sum-exp -> [B, 1, H, C] float32."""
     q_lat, q_pe, latent, k_pe, scale = _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, compute_dtype)
-    s, chosen_BxK = latent.shape[1], chosen_BxWxK[:, 0]
-    indices_BxK = jnp.where(chosen_BxK < s, chosen_BxK, -1)  # the own entry (S) is merged below
+    s, chosen_BxK = row_slots(latent, page_table), chosen_BxWxK[:, 0]
+    indices_BxK = chosen_BxK
+    if page_table is not None:  # the pool's slot page * K + offset
+        page_BxK, offset_BxK = cache_index(jnp.clip(chosen_BxK, 0, s - 1), page_table, latent.shape[:2])
+        indices_BxK = jnp.where(page_BxK < latent.shape[0], page_BxK * latent.shape[1] + offset_BxK, -1)
+    indices_BxK = jnp.where((chosen_BxK >= 0) & (chosen_BxK < s), indices_BxK, -1)  # the own entry (S) is merged below
     o_BxHxC, lse_BxH = pallas_kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe, indices_BxK,
-                                                        softmax_scale=softmax_scale, kv_scale=scale)
+                                                        softmax_scale=softmax_scale, kv_scale=scale,
+                                                        paged=page_table is not None)
     own_kept_B = jnp.any(chosen_BxK == s, axis=-1)
     return _merge_own(o_BxHxC, lse_BxH, q_lat, q_pe, own, own_kept_B, softmax_scale, compute_dtype)

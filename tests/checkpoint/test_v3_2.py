@@ -138,7 +138,9 @@ def test_sparse_attention_through_the_cache_equals_the_forward(attns):
 def test_pallas_selection_and_sparse_decode_equal_the_gather_on_quantised_caches(cache_dtype):
     """One decode query per row over a float8 / int8 cache (latent and index keys with their scales):
     the indexer kernel's top-k equals the jnp scores' top-k, and the sparse decode kernel merged
-    with the token's own entry equals the gather of the same rows."""
+    with the token's own entry equals the gather of the same rows; the same with the cache laid out
+    as a pool of pages (a row's 5 pages of 8 shuffled among pages holding garbage): the indexer
+    kernel scores each row's keys read through its table, the decode kernel reads the pool's slots."""
     b, s, h, c, r, i, k = 2, 40, 4, 32, 8, 2, 32
     rng = np.random.default_rng(cache_dtype == "int8")
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -155,8 +157,14 @@ def test_pallas_selection_and_sparse_decode_equal_the_gather_on_quantised_caches
     kw = dict(softmax_scale=0.2, compute_dtype=jnp.float32)
     kernel, gather = (jax.jit(functools.partial(f, **kw)) for f in (latent_attention.attend_sparse_pallas,
                                                                    latent_attention.attend_sparse))
-    np.testing.assert_allclose(kernel(q_lat, q_pe, cache, own, chosen), gather(q_lat, q_pe, cache, own, chosen),
-                               atol=1e-5)
+    want = gather(q_lat, q_pe, cache, own, chosen)
+    np.testing.assert_allclose(kernel(q_lat, q_pe, cache, own, chosen), want, atol=1e-5)
+    table_BxM = jnp.asarray(rng.permutation(2 * b * 5)[:b * 5].reshape(b, 5), jnp.int32)
+    pool = LatentCache(*(jnp.full((2 * b * 5, 8, a.shape[-1]), 100.0, a.dtype).at[table_BxM].set(a.reshape(b, 5, 8, -1))
+                         for a in cache))
+    paged_topk = topk(q_index, w_index, pool, own_k, positions, TOPK, pallas=True, page_table=table_BxM)
+    np.testing.assert_array_equal(paged_topk, chosen)
+    np.testing.assert_allclose(kernel(q_lat, q_pe, pool, own, chosen, page_table=table_BxM), want, atol=1e-5)
 
 
 def test_indexer_terms_hook(attns):
@@ -176,8 +184,9 @@ def test_indexer_terms_hook(attns):
 
 def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
     """Prompts of 30 and 9 tokens (past and below index_topk 16), prefill chunks of 16, greedy
-    decode with and without MTP drafts (the MTP layer has its own indexer), by generate() and by the
-    server's runner and engine: the full forward's argmax, token by token."""
+    decode with and without MTP drafts (the MTP layer has its own indexer), by generate() on the
+    contiguous cache and on a paged one (pages of 8: index keys in the latent's pages) and by the
+    server's runner and engine on a paged cache: the full forward's argmax, token by token."""
     from tests.inference.conftest import full_forward_greedy, tiny_config
 
     model = DeepSeekV3(tiny_config(num_layers=2, index_n_heads=2, index_head_dim=32, index_topk=TOPK,
@@ -186,12 +195,14 @@ def test_greedy_generation_through_the_cache_equals_the_forward_argmax():
     lengths, max_new = np.array([30, 9], np.int32), 6
     expected, gap = full_forward_greedy(model, prompts, lengths, max_new)
     assert gap > 1e-4, f"reference argmax is a near-tie (gap {gap})"
-    for use_mtp in (False, True):
-        out = np.asarray(generate(model, prompts, max_new, lengths=lengths, prefill_chunk=TOPK, use_mtp=use_mtp))
+    for use_mtp, page_size in ((False, None), (True, None), (True, 8)):
+        out = np.asarray(generate(model, prompts, max_new, lengths=lengths, prefill_chunk=TOPK, use_mtp=use_mtp,
+                                  page_size=page_size))
         for b, n in enumerate(lengths):
-            np.testing.assert_array_equal(out[b, :n + max_new], expected[b, :n + max_new], err_msg=f"{use_mtp=} {b=}")
+            np.testing.assert_array_equal(out[b, :n + max_new], expected[b, :n + max_new],
+                                          err_msg=f"{use_mtp=} {page_size=} {b=}")
     # the server's path: both requests batched in the serving runner's slots, MTP drafts verified per slot
-    runner = Runner(model, max_batch=2, max_seq_len=64, chunk=TOPK, use_mtp=True)
+    runner = Runner(model, max_batch=2, max_seq_len=64, chunk=TOPK, use_mtp=True, page_size=8, cache_tokens=96)
     engine = Engine(runner, load_tokenizer())
     engine.start()
     try:

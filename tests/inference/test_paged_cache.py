@@ -23,14 +23,14 @@ W = EXPANDED_MIN_WIDTH
 SPANS = [(0, W), (W, W), (2 * W, 3), (2 * W + 3, 1)]  # (start, width): 2 prompt chunks, a verify window, a decode
 
 
-def _cached_logits(model, tokens_BxT, cache):
+def _cached_logits(model, tokens_BxT, cache, spans=SPANS):
     """float32 logits [B, T, V] of the tokens fed through `cache` span by span (one jitted program)."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, cache):
         m, out = nnx.merge(graphdef, state), []
-        for start, width in SPANS:
+        for start, width in spans:
             positions = jnp.broadcast_to(jnp.arange(start, start + width, dtype=jnp.int32), (B, width))
             step = m.forward(tokens_BxT[:, start:start + width], positions=positions, with_mtp=False, cache=cache)
             cache, out = step.cache, out + [step.logits]
@@ -76,12 +76,47 @@ def test_a_write_through_no_page_is_dropped():
     np.testing.assert_array_equal(out.k_pe, want[..., :1])
 
 
-def test_the_sparse_path_names_the_paged_cache_it_does_not_serve():
-    cfg = tiny_config(index_n_heads=2, index_head_dim=16, index_topk=8, num_mtp_layers=0)
-    model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="paged latent cache \\(page_size\\)"):
-        model.forward(jnp.zeros((B, 1), jnp.int32), positions=jnp.zeros((B, 1), jnp.int32), with_mtp=False,
-                      cache=_paged(cfg, "bfloat16"))
+SPARSE = dict(index_n_heads=2, index_head_dim=16, index_topk=8)  # V3.2: past position 8 a query keeps 8 entries
+
+
+@pytest.fixture(scope="module")
+def sparse_attn():
+    """A V3.2 model's MLA (lightning indexer, index_topk 8), out of its one-layer stack."""
+    model = DeepSeekV3(tiny_config(num_layers=1, num_dense_layers=1, num_mtp_layers=0, **SPARSE), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model.dense_layers.attn)
+    return nnx.merge(graphdef, state), model.config
+
+
+def _sparse_outputs(attn, x_BxTxD, stack, page_table, spans):
+    """MLA outputs [B, T, D] of x fed span by span through a layer stack's cache (layer 0; with a
+    page table, a pool of pages): one jitted program."""
+    graphdef, state = nnx.split(attn)
+
+    @jax.jit
+    def run(state, stack, page_table):
+        m, out = nnx.merge(graphdef, state), []
+        for start, width in spans:
+            positions = jnp.broadcast_to(jnp.arange(start, start + width, dtype=jnp.int32), (B, width))
+            cos, sin = rope_angles(positions, attn.cfg)
+            step, entries = m(x_BxTxD[:, start:start + width], cos, sin, cache=stack, positions=positions, layer=0,
+                              page_table=page_table)
+            stack, out = stack.write(entries, positions, 0, page_table), out + [step]
+        return jnp.concatenate(out, axis=1)
+
+    return np.asarray(run(jax.tree.map(lambda a: a[0], state), stack, page_table))
+
+
+def test_paged_sparse_attention_equals_the_contiguous_one(sparse_attn):
+    """A prompt chunk, a verify window and a decode step of V3.2's MLA over a float8 cache: the index
+    keys and their scales live in the latent's pages, the indexer scores each row's own keys through
+    its table and the sparse attention gathers the chosen latents through it."""
+    (attn, cfg), spans = sparse_attn, [(0, W), (W, 3), (W + 3, 1)]
+    x = jax.random.normal(jax.random.key(4), (B, W + 4, cfg.hidden_size))
+    want = _sparse_outputs(attn, x, init_cache(cfg, B, M * K, "float8").dense, None, spans)
+    pool = _paged(cfg, "float8")
+    got = _sparse_outputs(attn, x, pool.dense, pool.page_table, spans)
+    assert np.std(want) > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("use_mtp", [False, True])
@@ -118,3 +153,4 @@ def test_the_pallas_decode_reads_the_pages():
         outs[impl] = np.asarray(run(state, c, table)[0])
     assert np.std(outs["xla"]) > 0.1
     np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=2e-4, atol=2e-4 * np.abs(outs["xla"]).max())
+

@@ -10,7 +10,7 @@ from pallas_kernels import (BlockSizesSparseMlaDecode, mla_decode_reference, spa
                             sparse_mla_decode_reference)
 from pallas_test_utils import LOWERINGS, lowers, quantized_cache
 
-reference = jax.jit(sparse_mla_decode_reference, static_argnames="softmax_scale")  # one compile, not one per op
+reference = jax.jit(sparse_mla_decode_reference, static_argnames=("softmax_scale", "paged"))  # one compile, not one per op
 
 
 def numpy_sparse_attention(q_lat, q_pe, kv, kp, indices, scale):
@@ -108,6 +108,29 @@ def test_quantized_cache_dequantised_per_block(fmt, style):
     tol = 1e-5 * np.abs(want).max()  # relative: the scaled latents give outputs up to ~60
     assert _max_abs(got, want) < tol and _max_abs(lse, want_lse) < 1e-4
     assert _max_abs(ref, want) < tol and _max_abs(ref_lse, want_lse) < 1e-4
+
+
+def test_paged_pool_indexed_by_slot(style):
+    """paged=True: the cache is a pool of pages [N, K, R] shared by the rows (fp8, with its scales)
+    and an index names the pool's slot page * K + offset: numpy over each row's pages laid out
+    contiguously (its 4 pages of 16 shuffled among pages no row owns) and the same logical indices."""
+    b, h, r, p, k, m, n = 2, 4, 128, 16, 16, 4, 10  # K slots per page, M pages per row, N in the pool
+    q_lat, q_pe, _, _ = _inputs(b, h, r, p, 1, jnp.float32, seed=4)
+    _, _, kv, kp = _inputs(1, h, r, p, n * k, jnp.float32, seed=5)
+    cache, scale, deq = quantized_cache(kv, "float8")
+    table = np.random.default_rng(4).permutation(n)[:b * m].reshape(b, m)
+    idx = _indices([m * k, 37], 24, seed=4)  # logical slots of each row
+    slots = np.where(idx >= 0, table[np.arange(b)[:, None], np.maximum(idx, 0) // k] * k + idx % k, -1)
+    rows = lambda a: np.asarray(a, np.float64).reshape(n, k, -1)[table].reshape(b, m * k, -1)
+    want, want_lse = numpy_sparse_attention(*_f64(q_lat, q_pe), rows(deq), rows(kp), idx, 0.1)
+    pool = [a.reshape(n, k, -1) for a in (cache, kp, scale)]
+    got, lse = sparse_mla_decode(q_lat, q_pe, *pool[:2], jnp.asarray(slots), softmax_scale=0.1, kv_scale=pool[2],
+                                 block_sizes=BlockSizesSparseMlaDecode(block_k=128 if style == "tpu" else 32),
+                                 backend=style, interpret=True, paged=True)
+    ref, ref_lse = reference(q_lat, q_pe, *pool[:2], jnp.asarray(slots), softmax_scale=0.1, kv_scale=pool[2],
+                             paged=True)
+    assert _max_abs(got, want) < 1e-4 and _max_abs(lse, want_lse) < 1e-4
+    assert _max_abs(ref, want) < 1e-4 and _max_abs(ref_lse, want_lse) < 1e-4
 
 
 def test_errors_name_the_input():
