@@ -25,7 +25,9 @@ run unless its terms are asked for) and its result is dense attention's exactly.
 warm-up is the same model with `index_topk` at least the sequence length. Through the latent cache
 (prefill chunks, decode: `sparse_cached`) the indexer's keys are cached beside the latent, the
 queries' top-k is taken over the cached keys and the call's own, and the absorbed form attends
-over the gathered latent rows only (B x T x index_topk of them, whatever the cache length).
+over the gathered latent rows only (B x T x index_topk of them, whatever the cache length). On a
+paged cache the index keys share the latent's pages: the top-k is taken over each row's own keys
+read through its page table and the chosen rows are gathered through it.
 
 Hook for training the indexer: `expanded(..., indexer_terms=True)` returns (out, `IndexerTerms`):
 the indexer's logits [B, T, S] (float32, -inf off the causal, same-document keys), the main

@@ -388,11 +388,10 @@ def attend_sparse_pallas(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, 
     chosen) by log-sum-exp -> [B, 1, H, C] float32."""
     q_lat, q_pe, latent, k_pe, scale = _decode_operands(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, layer, compute_dtype)
     s, chosen_BxK = row_slots(latent, page_table), chosen_BxWxK[:, 0]
-    indices_BxK = chosen_BxK
-    if page_table is not None:  # the pool's slot page * K + offset
-        page_BxK, offset_BxK = cache_index(jnp.clip(chosen_BxK, 0, s - 1), page_table, latent.shape[:2])
-        indices_BxK = jnp.where(page_BxK < latent.shape[0], page_BxK * latent.shape[1] + offset_BxK, -1)
-    indices_BxK = jnp.where((chosen_BxK >= 0) & (chosen_BxK < s), indices_BxK, -1)  # the own entry (S) is merged below
+    indices_BxK = jnp.where(chosen_BxK < s, chosen_BxK, -1)  # the own entry (S) is merged below
+    if page_table is not None:  # the pool's slot page * K + offset; no page: page N, past the pool, no entry
+        page_BxK, offset_BxK = cache_index(indices_BxK, page_table, latent.shape[:2])
+        indices_BxK = jnp.where(indices_BxK >= 0, page_BxK * latent.shape[1] + offset_BxK, -1)
     o_BxHxC, lse_BxH = pallas_kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe, indices_BxK,
                                                         softmax_scale=softmax_scale, kv_scale=scale,
                                                         paged=page_table is not None)

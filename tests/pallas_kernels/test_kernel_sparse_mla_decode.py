@@ -10,7 +10,7 @@ from pallas_kernels import (BlockSizesSparseMlaDecode, mla_decode_reference, spa
                             sparse_mla_decode_reference)
 from pallas_test_utils import LOWERINGS, lowers, quantized_cache
 
-reference = jax.jit(sparse_mla_decode_reference, static_argnames=("softmax_scale", "paged"))  # one compile, not one per op
+reference = jax.jit(sparse_mla_decode_reference, static_argnames=("softmax_scale", "paged"))  # one compile per op set
 
 
 def numpy_sparse_attention(q_lat, q_pe, kv, kp, indices, scale):
@@ -145,15 +145,18 @@ def test_errors_name_the_input():
 
 
 @pytest.mark.parametrize("style_,platform", LOWERINGS)
-@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_lowers_at_the_671b_shapes(style_, platform, cache_dtype):
-    """128 heads, kv_lora 512, rope 64, index_topk 2048 over a 128K-token cache (traced, not allocated)."""
+@pytest.mark.parametrize("cache_dtype,paged", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, False),
+                                               (jnp.float8_e4m3fn, True)])
+def test_lowers_at_the_671b_shapes(style_, platform, cache_dtype, paged):
+    """128 heads, kv_lora 512, rope 64, index_topk 2048 over a 128K-token cache (traced, not
+    allocated); `paged`: a pool of 2 x 128K tokens in pages of 64."""
     b, h, r, p, s, k = 2, 128, 512, 64, 128 * 1024, 2048
+    rows, slots = (b * s // 64, 64) if paged else (b, s)
     sds = jax.ShapeDtypeStruct
-    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.bfloat16), sds((b, s, r), cache_dtype),
-            sds((b, s, p), jnp.bfloat16), sds((b, k), jnp.int32)]
+    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.bfloat16), sds((rows, slots, r), cache_dtype),
+            sds((rows, slots, p), jnp.bfloat16), sds((b, k), jnp.int32)]
     if cache_dtype == jnp.float8_e4m3fn:
-        args.append(sds((b, s, r // 128), jnp.float32))
+        args.append(sds((rows, slots, r // 128), jnp.float32))
     f = lambda *a: sparse_mla_decode(*a[:5], kv_scale=a[5] if len(a) > 5 else None, softmax_scale=192 ** -0.5,
-                                     backend=style_, interpret=False)
+                                     backend=style_, interpret=False, paged=paged)
     lowers(f, args, platform)
