@@ -16,7 +16,8 @@ expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - trainer: `experiments.train` end to end (data, loop, metrics) against the bare step.
 - sweep: for each config variant of --variants (bench_workers.VARIANTS: width, head count, top-k,
   expert groups and vocabulary changed; default bench_workers.GRID): the train step (--sweep_train),
-  the prefill to the first token (`generate(..., 1)`) of each --sweep_prefill point and decode at
+  the prefill to the first token (`generate(..., 1)`; with --page_size through a paged cache of
+  pages of that many tokens, as the server runs it) of each --sweep_prefill point and decode at
   each --sweep_decode point (batch 8 after 1K and after 4K prompts); a table of every ratio to transformers and each measure's minimum over the grid.
   --quick shrinks every shape (for the CLI test).
 Every worker is a fresh process; frameworks alternate within a repeat and the order flips between
@@ -132,9 +133,11 @@ def sweep_jobs(args) -> list[tuple[str, str, dict]]:
     for name in args.variants:
         (batch, seq), = _points([args.sweep_train]) if "train" in args.sweep_measures else [(0, 0)]
         jobs.append((f"{name}: train", "train", dict(name=name, experts=None, batch=batch, seq=seq, steps=args.steps))) if batch else None
+        paged = f" paged {args.page_size}" if args.page_size else ""
         for prompt, batch in _points(args.sweep_prefill) if "prefill" in args.sweep_measures else []:
-            jobs.append((f"{name}: prefill {_size(prompt)} b{batch}", "prefill",
-                         dict(name=name, prompt=prompt, batch=batch, repeats=args.prefill_repeats)))
+            jobs.append((f"{name}: prefill {_size(prompt)} b{batch}{paged}", "prefill",
+                         dict(name=name, prompt=prompt, batch=batch, repeats=args.prefill_repeats,
+                              page_size=args.page_size)))
         for prompt, batch in _points(args.sweep_decode) if "decode" in args.sweep_measures else []:
             jobs.append((f"{name}: decode {_size(prompt)} b{batch}", "decode",
                          dict(name=name, prompt=prompt, batch=batch, new_tokens=args.new_tokens)))
@@ -309,6 +312,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_list("sweep_measures", "train,prefill,decode", "sweep: which of train, prefill, decode to run",
                       flag_values=fv)
     flags.DEFINE_integer("prefill_repeats", 2, "sweep: timed prefills per process", flag_values=fv)
+    flags.DEFINE_integer("page_size", 0, "sweep: prefill through a paged cache of pages of this many tokens "
+                         "(`generate(page_size=)`, the server's layout); 0: the contiguous cache", flag_values=fv)
     flags.DEFINE_boolean("quick", False, "sweep: tiny shapes (train 2x32, prefill 64x2, decode 64x2, 2 steps, 5 new "
                          "tokens), for a test of the command", flag_values=fv)
     flags.DEFINE_boolean("no_hf", False, "skip transformers even when torch is installed", flag_values=fv)
@@ -359,6 +364,8 @@ def check_sweep_args(args) -> None:
     if args.quick:
         args.sweep_train, args.sweep_prefill, args.sweep_decode = "2x32", ["64x2"], ["64x2"]
         args.steps, args.new_tokens = min(args.steps, 2), min(args.new_tokens, 5)
+    if args.page_size < 0:
+        raise ValueError(f"--page_size: expected 0 (the contiguous cache) or a page of >= 1 token, got {args.page_size}")
     unknown = [v for v in args.variants if v not in names]
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; known: {sorted(names)}")

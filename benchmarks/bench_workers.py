@@ -32,12 +32,15 @@ VARIANTS = {
                 num_expert_groups=1, num_groups_per_token=1),  # no group limit, top-3, a vocab of no power of 2
     "wide": dict(vocab_size=12000, hidden_size=448, num_heads=7, num_routed_experts=16, num_experts_per_token=6,
                  num_expert_groups=4, num_groups_per_token=3),  # D = 3.5 x 128, top-6, 3 of 4 groups
+    # qk and v head dims of 16 (the bench's 32 / 16 / 32 halved where it can be): small heads make
+    # the prefill's per-head work (expanding the cached prefix, the attention's dots) thin matmuls.
+    "small_heads": dict(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
     "tiny": dict(vocab_size=512, hidden_size=72, intermediate_size=96, moe_intermediate_size=24, num_layers=2,
                  num_heads=3, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
                  v_head_dim=8, num_routed_experts=8, num_experts_per_token=3, num_expert_groups=2,
                  num_groups_per_token=1, max_position_embeddings=1024),
 }
-GRID = ("bench", "issue27", "odd", "wide")  # the sweep's default variants
+GRID = ("bench", "issue27", "odd", "wide", "small_heads")  # the sweep's default variants
 
 
 def model_config(name: str, experts: int | None = None):
@@ -155,8 +158,9 @@ def hf_train(name, experts, batch, seq, steps):
     return {"first_step_s": first, "step_s": times, "cpu_step_s": cpu, "peak": torch_peak()}
 
 
-def jax_decode_workload(prompt, batch, new_tokens, name: str = "issue"):
-    """A callable: greedy `generate` of `new_tokens` (default) after random prompts; returns seconds."""
+def jax_decode_workload(prompt, batch, new_tokens, name: str = "issue", page_size: int = 0):
+    """A callable: greedy `generate` of `new_tokens` (default) after random prompts (through a paged
+    cache of `page_size`-token pages; 0: the contiguous cache); returns seconds."""
     import jax
     from flax import nnx
 
@@ -167,9 +171,11 @@ def jax_decode_workload(prompt, batch, new_tokens, name: str = "issue"):
     model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).astype(np.int32)
 
+    paged = dict(page_size=page_size) if page_size else {}
+
     def run(n=new_tokens):
         start = time.perf_counter()
-        jax.block_until_ready(generate(model, prompts, n))
+        jax.block_until_ready(generate(model, prompts, n, **paged))
         return time.perf_counter() - start
 
     return run
@@ -233,9 +239,10 @@ def hf_decode(prompt, batch, new_tokens, repeats: int = 3, name: str = "issue"):
     return {"compile_s": time.perf_counter() - start, "decode_s": [run() for _ in range(repeats)]}
 
 
-def jax_prefill(name, prompt, batch, repeats: int = 2):
+def jax_prefill(name, prompt, batch, repeats: int = 2, page_size: int = 0):
     """Time to the first token: `generate(model, prompts, 1)` (chunked prefill + one sampled token)
-    after a first call that compiles, per run."""
+    after a first call that compiles, per run; through a paged cache of `page_size`-token pages
+    (0: the contiguous cache)."""
     import jax
     from flax import nnx
 
@@ -245,12 +252,14 @@ def jax_prefill(name, prompt, batch, repeats: int = 2):
     cfg = model_config(name)
     model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, prompt)).astype(np.int32)
-    first, times = _timed_steps(lambda: jax.block_until_ready(generate(model, prompts, 1)), repeats)
+    paged = dict(page_size=page_size) if page_size else {}  # a --baseline tree may predate page_size
+    first, times = _timed_steps(lambda: jax.block_until_ready(generate(model, prompts, 1, **paged)), repeats)
     return {"compile_s": first - min(times), "prefill_s": times}
 
 
-def hf_prefill(name, prompt, batch, repeats: int = 2):
-    """transformers' `generate(..., max_new_tokens=1)`, timed the same way (a first untimed call)."""
+def hf_prefill(name, prompt, batch, repeats: int = 2, page_size: int = 0):
+    """transformers' `generate(..., max_new_tokens=1)`, timed the same way (a first untimed call);
+    `page_size` is dsv3-jax's only (transformers' cache here is its contiguous one)."""
     import torch
 
     cfg = model_config(name)

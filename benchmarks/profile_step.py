@@ -1,9 +1,11 @@
 """Top operations of the bench's train step (or one decode step) by time, from a jax.profiler trace.
 
     python -m benchmarks.profile_step [--what=train|decode|prefill] [--variant=issue27] [--steps=3] [--top=25]
+                                      [--page_size=64]
 
 Traces a few steps of benchmarks.bench's issue config or one of its sweep's --variant configs
-(benchmarks/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill, reads the XLA:CPU op
+(benchmarks/bench_workers.py VARIANTS) after compiling; `prefill` is one 4K-prompt prefill (through a
+paged cache with --page_size, as `benchmarks.bench --page_size` times it), reads the XLA:CPU op
 events of the perfetto trace, names each fused op by the jax operation it came from (the HLO
 metadata of the compiled program) and prints a markdown table: ms per step, share, fwd/bwd, op;
 then each part's share of the step (`GROUPS`: routed experts, head, attention, optimizer, ...).
@@ -94,17 +96,17 @@ def top_ops(trace_dir: str, dump_dir: str, steps: int, top: int, by_part: bool) 
     return "\n".join(lines)
 
 
-def workload(what: str, variant: str = "issue"):
+def workload(what: str, variant: str = "issue", page_size: int = 0):
     """A callable running one train step, one greedy generate of 16 tokens after a 4K prompt, or
     the prefill of a 4K prompt to its first token."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("dsv3_bench_workers", os.path.join(_ROOT, "experiments", "bench_workers.py"))
+    spec = importlib.util.spec_from_file_location("dsv3_bench_workers", os.path.join(_ROOT, "benchmarks", "bench_workers.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     if what == "train":
         return bench.jax_train_workload(variant, None, 8, 256)
-    return bench.jax_decode_workload(4096, 1, 17 if what == "decode" else 1, variant)
+    return bench.jax_decode_workload(4096, 1, 17 if what == "decode" else 1, variant, page_size)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -112,6 +114,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("variant", "issue", "a config of benchmarks/bench_workers.py VARIANTS", flag_values=fv)
     flags.DEFINE_integer("steps", 3, "traced steps", flag_values=fv)
     flags.DEFINE_integer("top", 25, "operations listed", flag_values=fv)
+    flags.DEFINE_integer("page_size", 0, "decode / prefill through a paged cache of pages of this many tokens "
+                         "(0: the contiguous cache)", flag_values=fv)
 
 
 def main(argv=None) -> int:
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
     import jax  # after XLA_FLAGS: the dump flags are read when the backend starts
 
-    call = workload(args.what, args.variant)
+    call = workload(args.what, args.variant, args.page_size)
     call()  # compile
     trace_dir = tempfile.mkdtemp(prefix="profile_trace_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

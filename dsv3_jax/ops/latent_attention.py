@@ -2,8 +2,8 @@
 
 Letters: B batch, W queries of this call, S cache slots, H heads, C latent (kv_lora_rank),
 R rope dim, G latent scales per token (ceil(C / 128) for fp8, 1 for int8), P slots per block read;
-a paged cache: N pages in the pool, K slots per page, M page-table entries per row, T (row, page)
-work items per step.
+a paged cache: N pages in the pool, K slots per page, M page-table entries per row, G pages per
+work item (one row's, consecutive), T work items per step.
 
 A call's W tokens sit at consecutive positions p0 .. p0 + W - 1 (slot s of the cache holds the
 token at position s). They attend to the cache slots s < p0 and to their own fresh entries up to
@@ -152,32 +152,38 @@ def _fold(carry_BxHxW, part_TxHxW, rows_T):
     return m_new, l_B, alpha_B[..., None] * acc_B + jax.ops.segment_sum(acc_T, rows_T, b, indices_are_sorted=True)
 
 
-def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, dt):
+def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: int, dt):
     """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
-    pages: the (row, page) pairs in use, in row order, B of them per step (the last step padded with
-    items of row B), each item a partial softmax over its page (`step(empty, latent [T, K, C],
-    k_pe [T, K, R], visible [T, K], rows [T])`, the queries of rows T) folded into its row's; steps
-    past the last pair are never run."""
+    pages: work items of G consecutive pages of one row (G * K about `block` slots, at most the
+    table's M), the items in use in row order, B of them per step (the last step padded with items
+    of row B), each item a partial softmax over its G * K slots (`step(empty, latent [T, G * K, C],
+    k_pe [T, G * K, R], visible [T, G * K], rows [T])`, the queries of rows T) folded into its row's;
+    steps past the last item are never run. An item of several pages keeps a step's dots as wide as
+    the contiguous path's blocks and folds once per G pages."""
     b, (latent, scale, k_pe) = acc_shape[0], pages[:3]
     if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
         raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
     m, k = page_table_BxM.shape[1], latent.shape[-2]
-    pages_B = (before_B + k - 1) // k
-    ends_B = jnp.cumsum(pages_B)
+    g = max(1, min(block // k, m))
+    items_B = (before_B + g * k - 1) // (g * k)
+    ends_B = jnp.cumsum(items_B)
     empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
 
-    def read(a, page_T):
-        return None if a is None else (a[page_T] if layer is None else a[layer, page_T])
+    def read(a, page_TxG):
+        if a is None:
+            return None
+        a_TxGxKxX = a[page_TxG] if layer is None else a[layer, page_TxG]
+        return a_TxGxKxX.reshape(b, g * k, *a.shape[-1:])
 
     def body(i, carry):
         t_T = i * b + jnp.arange(b)
-        rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last pair
+        rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last item
         row_T = jnp.minimum(rows_T, b - 1)
-        j_T = jnp.minimum(t_T - ends_B[row_T] + pages_B[row_T], m - 1)  # its entry in the row's table
-        page_T = page_table_BxM[row_T, j_T]
-        visible_TxK = j_T[:, None] * k + jnp.arange(k) < before_B[row_T, None]
-        latent_TxKxC = dequantize(read(latent, page_T), read(scale, page_T), dt)
-        return _fold(carry, step(empty, latent_TxKxC, read(k_pe, page_T), visible_TxK, row_T), rows_T)
+        j_T = t_T - ends_B[row_T] + items_B[row_T]  # the item's index among its row's
+        page_TxG = page_table_BxM[row_T[:, None], jnp.minimum(j_T[:, None] * g + jnp.arange(g), m - 1)]
+        visible_TxP = j_T[:, None] * (g * k) + jnp.arange(g * k) < before_B[row_T, None]
+        latent_TxPxC = dequantize(read(latent, page_TxG), read(scale, page_TxG), dt)
+        return _fold(carry, step(empty, latent_TxPxC, read(k_pe, page_TxG), visible_TxP, row_T), rows_T)
 
     return jax.lax.fori_loop(0, (ends_B[-1] + b - 1) // b, body, empty)
 
@@ -187,7 +193,7 @@ def _over_cache(step, acc_shape, cache, positions_BxW, layer, block: int, dt, pa
     (`_over_prefix`) or, with `page_table`, of a pool of pages (`_over_pages`)."""
     if page_table is None:
         return _over_prefix(step, acc_shape, cache, positions_BxW, layer, block, dt)
-    return _over_pages(step, acc_shape, cache, page_table, positions_BxW[:, 0], layer, dt)
+    return _over_pages(step, acc_shape, cache, page_table, positions_BxW[:, 0], layer, block, dt)
 
 
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
@@ -206,8 +212,8 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     latent_scale [N, K, G] | None, k_pe [N, K, R]) or stacked [L, N, K, ...], and row b's slot s
     lives in page page_table[b, s // K] at offset s % K; entries past a row's prefix
     (positions[b, 0] <= M * K) are never used and may hold anything. Only the pages the rows use are
-    read, B pages a step, so the cost grows with the sum of the rows' prefixes, not B x the longest
-    (`block` is unused: a page is a block).
+    read, B work items of about `block` slots (whole pages) a step, so the cost grows with the sum
+    of the rows' prefixes, not B x the longest.
     """
     dt = compute_dtype
     q_lat, q_pe = (jnp.transpose(q.astype(dt), (0, 2, 1, 3)) for q in (q_lat_BxWxHxC, q_pe_BxWxHxR))

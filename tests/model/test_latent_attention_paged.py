@@ -39,8 +39,9 @@ def paged_layout(cache, cache_dtype, seed=0):
                                                         ("float8", jnp.float32), ("int8", jnp.bfloat16)])
 def test_paged_equals_contiguous(cache_dtype, compute_dtype, w):
     """Rows of no prefix, less than a page, four pages and a full table, at shuffled page ids, the last
-    two sharing their first page; slots past each row's prefix, layer 0 and spare pages hold GARBAGE;
-    the contiguous path reads the same tokens."""
+    two sharing their first page, read two pages per work item (rows of one, several and a part item);
+    slots past each row's prefix, layer 0 and spare pages hold GARBAGE; the contiguous path reads the
+    same tokens."""
     ks = jax.random.split(jax.random.key(0), 6)
     past_BxSx1 = (jnp.arange(M * K) >= BEFORE[:, None])[:, :, None]
     latent = jnp.where(past_BxSx1, GARBAGE, jax.random.normal(ks[0], (B, M * K, C)))
@@ -55,7 +56,7 @@ def test_paged_equals_contiguous(cache_dtype, compute_dtype, w):
     kw = dict(softmax_scale=0.05, compute_dtype=compute_dtype)
 
     want = jax.jit(lambda *a: attend(*a, block=K, **kw))(q_lat, q_pe, cache, own, positions)
-    paged = jax.jit(lambda table, layer, *a: attend(*a, page_table=table, layer=layer, **kw))  # both traced
+    paged = jax.jit(lambda table, layer, *a: attend(*a, page_table=table, layer=layer, block=2 * K, **kw))  # both traced
     got = paged(table, jnp.int32(1), q_lat, q_pe, pool, own, positions)
     assert got.shape == (B, w, H, C) and got.dtype == jnp.float32
     want, got = np.asarray(want), np.asarray(got)
