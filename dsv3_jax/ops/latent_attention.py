@@ -2,7 +2,7 @@
 
 Letters: B batch, W queries of this call, S cache slots, H heads, C latent (kv_lora_rank),
 R rope dim, G latent scales per token (ceil(C / 128) for fp8, 1 for int8), P slots per block read;
-a paged cache: N pages in the pool, K slots per page, M page-table entries per row, G pages per
+a paged cache: N pages in the pool, K slots per page, M page-table entries per row, J pages per
 work item (one row's, consecutive), T work items per step.
 
 A call's W tokens sit at consecutive positions p0 .. p0 + W - 1 (slot s of the cache holds the
@@ -154,36 +154,38 @@ def _fold(carry_BxHxW, part_TxHxW, rows_T):
 
 def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: int, dt):
     """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
-    pages: work items of G consecutive pages of one row (G * K about `block` slots, at most the
+    pages: work items of J consecutive pages of one row (J * K about `block` slots, at most the
     table's M), the items in use in row order, B of them per step (the last step padded with items
-    of row B), each item a partial softmax over its G * K slots (`step(empty, latent [T, G * K, C],
-    k_pe [T, G * K, R], visible [T, G * K], rows [T])`, the queries of rows T) folded into its row's;
+    of row B), each item a partial softmax over its J * K slots (`step(empty, latent [T, J * K, C],
+    k_pe [T, J * K, R], visible [T, J * K], rows [T])`, the queries of rows T) folded into its row's;
     steps past the last item are never run. An item of several pages keeps a step's dots as wide as
-    the contiguous path's blocks and folds once per G pages."""
+    the contiguous path's blocks and folds once per J pages."""
     b, (latent, scale, k_pe) = acc_shape[0], pages[:3]
     if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
         raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
     m, k = page_table_BxM.shape[1], latent.shape[-2]
-    g = max(1, min(block // k, m))
-    items_B = (before_B + g * k - 1) // (g * k)
+    per_item = max(1, min(block // k, m))  # J pages, P = J * K slots an item
+    p = per_item * k
+    items_B = (before_B + p - 1) // p
     ends_B = jnp.cumsum(items_B)
     empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
 
-    def read(a, page_TxG):
+    def read(a, page_TxJ):
         if a is None:
             return None
-        a_TxGxKxX = a[page_TxG] if layer is None else a[layer, page_TxG]
-        return a_TxGxKxX.reshape(b, g * k, *a.shape[-1:])
+        a_TxJxKxX = a[page_TxJ] if layer is None else a[layer, page_TxJ]
+        return a_TxJxKxX.reshape(b, p, *a.shape[-1:])
 
     def body(i, carry):
         t_T = i * b + jnp.arange(b)
         rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last item
         row_T = jnp.minimum(rows_T, b - 1)
         j_T = t_T - ends_B[row_T] + items_B[row_T]  # the item's index among its row's
-        page_TxG = page_table_BxM[row_T[:, None], jnp.minimum(j_T[:, None] * g + jnp.arange(g), m - 1)]
-        visible_TxP = j_T[:, None] * (g * k) + jnp.arange(g * k) < before_B[row_T, None]
-        latent_TxPxC = dequantize(read(latent, page_TxG), read(scale, page_TxG), dt)
-        return _fold(carry, step(empty, latent_TxPxC, read(k_pe, page_TxG), visible_TxP, row_T), rows_T)
+        entry_TxJ = jnp.minimum(j_T[:, None] * per_item + jnp.arange(per_item), m - 1)  # in the row's table
+        page_TxJ = page_table_BxM[row_T[:, None], entry_TxJ]
+        visible_TxP = j_T[:, None] * p + jnp.arange(p) < before_B[row_T, None]
+        latent_TxPxC = dequantize(read(latent, page_TxJ), read(scale, page_TxJ), dt)
+        return _fold(carry, step(empty, latent_TxPxC, read(k_pe, page_TxJ), visible_TxP, row_T), rows_T)
 
     return jax.lax.fori_loop(0, (ends_B[-1] + b - 1) // b, body, empty)
 
