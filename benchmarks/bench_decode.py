@@ -3,6 +3,7 @@
     python -m benchmarks.bench_decode [--lengths=512,2048,8192,32768] [--batch=8] \
         [--cache_dtype=bfloat16] [--attention_impl=xla] [--num_heads=16] [--kv_lora_rank=512]
     python -m benchmarks.bench_decode --compare --lengths=2048 --batch=2   # fp8 vs bf16 cache, XLA and Pallas
+    python -m benchmarks.bench_decode --paged [--page_size=128] [--short=512] [--long=32768] [--sums=10240,40960]
 
 Builds a randomly initialised model (MLA at the 671B latent sizes, small everywhere else, so that
 the step is dominated by attention over the cache), fills a cache of each length and times one
@@ -10,10 +11,20 @@ jitted decode step (one new token per row attending to every slot). Prints ms pe
 bytes per token per layer, the per-slot slope and the fit of a straight line. `--compare` times the
 bf16 and the fp8 cache on both attention paths side by side in one process and prints the ratios
 and the cache bytes one step reads per generated token.
+
+`--paged`: a paged cache (a pool of pages at shuffled ids, `ModelCache.page_table`) against the
+contiguous one, rows of different lengths in one step. First 15 rows of --short tokens plus one of
+--long: the step, the step without the long row, the long row decoded alone, the ratio of the
+first to the sum of the other two (target <= 1.5: each row reads its own pages), and the same step
+on a contiguous cache of 16 x --long slots (every row reads up to the longest row). Then a table:
+for each sum in --sums, rows of equal sum and different longest rows (16, 4 and 1 equal rows; 15 of
+--short and one long), paged and contiguous step times; a straight line of the paged times against
+the sum of the rows and of the contiguous times against batch x the longest row, with their fits.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -36,20 +47,28 @@ def bench_config(args) -> ModelConfig:
         attention_impl=args.attention_impl)
 
 
-def time_step(step, state, cache, tokens, positions, repeats: int) -> float:
-    cache = step(state, cache, tokens, positions)[1]  # compile
-    jax.block_until_ready(cache)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        logits, cache = step(state, cache, tokens, positions)
-        jax.block_until_ready(logits)
-        best = min(best, time.perf_counter() - start)
+def time_steps(step, state, cases: dict, repeats: int) -> dict:
+    """{name: seconds} of one step of each case (cache, tokens, positions): the best of `repeats`
+    rounds, each round running every case once, in an order turned each round, so that load on a
+    shared host weighs on every case alike."""
+    caches = {name: step(state, *case)[1] for name, case in cases.items()}  # compile
+    jax.block_until_ready(caches)
+    best, names = dict.fromkeys(cases, float("inf")), list(cases)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            logits, caches[name] = step(state, caches[name], *cases[name][1:])
+            jax.block_until_ready(logits)
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
+def time_step(step, state, cache, tokens, positions, repeats: int) -> float:
+    return time_steps(step, state, {0: (cache, tokens, positions)}, repeats)[0]
+
+
 def make_step(graphdef):
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=1)  # the cache updated in place, as the server's steps do
     def step(state, cache, tokens, positions):
         out = nnx.merge(graphdef, state).forward(tokens, positions=positions[:, None], with_mtp=False, cache=cache)
         return out.logits, out.cache
@@ -71,6 +90,89 @@ def filled_cache(cfg, batch: int, length: int, cache_dtype: str):
         return type(stack)(*(None if parts[0] is None else jnp.stack(parts) for parts in zip(*layers)))
 
     return jax.tree.map(fill, cache, is_leaf=lambda x: hasattr(x, "latent_scale"))
+
+
+@jax.jit
+def random_fill(cache):
+    """Random entries in every array of the cache (its layout's dtypes), drawn where they are stored."""
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
+    return jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape).astype(a.dtype), cache)
+
+
+def paged_cache(cfg, lengths_B, page_size: int, num_pages: int, table_width: int, cache_dtype: str):
+    """A pool of `num_pages` pages of random entries and a table [B, table_width] giving row b the
+    ceil(lengths_B[b] / page_size) pages its decode step reads and writes, at shuffled ids."""
+    pages_B = -(-np.asarray(lengths_B) // page_size)
+    ids = np.random.default_rng(0).permutation(num_pages)
+    table_BxM = np.full((len(lengths_B), table_width), -1, np.int32)
+    for b, (start, n) in enumerate(zip(np.cumsum(pages_B) - pages_B, pages_B)):
+        table_BxM[b, :n] = ids[start:start + n]
+    pool = random_fill(init_cache(cfg, num_pages, page_size, cache_dtype))
+    return pool._replace(page_table=jnp.asarray(table_BxM))
+
+
+def rows_case(cfg, args, lengths_B, paged: bool) -> tuple:
+    """(cache, tokens, positions) of a decode step of rows at positions lengths_B - 1, every earlier
+    slot visible: paged (a pool sized to the run's largest sum, one table width: one compile per
+    batch size) or contiguous (B rows of the longest)."""
+    if paged:
+        cache = paged_cache(cfg, lengths_B, args.page_size, args.pool_pages, -(-max(args.lengths) // args.page_size),
+                            args.cache_dtype)
+    else:
+        cache = random_fill(init_cache(cfg, len(lengths_B), max(lengths_B), args.cache_dtype))
+    return cache, jnp.ones((len(lengths_B), 1), jnp.int32), jnp.asarray(lengths_B, jnp.int32) - 1
+
+
+def mixes(args) -> list[list[int]]:
+    """Rows of each sum in --sums: 16, 4 and 1 equal rows, and 15 of --short with one long row."""
+    out = []
+    for total in args.sums:
+        out += [[total // n] * n for n in (16, 4, 1)]
+        if total > 15 * args.short:
+            out.append([args.short] * 15 + [total - 15 * args.short])
+    return out
+
+
+def fit(x, t) -> str:
+    slope, intercept = np.polyfit(x, t, 1)
+    r2 = 1 - np.sum((t - (slope * x + intercept)) ** 2) / np.sum((t - t.mean()) ** 2)
+    return f"{intercept * 1e3:.2f} ms + {slope * 1e9:.2f} ns per token (R^2 = {r2:.3f})"
+
+
+def paged(args) -> None:
+    mixed = [args.short] * 15 + [args.long]
+    table = mixes(args)
+    args.lengths = [args.long] + [max(m) for m in table]
+    args.pool_pages = max(sum(-(-n // args.page_size) for n in m) for m in table + [mixed])
+    cfg = bench_config(args)
+    graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    step = make_step(graphdef)
+    print(f"backend {jax.default_backend()}, {cfg.num_layers} layers, {cfg.num_heads} heads, latent "
+          f"{cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}, cache {args.cache_dtype}, pages of {args.page_size}, "
+          f"a pool of {args.pool_pages} pages; best of {args.repeats} rounds (ms)", flush=True)
+    cases = {name: rows_case(cfg, args, rows, is_paged) for name, rows, is_paged in (
+        ("mixed", mixed, True), ("short", mixed[:15], True), ("long", mixed[15:], True),
+        ("contiguous", mixed, False))}
+    ms = {name: 1e3 * t for name, t in time_steps(step, state, cases, args.repeats).items()}
+    del cases
+    ratio = ms["mixed"] / (ms["short"] + ms["long"])
+    print(f"15 x {args.short} + 1 x {args.long}, paged: {ms['mixed']:.2f}; without the long row {ms['short']:.2f}, "
+          f"the long row alone {ms['long']:.2f}: {ratio:.2f}x their sum (target <= 1.5: "
+          f"{'PASS' if ratio <= 1.5 else 'FAIL'}); contiguous 16 x {args.long}: {ms['contiguous']:.2f} "
+          f"({ms['contiguous'] / ms['mixed']:.1f}x the paged step)", flush=True)
+    print(f"\n{'rows':>22} {'sum':>7} {'B x longest':>11} {'paged ms':>9} {'contiguous ms':>13}")
+    cases = {(i, p): rows_case(cfg, args, lengths, p) for i, lengths in enumerate(table) for p in (True, False)}
+    t = time_steps(step, state, cases, args.repeats)
+    rows = []
+    for i, lengths in enumerate(table):
+        rows.append((sum(lengths), len(lengths) * max(lengths), t[i, True], t[i, False]))
+        text = " + ".join(f"{lengths.count(n)} x {n}" for n in sorted(set(lengths)))
+        print(f"{text:>22} {rows[-1][0]:7d} {rows[-1][1]:11d} {1e3 * t[i, True]:9.2f} {1e3 * t[i, False]:13.2f}")
+    total, padded, t_paged, t_contiguous = (np.array(c, float) for c in zip(*rows))
+    if len(set(total)) < 2:
+        return  # one sum: no line to fit
+    print(f"paged against the sum of the rows: {fit(total, t_paged)}; against B x longest: {fit(padded, t_paged)}")
+    print(f"contiguous against B x longest: {fit(padded, t_contiguous)}; against the sum: {fit(total, t_contiguous)}")
 
 
 def compare(args) -> None:
@@ -105,16 +207,25 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("num_heads", 16, "attention heads", flag_values=fv)
     flags.DEFINE_integer("kv_lora_rank", 512, "latent (cache) width", flag_values=fv)
     flags.DEFINE_integer("num_layers", 2, "layers", flag_values=fv)
-    flags.DEFINE_integer("repeats", 5, "timed steps per length (median)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "timed steps per length (the best)", flag_values=fv)
     flags.DEFINE_boolean("compare", False, "bf16 vs fp8 cache on the XLA and Pallas paths", flag_values=fv)
+    flags.DEFINE_boolean("paged", False, "a paged cache against the contiguous one, rows of mixed lengths",
+                         flag_values=fv)
+    flags.DEFINE_integer("page_size", 128, "--paged: tokens per page", flag_values=fv)
+    flags.DEFINE_integer("short", 512, "--paged: the 15 short rows' length", flag_values=fv)
+    flags.DEFINE_integer("long", 32768, "--paged: the long row's length", flag_values=fv)
+    flags.DEFINE_list("sums", "10240,40960", "--paged: sums of the rows' lengths of the table", flag_values=fv)
 
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
     cli.numbers(args, "lengths")
+    cli.numbers(args, "sums")
     args.compute_dtype = args.compute_dtype or ("float32" if host.on_cpu() else "bfloat16")
     if args.compare:
         return compare(args)
+    if args.paged:
+        return paged(args)
     cfg = bench_config(args)
     graphdef, state = nnx.split(DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
     step = make_step(graphdef)
@@ -126,8 +237,7 @@ def main(argv=None) -> int:
     tokens = jnp.ones((args.batch, 1), jnp.int32)
     times = []
     for length in args.lengths:
-        cache = init_cache(cfg, args.batch, length, args.cache_dtype)
-        cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(1), a.shape).astype(a.dtype), cache)
+        cache = random_fill(init_cache(cfg, args.batch, length, args.cache_dtype))
         positions = jnp.full((args.batch,), length - 1, jnp.int32)  # every slot visible
         times.append(time_step(step, state, cache, tokens, positions, args.repeats))
         print(f"cache length {length:7d}: {times[-1] * 1e3:9.3f} ms per decode step", flush=True)

@@ -5,6 +5,7 @@ the decode step lowered for the mesh.
         --chip=h200 --mesh=expert=8 --max_batch=64 --context=32768 [--platforms=cuda,tpu] [--use_mtp]
     python -m experiments.plan_serving --table      # the README's 671B deployments
     python -m experiments.plan_serving --offload [--host_link_gbps=64]   # 671B int4, routed experts in host RAM
+    python -m experiments.plan_serving --page_size=128 --mix=512:0.9,32768:0.1 [--table]   # a paged cache
 
 Nothing is allocated: the model is its shapes (`nnx.eval_shape`), the mesh a
 `jax.sharding.AbstractMesh`, and the server's own decode step (`dsv3_jax/serving/runner.py`, the
@@ -40,6 +41,15 @@ XLA:CPU would widen quantized weights)
 and prints XLA's per-device memory_analysis() beside the plan. Use fp32 there: XLA:CPU computes
 bf16 in fp32 and holds fp32 copies of a bf16 cache, which no TPU or GPU program does.
 
+`--page_size=K` plans a paged cache (`experiments.serve --page_size`): the cache is pages of K
+tokens that requests hold for what they have, so what fits is a count of concurrent requests of a
+length mix (`--mix`: lengths, prompt + new tokens, and their shares). A request of length l holds
+ceil(l / K) pages; the device's requests (split over data x fsdp x expert, as the slots) hold
+ceil(their count x the mix's mean pages a request) pages, bytes per token and layer x layers x K
+each. The working set is the one above, its attention over the mix's mean length a row instead of
+the context. Beside it, the slot cache's count: slots of the mix's longest request. No step is
+lowered in this mode.
+
 `--offload` plans the 671B int4 deployments whose routed experts live in host RAM behind a device
 cache of C experts per MoE layer (`dsv3_jax/inference/expert_cache.py`). Per deployment: the bytes
 that stay on the devices (the plan above without the MoE stack's routed experts), the largest C
@@ -55,6 +65,7 @@ TPU pages give no host-link bandwidth per chip: a TPU plan takes it from --host_
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 import sys
 import time
@@ -116,8 +127,14 @@ class Deployment:
     use_mtp: bool = False
     rules: str = "default"
     group: int = 128  # int8/int4 group along the contraction axis
+    page_size: int | None = None  # a paged cache: requests of `mix` hold pages of this many tokens
+    mix: tuple = ()  # ((length, share), ...): the requests' lengths and their shares (Fractions summing to 1)
 
     def __post_init__(self):
+        if self.page_size is not None and (self.page_size < 1 or not self.mix or sum(w for _, w in self.mix) != 1
+                                           or any(not 1 <= n <= self.context or w <= 0 for n, w in self.mix)):
+            raise ValueError(f"--page_size={self.page_size} needs a --mix of lengths in [1, --context={self.context}]"
+                             f" with positive shares summing to 1, got {','.join(f'{n}:{float(w):g}' for n, w in self.mix)}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"--weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.cache_dtype not in CACHE_DTYPES:
@@ -208,10 +225,24 @@ def weight_bytes(model, mesh, dep: Deployment) -> float:
     return total
 
 
+def mix_pages(mix, page_size: int) -> fractions.Fraction:
+    """Pages a request of the length mix holds at its end, on average: sum_i share_i ceil(length_i / K)."""
+    return sum(w * -(-n // page_size) for n, w in mix)
+
+
+def mix_tokens(mix) -> fractions.Fraction:
+    """Tokens of a request of the length mix, on average."""
+    return sum(w * n for n, w in mix)
+
+
 def cache_bytes(cfg: ModelConfig, mesh, dep: Deployment, batch: int, context: int) -> float:
+    """Per device: its slots x context tokens, or (paged) the pages of its requests of the mix."""
     layers = cfg.num_layers + (cfg.num_mtp_layers if dep.use_mtp else 0)
-    slots = batch // runner_lib.token_shards(mesh)
-    return float(cache_bytes_per_token(cfg, dep.cache_dtype) * layers * slots * context)
+    per_token = cache_bytes_per_token(cfg, dep.cache_dtype) * layers
+    rows = batch // runner_lib.token_shards(mesh)
+    if dep.page_size is None:
+        return float(per_token * rows * context)
+    return float(per_token * dep.page_size * math.ceil(rows * mix_pages(dep.mix, dep.page_size)))
 
 
 def working_bytes(cfg: ModelConfig, mesh, dep: Deployment, batch: int, context: int, platform: str) -> dict:
@@ -441,6 +472,39 @@ def offload_report(cfg: ModelConfig, *, context: int, headroom: float, link_gbps
     return rows
 
 
+def paged_report(cfg: ModelConfig, deps: list, *, headroom: float, out=None) -> list[tuple[int, int]]:
+    """Prints, for each (label, deployment) of a paged cache, how many concurrent requests of its
+    length mix fit, beside the slot cache's slots of the mix's longest request; -> (paged, slots)."""
+    mix, k = deps[0][1].mix, deps[0][1].page_size
+    longest, mean = max(n for n, _ in mix), math.ceil(mix_tokens(mix))
+    model, rows = abstract_model(cfg), []
+    print(f"requests of {', '.join(f'{n} tokens x {float(w):.0%}' for n, w in mix)} (mean {mean} tokens, "
+          f"{float(mix_pages(mix, k)):.1f} pages of {k}), cache {deps[0][1].cache_dtype}, {headroom:.0%} of HBM",
+          file=out)
+    print(f"  {'deployment':<36}{'mesh':<20}{'paged':>8}{f'slots x {longest}':>16}{'ratio':>8}"
+          f"{'pages a device':>16}", file=out)
+    for label, dep in deps:
+        mesh = sharding.abstract_mesh(dep.mesh, math.prod(dep.mesh.values()))
+        paged = largest_batch(cfg, dep, mean, headroom=headroom, model=model)
+        slots = largest_batch(cfg, dataclasses.replace(dep, page_size=None, mix=()), longest, headroom=headroom,
+                              model=model)
+        pages = math.ceil(paged // runner_lib.token_shards(mesh) * mix_pages(mix, k))
+        ratio = f"{paged / slots:.1f}x" if slots else "-"
+        print(f"  {label:<36}{_mesh_text(dep.mesh):<20}{paged:>8}{slots:>16}{ratio:>8}{pages:>16}", file=out)
+        rows.append((paged, slots))
+    return rows
+
+
+def parse_mix(text: str) -> tuple:
+    """'512:0.9,32768:0.1' -> ((512, 9/10), (32768, 1/10)): the shares as exact fractions, normalised."""
+    try:
+        mix = [(int(n), fractions.Fraction(w)) for n, w in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        cli.usage(f"--mix={text}: expected length:share pairs, comma-separated, e.g. 512:0.9,32768:0.1")
+    total = sum(w for _, w in mix)
+    return tuple((n, w / total) for n, w in mix) if total > 0 else tuple(mix)
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("model", "deepseek_v3", ["deepseek_v3", "deepseek_v3_2", "tiny"], "ModelConfig preset",
                       flag_values=fv)
@@ -461,6 +525,10 @@ def define_flags(fv: flags.FlagValues) -> None:
                          "--mesh, --weights ignored)", flag_values=fv)
     flags.DEFINE_boolean("offload", False, "the 671B int4 deployments with routed experts in host RAM behind a "
                          "device cache (--chip, --mesh, --weights ignored)", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "a paged cache of pages of this many tokens: how many concurrent "
+                         "requests of --mix fit, beside the slot cache's count", flag_values=fv)
+    flags.DEFINE_string("mix", "512:0.9,32768:0.1", "with --page_size: request lengths (prompt + new tokens) and "
+                        "their shares, length:share comma-separated", flag_values=fv)
     flags.DEFINE_float("host_link_gbps", None, "with --offload: host -> device GB/s per device (default: the "
                        "chip's PCIe link)", flag_values=fv)
 
@@ -484,16 +552,21 @@ def main(argv=None) -> int:
             offload_report(cfg.replace(compute_dtype="bfloat16", param_dtype="bfloat16"), context=args.context,
                            headroom=args.headroom, link_gbps=args.host_link_gbps)
             return 0
-        deps = [Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
-                           args.use_mtp, args.rules, args.group)]
+        paged = {"page_size": args.page_size, "mix": parse_mix(args.mix)} if args.page_size is not None else {}
+        deps = [(f"{math.prod(args.mesh.values())} x {args.chip}, {args.weights}",
+                 Deployment(args.chip, args.mesh, args.weights, args.cache_dtype, args.max_batch, args.context,
+                            args.use_mtp, args.rules, args.group, **paged))]
         if args.table:
             deps = []
             for label, chip, devices, weights in TABLE:
                 dep = Deployment(chip, {}, weights, args.cache_dtype, args.max_batch, args.context, args.use_mtp)
                 mesh, tried = best_mesh(cfg, dep, devices, 32768, args.headroom)
                 print(f"== {label}: largest batch at 32768 tokens per mesh: {tried}; planned on {_mesh_text(mesh)}")
-                deps.append(dataclasses.replace(dep, mesh=mesh))
-        for dep in deps:
+                deps.append((label, dataclasses.replace(dep, mesh=mesh, **paged)))
+        if args.page_size is not None:
+            paged_report(cfg, deps, headroom=args.headroom)
+            return 0
+        for _, dep in deps:
             platforms = tuple(args.platforms.split(",")) if args.platforms else (CHIPS[dep.chip.lower()].platform,)
             report(cfg, dep, headroom=args.headroom, platforms=platforms)
             if args.check_compiled:

@@ -118,3 +118,39 @@ def test_offload_plan_command_prints_the_expert_bytes_host_ram_and_link_bound_of
         assert float(tokens) == pytest.approx(int(n) * 32e9 / (58 * 8 * 0.1 * expert), abs=0.06)
         assert 8 <= int(cache) < 256
     assert helpers.run_module("experiments.plan_serving", "--offload", "--headroom=2").returncode == 2
+
+
+def test_paged_plan_counts_the_pages_a_mix_of_requests_holds(capsys):
+    """`--page_size=128` on the 671B, 8 x H200, fp8 weights, bf16 cache, 90% of requests 500 tokens and
+    10% 30000: a request holds ceil(length / 128) pages (4 and 235), a page 128 tokens x 61 layers x
+    (latent 512 + rope 64) x 2 bytes (the config's cache shapes, counted here). The printed count of
+    concurrent requests fits in 90% of HBM with those pages (the count printed) and 8 more (one per device) do not; the
+    slot cache's count beside it is that of slots of 30000 tokens; a request holds 3450 tokens on
+    average, so the paged count is about 30000 / 3450 times the slots'."""
+    import re
+    from fractions import Fraction
+
+    assert ps.main(["--page_size=128", "--mix=500:0.9,30000:0.1"]) == 0
+    row = re.search(r"8 x h200, fp8 +expert=8 +(\d+) +(\d+) +[\d.]+x +(\d+)", capsys.readouterr().out)
+    paged, slots, pages = (int(n) for n in row.groups())
+    cfg = ModelConfig.deepseek_v3().replace(compute_dtype="bfloat16", param_dtype="bfloat16")
+    dep = ps.Deployment("h200", {"expert": 8}, "fp8")
+    mesh, model = ps.sharding.abstract_mesh(dep.mesh, 8), ps.abstract_model(cfg)
+    token_bytes = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    pages_a_request = Fraction(9, 10) * 4 + Fraction(1, 10) * 235
+    mean_tokens = 3450
+
+    def total(requests: int, paged: bool) -> float:
+        mine = requests // 8  # each device's requests
+        cache = 128 * token_bytes * math.ceil(mine * pages_a_request) if paged else token_bytes * mine * 30000
+        working = ps.working_bytes(cfg, mesh, dep, requests, mean_tokens if paged else 30000, "cuda")
+        return ps.weight_bytes(model, mesh, dep) + cache + sum(working.values())
+
+    for count, is_paged in ((paged, True), (slots, False)):
+        assert count % 8 == 0 and total(count, is_paged) <= 0.9 * 141e9 < total(count + 8, is_paged), count
+    assert pages == math.ceil(paged // 8 * pages_a_request)
+    assert 8 < paged / slots < 30000 / 3450 * 1.05
+    with pytest.raises(SystemExit) as e:
+        ps.main(["--page_size=128", "--mix=512:0.9,32768"])
+    assert e.value.code == 2
+    assert ps.main(["--page_size=128", "--mix=512:0.9,65536:0.1"]) == 2  # longer than --context
