@@ -4,6 +4,8 @@
         [--concurrency=1,4,16] [--expert_cache=C]
     python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16] [--page_size=P]
     python -m benchmarks.bench_serve --mode=grammar [--requests=16] [--max_tokens=64] [--concurrency=1,4,16]
+    python -m benchmarks.bench_serve --mode=memory [--requests=48] [--long_every=16] [--max_tokens=16] \
+        [--max_seq_len=1024] [--budget_slots=4] [--page_size=16] [--max_batch=32]
 
 Without --checkpoint it writes a small random model (3 layers, hidden 256, 16 experts of 128, fp32,
 the bundled tokenizer's 2048 ids) and converts it, as a user would. One run measures, side by
@@ -26,6 +28,21 @@ prefix cache is the prompts' shared pages.
 and under a JSON schema (`guided_json`: an array of at least --max_tokens integers, so every request
 runs its --max_tokens tokens either way), alternating free / constrained twice on one server; prints
 ms per output token and the decode step of each, and their ratio constrained / free.
+
+--mode=memory: the slot cache against the paged cache at one cache budget (--budget_slots x
+--max_seq_len tokens) on a mixed-length trace: --requests prompts, every --long_every-th near the
+context limit (--max_seq_len - --max_tokens - 8 tokens), the others 16-40 tokens, each generating
+--max_tokens (greedy), sent 50 ms apart in that order. The slot cache serves them with
+--budget_slots slots of --max_seq_len; the paged cache with --max_batch slots and a pool of
+--max_cache_tokens = the budget in pages of --page_size. While each runs, /metrics is read every
+0.1 s (dsv3_requests_running, dsv3_cache_tokens_used / _total, dsv3_preemptions_total) beside the
+tokens the running requests hold as the client sees them (a streaming request: its prompt and the
+tokens it has received; of the requests sent and not yet streaming, the first ones up to the
+running count, as admission is first come first served: their prompts). Prints each cache's peak
+concurrent requests and the paged/slot ratio (target >= 4x), and the paged cache's tokens in use
+against the tokens held: used - held per running request must stay within one page (a request's
+pages round its tokens up, and a decoding request holds the slot of the token it feeds next), checked
+on the samples before any preemption (a preempted request waits although its client has tokens).
 """
 
 from __future__ import annotations
@@ -110,8 +127,9 @@ class Server:
                     raise SystemExit("server failed:\n" + self.log.read()[-3000:])
                 time.sleep(0.5)
 
-    def stream(self, prompt: list[int], max_tokens: int, **extra) -> tuple[float, int]:
-        """-> (time to first token, completion tokens) of one streamed completion; its text in self.texts."""
+    def stream(self, prompt: list[int], max_tokens: int, on_tokens=None, **extra) -> tuple[float, int]:
+        """-> (time to first token, completion tokens) of one streamed completion; its text in self.texts.
+        `on_tokens(n)` is called with each chunk's token count (the request needs logprobs=0)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
@@ -123,6 +141,8 @@ class Server:
                 continue
             chunk = json.loads(line[6:])
             first = first or time.perf_counter() - start
+            if on_tokens is not None:
+                on_tokens(sum(len(c["logprobs"]["tokens"]) for c in chunk.get("choices", []) if c.get("logprobs")))
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             text += "".join(c["text"] for c in chunk.get("choices", []))
@@ -229,6 +249,115 @@ def bench_grammar(checkpoint: str, args) -> None:
               f"{json_step / free_step:6.2f}")
 
 
+def mixed_trace(args) -> list[list[int]]:
+    """--requests prompts: every --long_every-th near the context limit, the others of 16-40 tokens."""
+    rng = np.random.default_rng(2)
+    long = args.max_seq_len - args.max_tokens - 8
+    lengths = [long if i % args.long_every == 0 else int(rng.integers(16, 41)) for i in range(args.requests)]
+    return [[1] + rng.integers(3, 2048, n - 1).tolist() for n in lengths]
+
+
+class Flight:
+    """The client's books of a trace in flight: when each request was sent, the tokens it has
+    streamed, whether it is done."""
+
+    def __init__(self, prompts):
+        self.prompts, self.lock = prompts, threading.Lock()
+        self.sent, self.got, self.done = [None] * len(prompts), [0] * len(prompts), [False] * len(prompts)
+
+    def send(self, server: Server, i: int, max_tokens: int) -> None:
+        def on_tokens(n):
+            with self.lock:
+                self.got[i] += n
+
+        self.sent[i] = time.perf_counter()
+        server.stream(self.prompts[i], max_tokens, on_tokens=on_tokens, logprobs=0)
+        with self.lock:
+            self.done[i] = True
+
+    def held(self, running: int) -> int:
+        """Tokens the `running` requests hold as the client sees them (module docstring)."""
+        with self.lock:
+            live = [i for i, t in enumerate(self.sent) if t is not None and not self.done[i]]
+            streaming = [i for i in live if self.got[i]]
+            waiting = sorted((i for i in live if not self.got[i]), key=lambda i: self.sent[i])
+            return (sum(len(self.prompts[i]) + self.got[i] for i in streaming)
+                    + sum(len(self.prompts[i]) for i in waiting[:max(running - len(streaming), 0)]))
+
+
+def run_trace(server: Server, prompts, max_tokens: int) -> dict:
+    """Sends the trace 50 ms apart; -> samples (running, tokens used, preemptions, tokens held) every 0.1 s."""
+    flight = Flight(prompts)
+    threads = [threading.Thread(target=flight.send, args=(server, i, max_tokens)) for i in range(len(prompts))]
+
+    def start_all():
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+
+    starter = threading.Thread(target=start_all)
+    samples, start = [], time.perf_counter()
+    starter.start()
+    while starter.is_alive() or any(t.is_alive() for t in threads):
+        m = server.metric_values()
+        running = int(m["dsv3_requests_running"])
+        samples.append((running, m.get("dsv3_cache_tokens_used"), m.get("dsv3_preemptions_total", 0.0),
+                        flight.held(running)))
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    return {"samples": samples, "wall": time.perf_counter() - start, "tokens": sum(flight.got)}
+
+
+def bench_memory(checkpoint: str, args) -> None:
+    from dsv3_jax import ModelConfig
+    from dsv3_jax.checkpoint.orbax_layout import read_meta
+    from dsv3_jax.inference import cache_bytes_per_token
+
+    hf = os.path.join(checkpoint, "config.json")  # an HF folder, else a converted (Orbax) one
+    cfg = ModelConfig.from_hf_config(hf) if os.path.exists(hf) else ModelConfig.from_dict(read_meta(checkpoint)["model"])
+    token_bytes = cache_bytes_per_token(cfg, "float32") * cfg.num_layers
+    budget, page_size = args.budget_slots * args.max_seq_len, args.page_size or 16
+    prompts = mixed_trace(args)
+    longs = sum(len(p) > 40 for p in prompts)
+    print(f"trace: {len(prompts)} requests, {longs} of {len(prompts[0])} prompt tokens (every {args.long_every}th), "
+          f"{len(prompts) - longs} of 16-40; {args.max_tokens} new tokens each; budget {budget} tokens "
+          f"({budget * token_bytes / 1e6:.1f} MB of fp32 cache, {token_bytes} bytes a token)", flush=True)
+    setups = (("slot cache", args.budget_slots, ()),
+              (f"paged, pages of {page_size}", args.max_batch,
+               (f"--page_size={page_size}", f"--max_cache_tokens={budget}")))
+    results = {}
+    for name, slots, extra in setups:
+        print(f"{name}: starting experiments.serve with {slots} slots ...", flush=True)
+        server = Server(checkpoint, args.port, slots, args.max_seq_len, "--cache_dtype=float32", *extra)
+        try:
+            server.stream(prompts[1], 2)  # first request through the HTTP stack
+            results[name] = (slots, run_trace(server, prompts, args.max_tokens))
+        finally:
+            server.close()
+    print(f"\n{'cache':<20} {'slots':>5} {'peak running':>12} {'mean running':>12} {'peak used tokens':>16} "
+          f"{'peak held':>9} {'preemptions':>11} {'wall s':>7}")
+    peaks = []
+    for name, (slots, r) in results.items():
+        running = [s[0] for s in r["samples"]]
+        used = [budget if s[1] is None else s[1] for s in r["samples"]]  # a slot cache holds its whole budget
+        peaks.append(max(running))
+        print(f"{name:<20} {slots:5d} {max(running):12d} {np.mean([n for n in running if n]):12.1f} {max(used):16.0f} "
+              f"{max(s[3] for s in r['samples']):9d} {r['samples'][-1][2]:11.0f} {r['wall']:7.1f}")
+    ratio = peaks[1] / peaks[0]
+    print(f"peak concurrent requests, paged / slot cache: {ratio:.1f}x (target >= 4x): "
+          f"{'PASS' if ratio >= 4 else 'FAIL'}")
+    samples = results[setups[1][0]][1]["samples"]
+    calm = [s for s in samples if s[2] == 0 and s[0] > 0]  # before any preemption, something running
+    over = [(used - held) / running for running, used, _, held in calm]
+    held, used = sum(s[3] for s in calm), sum(s[1] for s in calm)
+    ok = calm and -1 <= min(over) and max(over) < page_size
+    print(f"paged cache, {len(calm)} samples before any preemption: (used - held) / running request in "
+          f"[{min(over):.2f}, {max(over):.2f}] tokens (target: within one page, [-1, {page_size})): "
+          f"{'PASS' if ok else 'FAIL'}; used / held over them {used / held:.3f} "
+          f"(slot cache: {budget} tokens, {budget * token_bytes / 1e6:.1f} MB, whatever it holds)")
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("checkpoint", None, "checkpoint to serve (default: a small random model, converted)",
                         flag_values=fv)
@@ -237,10 +366,15 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_batch", 16, "the server's decode slots", flag_values=fv)
     flags.DEFINE_integer("port", 18765, "the server's port", flag_values=fv)
     flags.DEFINE_string("concurrency", "1,4,16", "client counts, comma-separated (1 must be one)", flag_values=fv)
-    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar"], "what to measure", flag_values=fv)
+    flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar", "memory"], "what to measure",
+                      flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
-    flags.DEFINE_integer("page_size", None, "--mode=prefix: serve from a paged cache of these pages (prefixes "
-                         "shared as pages)", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "tokens per page of a paged cache: --mode=prefix serves from one "
+                         "(prefixes shared as pages); --mode=memory's paged cache (default 16)", flag_values=fv)
+    flags.DEFINE_integer("long_every", 16, "--mode=memory: every n-th request near the context limit", flag_values=fv)
+    flags.DEFINE_integer("max_seq_len", 1024, "--mode=memory: the context limit of one request", flag_values=fv)
+    flags.DEFINE_integer("budget_slots", 4, "--mode=memory: the slot cache's slots; the budget of both caches is "
+                         "this x --max_seq_len tokens", flag_values=fv)
     flags.DEFINE_integer("expert_cache", None, "concurrency mode: offload the routed experts behind a device cache "
                          "of C per layer (generate() and the server), and report its hit rate, bytes moved per "
                          "token and stall time", flag_values=fv)
@@ -254,6 +388,8 @@ def main(argv=None) -> int:
         return bench_prefix(checkpoint, args)
     if args.mode == "grammar":
         return bench_grammar(checkpoint, args)
+    if args.mode == "memory":
+        return bench_memory(checkpoint, args)
     prompts = prompts_for(2 * args.requests)
     print("sequential generate() ...", flush=True)
     rows = [("generate() sequential", 1, bench_generate(checkpoint, prompts[:args.requests], args.max_tokens,
