@@ -315,7 +315,8 @@ def bench_memory(checkpoint: str, args) -> None:
     from dsv3_jax.inference import cache_bytes_per_token
 
     hf = os.path.join(checkpoint, "config.json")  # an HF folder, else a converted (Orbax) one
-    cfg = ModelConfig.from_hf_config(hf) if os.path.exists(hf) else ModelConfig.from_dict(read_meta(checkpoint)["model"])
+    cfg = (ModelConfig.from_hf_config(hf) if os.path.exists(hf)
+           else ModelConfig.from_dict(read_meta(checkpoint)["model"]))
     token_bytes = cache_bytes_per_token(cfg, "float32") * cfg.num_layers
     budget, page_size = args.budget_slots * args.max_seq_len, args.page_size or 16
     prompts = mixed_trace(args)

@@ -133,8 +133,9 @@ class Deployment:
     def __post_init__(self):
         if self.page_size is not None and (self.page_size < 1 or not self.mix or sum(w for _, w in self.mix) != 1
                                            or any(not 1 <= n <= self.context or w <= 0 for n, w in self.mix)):
+            mix = ",".join(f"{n}:{float(w):g}" for n, w in self.mix)
             raise ValueError(f"--page_size={self.page_size} needs a --mix of lengths in [1, --context={self.context}]"
-                             f" with positive shares summing to 1, got {','.join(f'{n}:{float(w):g}' for n, w in self.mix)}")
+                             f" with positive shares summing to 1, got {mix}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"--weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.cache_dtype not in CACHE_DTYPES:
