@@ -118,8 +118,8 @@ def build(args):
                     offload=ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
                     if args.offload_experts else None)
     if args.page_size:
-        logging.info("paged cache: %d tokens in %d pages of %d, %.4g GB (%s)", runner.pool.num_pages * args.page_size,
-                     runner.pool.num_pages, args.page_size, sum(a.nbytes for a in jax.tree.leaves(runner.cache)) / 1e9, source)
+        logging.info("paged cache: %d tokens in %d pages of %d, %.4g GB (%s)", runner.cache_tokens,
+                     runner.cache_tokens // args.page_size, args.page_size, sum(a.nbytes for a in jax.tree.leaves(runner.cache)) / 1e9, source)
     if note := cli.expert_slots_note(runner.offload, "--chunk"):
         logging.info(note)
     start = time.perf_counter()

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dsv3_jax.inference import prefill, steps
-from dsv3_jax.inference.cache import bucket_slots, init_cache
+from dsv3_jax.inference.cache import bucket_slots, init_cache, token_shards
 from dsv3_jax.inference.page_pool import PagePool
 from dsv3_jax.inference.sampling import SamplingConfig
 from dsv3_jax.model.transformer import check_tokens
@@ -125,10 +125,10 @@ class Generation:
         self.chunks = prefill.plan(t, prefill_chunk)
         slots = bucket_slots(max(t + max_new_tokens + self.depths, prefill.padded_end(t, prefill_chunk)))
         cache_dtype = cache_dtype or cfg.compute_dtype
+        self.page_table = None  # int32 [B, M] of a paged cache, passed with the cache to every step
         if page_size is not None:
-            if cache_sharding is not None:
-                raise ValueError("page_size (a paged cache) runs on one device: leave cache_sharding unset")
-            cache = self._paged_cache(cache_dtype, use_mtp, page_size, slots)
+            shards = 1 if cache_sharding is None else token_shards(cache_sharding.mesh)
+            cache, self.page_table = self._paged_cache(cache_dtype, use_mtp, page_size, slots, shards)
         else:
             cache = init_cache(cfg, b, slots, cache_dtype, with_mtp=use_mtp)
         self.cache = cache if cache_sharding is None else jax.device_put(cache, cache_sharding)
@@ -145,23 +145,34 @@ class Generation:
         self._all_rows, self._all_active = np.arange(b, dtype=np.int32), np.ones((b,), bool)
         self._requested = np.arange(b) < self.rows
 
-    def _paged_cache(self, cache_dtype: str, use_mtp: bool, page_size: int, slots: int):
-        """A pool of pages for every row's prompt, new tokens and drafts (a power of two of them, so
-        calls of similar size share a compile, and never more than B rows of `slots`), and the rows'
-        page table covering `slots` positions."""
+    def _paged_cache(self, cache_dtype: str, use_mtp: bool, page_size: int, slots: int, shards: int):
+        """A pool of pages for every row's prompt, new tokens and drafts, and the rows' page table
+        covering `slots` positions. On a mesh the rows and the pool split into `shards` equal blocks
+        (`model.page_shards`), a row taking pages of its own block; each block holds a power of two
+        of pages (calls of similar size share a compile), never more than its rows of `slots`."""
         b, extra = self.prompts.shape[0], self.max_new_tokens + self.depths
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {page_size}")
-        needed, m = int(np.sum(-(-(self.lengths + extra) // page_size))), -(-slots // page_size)
-        pool = PagePool(min(1 << (needed - 1).bit_length(), b * m), page_size)
+        if b % shards:
+            raise ValueError(f"page_size on a mesh: the batch of {b} rows must split evenly over its {shards} batch "
+                             f"shards (data x fsdp x expert), each holding the pages of its rows")
+        m, rows_SxR = -(-slots // page_size), np.arange(b).reshape(shards, -1)
+        need = int(np.max(np.sum(-(-(self.lengths[rows_SxR] + extra) // page_size), axis=1)))
+        per_shard = min(1 << (need - 1).bit_length(), rows_SxR.shape[1] * m)
         table_BxM = np.full((b, m), -1, np.int32)
-        for row in range(b):
-            pool.admit(row, self.prompts[row, :self.lengths[row]].tolist())
-            if not pool.grow(row, extra):  # the pool is sized above for every row's pages
-                raise RuntimeError(f"page pool of {pool.num_pages} pages short for row {row}")
-            pool.fill_row(table_BxM, row, row)
-        cache = init_cache(self.model_config, pool.num_pages, page_size, cache_dtype, with_mtp=use_mtp)
-        return cache._replace(page_table=table_BxM)
+        for shard, rows in enumerate(rows_SxR):
+            pool = PagePool(per_shard, page_size)
+            for row in rows:
+                pool.admit(row, self.prompts[row, :self.lengths[row]].tolist())
+                if not pool.grow(row, extra):  # the pool is sized above for every row's pages
+                    raise RuntimeError(f"page pool of {pool.num_pages} pages short for row {row}")
+                pool.fill_row(table_BxM, row, row)
+            table_BxM[rows] += np.where(table_BxM[rows] >= 0, shard * per_shard, 0).astype(np.int32)
+        return init_cache(self.model_config, shards * per_shard, page_size, cache_dtype, with_mtp=use_mtp), table_BxM
+
+    def _cache(self):
+        """The cache a step takes: with its page table (a host array), if paged."""
+        return self.cache if self.page_table is None else self.cache._replace(page_table=self.page_table)
 
     def _keep(self, tokens_BxK: np.ndarray, n_BxK: np.ndarray) -> StepTokens:
         """Writes each active row's first n tokens, cut at max_new_tokens and after a stop token."""
@@ -184,7 +195,7 @@ class Generation:
         carry = prefill.init_carry(self.model_config, b, self.depths)
         for start, width in self.chunks:
             window = prefill.window(self.prompts, start, width, self.depths)
-            (carry, _), self.cache = self.steps.prefill(self.state, self.cache, self._all_rows, window,
+            (carry, _), self.cache = self.steps.prefill(self.state, self._cache(), self._all_rows, window,
                                                         np.int32(start), self.lengths, carry, None, self.key)
         self.stats.prefill_chunks = len(self.chunks)
         if carry.expert_counts is not None:
@@ -201,7 +212,7 @@ class Generation:
         positions = self.lengths.copy()
         while not self._done.all():
             active, start = ~self._done, time.perf_counter()
-            out, self.cache = self.steps.decode(self.state, self.cache, self._all_rows, tokens, positions,
+            out, self.cache = self.steps.decode(self.state, self._cache(), self._all_rows, tokens, positions,
                                                 self._all_active, None, self.key, np.int32(self.stats.forwards + 1))
             self.stats.decode_traces = self.steps.traces["decode"] - traces_before.get("decode", 0)
             # next_tokens back on the host, as the prefill's were: a device array (committed) would be a new

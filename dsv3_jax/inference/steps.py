@@ -57,11 +57,13 @@ class StepOut(NamedTuple):
     logprobs: TokenLogprobs | None  # [B, K] / [B, K, N] of emitted, with `logprobs`
 
 
-def _constrain(tree, sharding):
-    """The cache in `sharding` (on a mesh): what a step returns is what the next one takes."""
+def _constrain(cache, sharding):
+    """The cache's stacks in `sharding` (on a mesh): what a step returns is what the next one takes.
+    A page table, a host array each step, is left as it is."""
     if sharding is None:
-        return tree
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), tree)
+        return cache
+    stacks = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache._replace(page_table=None))
+    return stacks._replace(page_table=cache.page_table)
 
 
 def _draw(opts: StepOptions, sampling: RowSampling | None, key, positions_B: jax.Array) -> Draw:

@@ -49,7 +49,7 @@ from flax import nnx
 import pallas_kernels
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import lora, params
+from dsv3_jax.model import lora, page_shards, params
 from dsv3_jax.model.indexer import Indexer, cached_topk, select_topk
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import apply_rope
@@ -90,7 +90,12 @@ class LatentCache(NamedTuple):
         """This cache with `entries` [B, W, ...] stored at slots `positions` (of `layer` if stacked;
         `layer=slice(None)`: a whole stack's entries [L, B, W, ...] in one scatter); with a
         `page_table` [B, M] into its pages, an entry whose page is -1 (none) or past the table (as past
-        a contiguous cache's slots) not at all."""
+        a contiguous cache's slots) not at all; on a mesh each batch shard writes its own pages (`page_shards`)."""
+        if page_table is not None:
+            return page_shards.write(LatentCache._scatter, self, page_table, layer, entries, positions_BxW)
+        return self._scatter(None, layer, entries, positions_BxW)
+
+    def _scatter(self, page_table, layer, entries: LatentCache, positions_BxW: jax.Array) -> LatentCache:
         index = latent_attention.cache_index(positions_BxW, page_table, self.latent.shape[-3:-1])
         index = index if layer is None else (layer, *index)
         return LatentCache(*(None if a is None else a.at[index].set(e) for a, e in zip(self, entries)))
@@ -227,9 +232,10 @@ class MLA(nnx.Module):
         fresh, fresh_lse = _attention_fn(cfg.attention_impl, with_lse=True)(q, k, v, softmax_scale=cfg.softmax_scale)
         w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        prefix, prefix_lse = latent_attention.attend_expanded(q_nope, q_pe, w_uk, w_uv, cache, positions_BxT,
-                                                              softmax_scale=cfg.softmax_scale, compute_dtype=dt,
-                                                              layer=layer, page_table=page_table)
+        expanded = functools.partial(latent_attention.attend_expanded, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
+        prefix, prefix_lse = page_shards.read(
+            lambda c, table, layer, qn, qp, pos, wk, wv: expanded(qn, qp, wk, wv, c, pos, layer=layer, page_table=table),
+            cache, page_table, layer, q_nope, q_pe, positions_BxT, shared=(w_uk, w_uv), merge_lse=True)
         out = latent_attention.merge(prefix, prefix_lse, fresh, fresh_lse)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
@@ -269,15 +275,17 @@ class MLA(nnx.Module):
         w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)  # [C,H,N], [C,H,V]
         q_lat = jnp.einsum("BTHN,CHN->BTHC", q_nope.astype(dt), w_uk, preferred_element_type=jnp.float32)
         pallas = cfg.attention_impl == "pallas" and x_BxTxD.shape[1] == 1
-        kw = dict(softmax_scale=cfg.softmax_scale, compute_dtype=dt, layer=layer)
+        kw = dict(softmax_scale=cfg.softmax_scale, compute_dtype=dt)
         if own_index_k is None:
             attend = latent_attention.attend_pallas if pallas else latent_attention.attend
-            o_lat = attend(q_lat, q_pe, cache, own, positions_BxT, page_table=page_table, **kw)
+            o_lat = page_shards.read(lambda c, table, layer, q, p, o, pos: attend(q, p, c, o, pos, page_table=table,
+                                                                                  layer=layer, **kw),
+                                     cache, page_table, layer, q_lat, q_pe, own, positions_BxT)
         else:
             q_index, w_index = self.indexer.queries(x_BxTxD, self.query_latent(x_BxTxD), cos, sin)
             chosen = cached_topk(q_index, w_index, cache, own_index_k, positions_BxT, cfg.index_topk, layer=layer,
                                  pallas=pallas, page_table=page_table)
             attend = latent_attention.attend_sparse_pallas if pallas else latent_attention.attend_sparse
-            o_lat = attend(q_lat, q_pe, cache, own, chosen, page_table=page_table, **kw)
+            o_lat = attend(q_lat, q_pe, cache, own, chosen, layer=layer, page_table=page_table, **kw)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

@@ -166,7 +166,7 @@ def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: 
     m, k = page_table_BxM.shape[1], latent.shape[-2]
     per_item = max(1, min(block // k, m))  # J pages, P = J * K slots an item
     p = per_item * k
-    items_B = (before_B + p - 1) // p
+    items_B = jnp.where(page_table_BxM[:, 0] >= 0, (before_B + p - 1) // p, 0)  # no page: another shard's row
     ends_B = jnp.cumsum(items_B)
     empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
 

@@ -177,9 +177,8 @@ class Engine:
             state = {"status": self.state, "last_error": self.last_error, "resets": self.resets,
                      "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting)}
             if self.runner.page_size is not None:
-                pool = self.runner.pool
-                state |= {"cache_tokens_used": pool.held_pages * pool.page_size,
-                          "cache_tokens_total": pool.num_pages * pool.page_size}
+                state |= {"cache_tokens_used": self.runner.cache_tokens_used,
+                          "cache_tokens_total": self.runner.cache_tokens}
             return state
 
     def start(self) -> None:
@@ -279,7 +278,7 @@ class Engine:
             if r is None or r.chunks:
                 continue
             while not self.runner.grow(slot, r, int(self.positions[slot]) + 1 + self.runner.drafts):
-                victim = self.runner.pool.newest()
+                victim = self.runner.newest(slot)
                 self._free(self.slots.index(victim))
                 self.waiting.appendleft(victim)
                 victim.prompt_logprobs = []  # its prefill starts over
@@ -304,7 +303,7 @@ class Engine:
                 else:
                     cached = self.runner.admit(slot, request, tokens, share=self.share_pages and reuse)
                     if cached is None:
-                        break  # first come, first served: the pages free up as requests end
+                        continue  # first come, first served: the pages (of this slot's shard) free up
                 self.waiting.popleft()
                 self.slots[slot] = request
                 request.chunks = [c for c in self.runner.chunks(len(tokens)) if c[0] >= cached]
@@ -333,7 +332,7 @@ class Engine:
             request.chunks.pop(0)
             self.positions[slot] = start + valid
             if self.share_pages and request.params.prefix_cache:
-                self.runner.pool.publish(request, start + valid)
+                self.runner.publish(slot, request, start + valid)
             last = not request.chunks
             if request.params.echo:  # entry i scores prompt token start + i + 1 (the last one: the sampled token)
                 request.prompt_logprobs += _logprobs(out.logprobs, request.params.logprobs, valid - last)

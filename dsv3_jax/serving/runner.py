@@ -68,14 +68,17 @@ def decode_buckets(max_batch: int, multiple: int = 1) -> tuple[int, ...]:
     return tuple(n for n in sizes if n < max_batch) + (max_batch,)
 
 
-def step_rows(active_B: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
+def step_rows(active_B: np.ndarray, buckets: tuple[int, ...], shards: int = 1) -> np.ndarray:
     """int32 [N]: the slots a decode step runs, the active ones first, padded with idle ones to the
-    smallest bucket N that holds them (distinct, so the scatter back writes each slot once)."""
-    active = np.flatnonzero(active_B)
-    n = next(b for b in buckets if b >= len(active))
-    if n == len(active_B):
+    smallest bucket N that holds them (distinct, so the scatter back writes each slot once). With
+    `shards` (a paged cache on a mesh), block i of the N rows is shard i's (slots i, i + shards, ...):
+    N / shards rows hold each shard's active slots, so a row reads the pages of its own shard."""
+    by_shard = [np.arange(i, len(active_B), shards) for i in range(shards)]
+    n = next(b for b in buckets if b // shards >= max(np.count_nonzero(active_B[s]) for s in by_shard))
+    if n == len(active_B) and shards == 1:
         return np.arange(n, dtype=np.int32)
-    return np.concatenate([active, np.flatnonzero(~active_B)[:n - len(active)]]).astype(np.int32)
+    return np.concatenate([np.concatenate([s[active_B[s]], s[~active_B[s]]])[:n // shards]
+                           for s in by_shard]).astype(np.int32)
 
 
 @functools.partial(jax.jit, static_argnames="width")
@@ -97,7 +100,9 @@ class Runner:
 
     `page_size`: a paged cache instead, a pool of `cache_tokens` tokens (default max_batch x
     max_seq_len) in pages of `page_size` that the slots' requests hold as they need them (`admit`,
-    `grow`, `release`; `PagePool`): slots bound the requests in flight, pages the tokens they hold."""
+    `grow`, `release`; `PagePool`): slots bound the requests in flight, pages the tokens they hold.
+    On a mesh the pool splits over the batch shards with the slots (slot b in shard b % shards, one
+    `PagePool` each): a request takes pages of its slot's shard, where its attention runs."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
                  chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None,
@@ -112,16 +117,14 @@ class Runner:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         prefill.check_chunk(chunk)
         cache_tokens = max_batch * max_seq_len if cache_tokens is None else cache_tokens
-        if page_size is not None and (mesh is not None or page_size < 1
-                                      or cache_tokens // page_size < -(-max_seq_len // page_size)):
-            raise ValueError(f"a paged cache (page_size={page_size}) runs on one device (no mesh), with pages of "
-                             f">= 1 token, and cache_tokens={cache_tokens} must hold the pages of one request of "
-                             f"max_seq_len={max_seq_len}")
-        self.page_size, self.cache_tokens = page_size, cache_tokens
+        shards = token_shards(mesh)
+        if page_size is not None:
+            _check_pages(page_size, cache_tokens, max_seq_len, shards)
+            cache_tokens -= cache_tokens % page_size  # whole pages
+        self.page_size, self.cache_tokens, self.shards = page_size, cache_tokens, shards
         self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
         self.cache_dtype = cache_dtype or cfg.compute_dtype
         self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
-        shards = token_shards(mesh)
         if max_batch % shards or chunk % shards:
             raise ValueError(f"on this mesh a step's tokens are split over {shards} devices (data x fsdp x expert): "
                              f"max_batch={max_batch} and the prefill width chunk={chunk} "
@@ -139,6 +142,11 @@ class Runner:
             # a step's tokens: one row's prefill chunk, or every slot's decode step
             self.steps = offload.wrap(self.steps, max(chunk, max_batch * (1 + self.drafts)))
 
+    @property
+    def _row_shards(self) -> int:
+        """Blocks a decode step's rows come in: the pool's shards (a slot cache's rows are gathered)."""
+        return 1 if self.page_size is None else self.shards
+
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -149,34 +157,58 @@ class Runner:
         if self.page_size is not None:
             # prefixes shared in whole prefill chunks: a reused prefix's pages hold a cold prefill's bits
             granule = math.lcm(self.page_size, self.chunk) // self.page_size
-            self.pool = PagePool(self.cache_tokens // self.page_size, self.page_size, granule)
+            rows, slots = self.cache_tokens // self.page_size, self.page_size
+            self.pools = [PagePool(rows // self.shards, self.page_size, granule) for _ in range(self.shards)]
             self.table = np.full((self.max_batch, -(-self.max_seq_len // self.page_size)), -1, np.int32)
-            rows, slots = self.pool.num_pages, self.page_size
         cache = init_cache(self.config, rows, slots, self.cache_dtype, with_mtp=self.drafts > 0)
         # committed to a device (or placed on the mesh), as every step's output is: one compiled step for both
         self.cache = jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
+    def _pool(self, slot: int) -> PagePool:
+        """The pages of the slot's shard."""
+        return self.pools[slot % self.shards]
+
+    def _fill(self, slot: int, rid) -> None:
+        """The slot's table row: the request's pages, as ids of the whole pool (its shard's block)."""
+        self._pool(slot).fill_row(self.table, slot, rid)
+        row = self.table[slot]
+        row[row >= 0] += slot % self.shards * self.pools[0].num_pages
+
     def admit(self, slot: int, rid, tokens: list[int], share: bool = False) -> int | None:
         """Paged: pages for a prompt of `tokens` in the slot's table row, those of its longest cached
-        prefix shared when `share`; -> the prompt tokens already cached, None when they do not fit."""
-        if not self.pool.can_admit(tokens, share):
+        prefix (in its shard) shared when `share`; -> the prompt tokens already cached, None when they
+        do not fit."""
+        if not self._pool(slot).can_admit(tokens, share):
             return None
-        cached = self.pool.admit(rid, tokens, share)
-        self.pool.fill_row(self.table, slot, rid)
+        cached = self._pool(slot).admit(rid, tokens, share)
+        self._fill(slot, rid)
         return cached
+
+    def publish(self, slot: int, rid, written: int) -> None:
+        """Paged: the request's first `written` positions are in its pages, its full prompt granules shareable."""
+        self._pool(slot).publish(rid, written)
 
     def grow(self, slot: int, rid, end: int) -> bool:
         """Paged: pages for the slot's positions before `end`; False, nothing changed, when too few are free."""
-        more = end - self.pool.requests[rid].tokens
-        if more > 0 and not self.pool.grow(rid, more):
+        more = end - self._pool(slot).requests[rid].tokens
+        if more > 0 and not self._pool(slot).grow(rid, more):
             return False
-        self.pool.fill_row(self.table, slot, rid)
+        self._fill(slot, rid)
         return True
+
+    def newest(self, slot: int):
+        """Paged: the request to preempt when the slot's pages run short, the newest of its shard's."""
+        return self._pool(slot).newest()
 
     def release(self, slot: int, rid) -> None:
         """Paged: the request's pages back to the pool, the slot's table row empty."""
-        self.pool.release(rid)
+        self._pool(slot).release(rid)
         self.table[slot] = -1
+
+    @property
+    def cache_tokens_used(self) -> int:
+        """Paged: the tokens of the pages held (a shared page once)."""
+        return sum(pool.held_pages for pool in self.pools) * self.page_size
 
     def _cache(self, rows_N: np.ndarray):
         """The cache a step over rows_N takes: paged, with those rows' page table."""
@@ -219,7 +251,7 @@ class Runner:
         """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b],
         output i drawn among the tokens bitmask[b, i] allows (None: any). Numpy results, the rows of
         inactive slots zeros."""
-        rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets)
+        rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets, self._row_shards)
         picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
         bitmask = self.free_bitmask if bitmask_BxKxG is None else bitmask_BxKxG
         out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
@@ -244,7 +276,8 @@ class Runner:
         def compile_steps():
             self.prefill_chunk(0, np.zeros(self.chunk, np.int32), 0, greedy)
             for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
-                self._step(step_rows(np.arange(b) < n, self.decode_buckets), np.zeros((n, 1 + self.drafts), np.int32),
+                self._step(step_rows(np.arange(b) < n, self.decode_buckets, self._row_shards),
+                           np.zeros((n, 1 + self.drafts), np.int32),
                            np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width),
                            self.free_bitmask[:n])
         if self.offload is not None:
@@ -253,6 +286,16 @@ class Runner:
             compile_steps()
         if self.chunk <= self.max_seq_len and self.page_size is None:  # prefix-cache blocks: a full chunk's rows
             self.write_block(0, 0, self.read_block(0, 0))
+
+
+def _check_pages(page_size: int, cache_tokens: int, max_seq_len: int, shards: int) -> None:
+    """A paged cache's sizes: whole pages, the same number in each of the mesh's batch shards, and
+    each shard able to hold one request of max_seq_len."""
+    pages = cache_tokens // page_size if page_size >= 1 else 0
+    if page_size < 1 or pages % shards or pages // shards < -(-max_seq_len // page_size):
+        raise ValueError(f"a paged cache (--page_size={page_size}, --max_cache_tokens={cache_tokens}) needs pages of "
+                         f">= 1 token, a number of them the mesh's {shards} batch shards (data x fsdp x expert) divide, "
+                         f"and in each shard the pages of one request of --max_seq_len={max_seq_len}")
 
 
 def _scatter_rows(a_NxX: np.ndarray, rows_N: np.ndarray, batch: int) -> np.ndarray:

