@@ -105,7 +105,8 @@ class Generation:
     statistic counts them. `offload`: an `expert_cache.ExpertOffload` of this model, whose device cache
     of routed experts the steps run through. `page_size`: a paged cache of pages of that many tokens
     (`PagePool`), each row holding pages for its own prompt and new tokens only, not the longest
-    row's; the server's cache layout, same tokens.
+    row's; the server's cache layout, same tokens. With a `cache_sharding` on a mesh the pool splits over
+    its batch shards with the rows, each row holding pages of its own shard (`model.page_shards`).
     """
 
     def __init__(self, model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,

@@ -34,7 +34,8 @@ the MoE layers exchange tokens with their experts' devices (`sharding/expert_par
 splits MLA's heads as the weights are split (`tensor`), and every step returns the cache in the
 sharding it came in (one compile per shape, as on one device). Expert parallelism splits a step's
 tokens over the token axes (data x fsdp x expert), so decode buckets are multiples of that product
-and a prefill chunk's width must be one too.
+and a prefill chunk's width must be one too. A paged cache's pool splits over the same shards, each
+holding the pages of its slots' requests (`Runner`, `dsv3_jax.model.page_shards`).
 """
 
 from __future__ import annotations

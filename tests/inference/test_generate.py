@@ -61,7 +61,9 @@ def test_stop_tokens_pad_the_rest(model, ragged_batch, greedy_reference):
     (dict(cache_dtype="int4"), "cache_dtype"),
     (dict(prefill_chunk=24), "prefill_chunk"),
     (dict(page_size=0), "page_size"),
-    (dict(page_size=4, cache_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), "page_size.*one device"),
+    (dict(page_size=4, cache_sharding=jax.sharding.NamedSharding(jax.sharding.AbstractMesh((4,), ("expert",)),
+                                                                 jax.sharding.PartitionSpec())),
+     "page_size on a mesh: the batch of 1 rows must split evenly over its 4 batch shards"),
     (dict(prompts=np.array([1, 2], np.int32)), r"\[batch, length\]"),
 ])
 def test_errors_name_the_problem(model, kwargs, match):
