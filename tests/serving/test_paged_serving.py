@@ -37,9 +37,9 @@ def alone(model, prompts):
 
 @pytest.mark.parametrize("use_mtp", [False, True])
 def test_sixteen_requests_on_too_few_pages_preempt_and_answer_as_generate_alone(model, prompts, alone, use_mtp):
-    """Four slots on 10 pages of 8 tokens, requests needing up to 7 pages each: the pool runs short,
+    """Four slots on 12 pages of 8 tokens, requests needing up to 7 pages each: the pool runs short,
     and requests are preempted with tokens generated, which their resumed prefill reads back."""
-    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=16, use_mtp=use_mtp, page_size=8, cache_tokens=80)
+    runner = Runner(model, max_batch=4, max_seq_len=64, chunk=16, use_mtp=use_mtp, page_size=8, cache_tokens=96)
     resumed, admit = [], runner.admit
 
     def admit_spy(slot, request, tokens, **kwargs):
@@ -62,4 +62,4 @@ def test_sixteen_requests_on_too_few_pages_preempt_and_answer_as_generate_alone(
     assert eng.metrics.preemptions > 0 and resumed
     assert runner.cache_tokens_used == 0 and (runner.table == -1).all()  # every page back once all ended
     health = eng.health()
-    assert (health["cache_tokens_used"], health["cache_tokens_total"]) == (0, 80)
+    assert (health["cache_tokens_used"], health["cache_tokens_total"]) == (0, 96)
