@@ -232,10 +232,13 @@ class MLA(nnx.Module):
         fresh, fresh_lse = _attention_fn(cfg.attention_impl, with_lse=True)(q, k, v, softmax_scale=cfg.softmax_scale)
         w_uk, w_uv = jnp.split(as_dense(lora.weight(self, "wkv_b"), dt), [cfg.qk_nope_head_dim], axis=-1)
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        expanded = functools.partial(latent_attention.attend_expanded, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
-        prefix, prefix_lse = page_shards.read(
-            lambda c, table, layer, qn, qp, pos, wk, wv: expanded(qn, qp, wk, wv, c, pos, layer=layer, page_table=table),
-            cache, page_table, layer, q_nope, q_pe, positions_BxT, shared=(w_uk, w_uv), merge_lse=True)
+
+        def prefix_attention(c, table, layer, q_nope, q_pe, positions_BxT, w_uk, w_uv):
+            return latent_attention.attend_expanded(q_nope, q_pe, w_uk, w_uv, c, positions_BxT, layer=layer,
+                                                    page_table=table, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
+
+        prefix, prefix_lse = page_shards.read(prefix_attention, cache, page_table, layer, q_nope, q_pe, positions_BxT,
+                                              shared=(w_uk, w_uv), merge_lse=True)
         out = latent_attention.merge(prefix, prefix_lse, fresh, fresh_lse)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

@@ -74,7 +74,8 @@ def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows
         return _merge_shards(*out, axes) if out_rows and not split else out
 
     pool_spec = jax.tree.map(lambda a: _split(a, a.ndim - 3, axes), cache)
-    row_specs = tuple(jax.tree.map(lambda a, d=d: _split(a, d, axes) if split else P(), r) for r, d in zip(rows, row_dims))
+    row_specs = tuple(jax.tree.map(lambda a, d=d: _split(a, d, axes) if split else P(), r)
+                      for r, d in zip(rows, row_dims))
     out_specs = (P(axes) if split else P()) if out_rows else pool_spec
     run = jax.shard_map(body, mesh=mesh, in_specs=(pool_spec, P(axes) if split else P(), P(), row_specs, P()),
                         out_specs=out_specs, axis_names=set(axes), check_vma=False)

@@ -295,8 +295,8 @@ def _check_pages(page_size: int, cache_tokens: int, max_seq_len: int, shards: in
     pages = cache_tokens // page_size if page_size >= 1 else 0
     if page_size < 1 or pages % shards or pages // shards < -(-max_seq_len // page_size):
         raise ValueError(f"a paged cache (--page_size={page_size}, --max_cache_tokens={cache_tokens}) needs pages of "
-                         f">= 1 token, a number of them the mesh's {shards} batch shards (data x fsdp x expert) divide, "
-                         f"and in each shard the pages of one request of --max_seq_len={max_seq_len}")
+                         f">= 1 token, a number of them the mesh's {shards} batch shards (data x fsdp x expert) "
+                         f"divide, and in each shard the pages of one request of --max_seq_len={max_seq_len}")
 
 
 def _scatter_rows(a_NxX: np.ndarray, rows_N: np.ndarray, batch: int) -> np.ndarray:
