@@ -111,7 +111,7 @@ def build(args):
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
-    cache_tokens, source = pool_tokens(args, model.config, max_seq_len) if args.page_size else (None, "")
+    cache_tokens, source = pool_tokens(args, model.config, max_seq_len, mesh) if args.page_size else (None, "")
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules, page_size=args.page_size,
                     cache_tokens=cache_tokens,
@@ -138,12 +138,15 @@ def build(args):
     return make_app(engine, chat, name, args.max_request_bytes), engine
 
 
-def pool_tokens(args, cfg, max_seq_len: int) -> tuple[int, str]:
+def pool_tokens(args, cfg, max_seq_len: int, mesh=None) -> tuple[int, str]:
     """-> (tokens of the page pool, where the figure comes from): --max_cache_tokens, else what fits
-    the first device's memory after the weights, else (no memory reported: CPU) max_batch x max_seq_len."""
+    one device's memory after the weights (a device holds its batch shard's pages, so the pool is
+    that times the shards), else (no memory reported: CPU) a page-rounded max_seq_len per slot.
+    Both defaults are whole pages that the mesh's batch shards divide."""
     import jax
 
     from dsv3_jax.inference import cache_bytes_per_token
+    from dsv3_jax.inference.cache import token_shards
     from dsv3_jax.inference.page_pool import fitting_tokens
 
     if args.max_cache_tokens is not None:
@@ -152,8 +155,11 @@ def pool_tokens(args, cfg, max_seq_len: int) -> tuple[int, str]:
     token_bytes = cache_bytes_per_token(cfg, args.cache_dtype or cfg.compute_dtype) * layers
     fits = fitting_tokens(jax.devices()[0].memory_stats(), token_bytes, args.cache_memory_fraction)
     if fits is None:
-        return args.max_batch * max_seq_len, "max_batch x max_seq_len: the device reports no memory"
-    return fits, f"{args.cache_memory_fraction:.0%} of the device's memory less what the weights hold"
+        pages = args.max_batch * -(-max_seq_len // args.page_size)
+        return pages * args.page_size, "max_batch x max_seq_len in whole pages: the device reports no memory"
+    shards = token_shards(mesh) if mesh is not None else 1
+    return fits // args.page_size * shards * args.page_size, (
+        f"{args.cache_memory_fraction:.0%} of each device's memory less what the weights hold, x {shards} batch shards")
 
 
 def _warn_on_compiles() -> None:
