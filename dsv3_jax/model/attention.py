@@ -238,7 +238,7 @@ class MLA(nnx.Module):
                                                     page_table=table, softmax_scale=cfg.softmax_scale, compute_dtype=dt)
 
         prefix, prefix_lse = page_shards.read(prefix_attention, cache, page_table, layer, q_nope, q_pe, positions_BxT,
-                                              shared=(w_uk, w_uv), merge_lse=True)
+                                              shared=(w_uk, w_uv), merge="lse")
         out = latent_attention.merge(prefix, prefix_lse, fresh, fresh_lse)
         entries = LatentCache(*latent_attention.encode(*own, cache.cache_dtype))
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries
@@ -288,7 +288,14 @@ class MLA(nnx.Module):
             q_index, w_index = self.indexer.queries(x_BxTxD, self.query_latent(x_BxTxD), cos, sin)
             chosen = cached_topk(q_index, w_index, cache, own_index_k, positions_BxT, cfg.index_topk, layer=layer,
                                  pallas=pallas, page_table=page_table)
-            attend = latent_attention.attend_sparse_pallas if pallas else latent_attention.attend_sparse
-            o_lat = attend(q_lat, q_pe, cache, own, chosen, layer=layer, page_table=page_table, **kw)
+            if pallas:
+                o_lat = page_shards.read(lambda c, table, layer, q, p, o, ch: latent_attention.attend_sparse_pallas(
+                    q, p, c, o, ch, layer=layer, page_table=table, **kw), cache, page_table, layer, q_lat, q_pe, own,
+                    chosen)
+            else:
+                rows = page_shards.read(lambda c, table, layer, ch: latent_attention.read_chosen(
+                    c, layer, ch, dt, page_table=table), cache, page_table, layer, chosen, merge="sum")
+                o_lat = latent_attention.attend_sparse(q_lat, q_pe, rows, own, chosen,
+                                                       latent_attention.row_slots(cache.latent, page_table), **kw)
         out = jnp.einsum("BTHC,CHV->BTHV", o_lat.astype(dt), w_uv, preferred_element_type=jnp.float32)
         return self._mm("BTHV,HVD->BTD", out.astype(dt), "wo"), entries

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import params
+from dsv3_jax.model import page_shards, params
 from dsv3_jax.model.norm import LayerNorm
 from dsv3_jax.model.rope import apply_rope
-from dsv3_jax.ops.latent_attention import rows_view
+from dsv3_jax.ops.latent_attention import READ_BLOCK, gather_slots, row_slots
 from dsv3_jax.ops.linear import project
 import pallas_kernels
 
@@ -94,24 +94,48 @@ def indexer_kl(logits_BxTxS: jax.Array, attn_probs_BxTxS: jax.Array, selected_Bx
     return jnp.sum(kl_BxT * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def cached_logits(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, positions_BxW: jax.Array, *, layer=None,
+                  pallas: bool = False, page_table=None, block: int = READ_BLOCK) -> jax.Array:
+    """The W queries' logits over the cache's index keys (`cache.index_k` of `layer`, or with a
+    `page_table` [B, M] each row's read through it) -> float32 [B, W, S], S = `row_slots`: read
+    `block` slots at a time up to the batch's longest prefix (blocks past it are never read, their
+    logits 0, as are a slot's whose page another shard holds: its keys read as zeros); the caller
+    masks the slots at and past each row's first position. `pallas` (one query per row): the
+    indexer kernel's scores, -inf past the row's prefix."""
+    b, w, s = *q_BxWxIxK.shape[:2], row_slots(cache.index_k, page_table)
+    block = min(block, s)
+    before_B = positions_BxW[:, 0]
+
+    def body(i, out_BxWxS):
+        slots_BxP = jnp.broadcast_to(i * block + jnp.arange(block), (b, block))
+        keys_BxPxK, scale_BxPx1 = (gather_slots(a, layer, slots_BxP, page_table)
+                                   for a in (cache.index_k, cache.index_k_scale))
+        if pallas:
+            w_fold_BxI = w_BxWxI[:, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0
+            logits = pallas_kernels.indexer_scores(q_BxWxIxK[:, 0], w_fold_BxI, keys_BxPxK, before_B - i * block,
+                                                   k_scale=scale_BxPx1)[:, None]
+        else:
+            keys = keys_BxPxK.astype(jnp.float32) * (1.0 if scale_BxPx1 is None else scale_BxPx1)
+            logits = index_logits(q_BxWxIxK, w_BxWxI, keys)
+        return jax.lax.dynamic_update_slice_in_dim(out_BxWxS, logits, i * block, axis=2)
+
+    out = jnp.zeros((b, w, -(-s // block) * block), jnp.float32)  # whole blocks; slots past S read zeros
+    return jax.lax.fori_loop(0, (jnp.max(before_B) + block - 1) // block, body, out)[..., :s]
+
+
 def cached_topk(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, own_k_BxWxK: jax.Array, positions_BxW: jax.Array,
                 topk: int, *, layer=None, pallas: bool = False, page_table=None) -> jax.Array:
     """The `topk` entries of largest logit for a cached call's W queries at consecutive `positions`,
-    over the cache slots before the call (its index keys `cache.index_k` of `layer`, [B, S, K]) and
-    the call's own exact keys up to each query -> int32 [B, W, min(topk, S + W)]: j < S is cache
-    slot j, S + w the call's own entry w, -1 none (fewer visible). With a `page_table` [B, M] the
-    keys are a pool of pages and each row's are read through its table (S = M x K). `pallas` (one
-    query per row): the cached keys' logits from the indexer kernel."""
-    keys_BxSxK, scale_BxSx1 = (rows_view(a, layer, page_table) for a in (cache.index_k, cache.index_k_scale))
-    s, f32 = keys_BxSxK.shape[1], jnp.float32
-    if pallas:
-        w_fold_BxI = w_BxWxI[:, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0
-        cached_BxWxS = pallas_kernels.indexer_scores(q_BxWxIxK[:, 0], w_fold_BxI, keys_BxSxK, positions_BxW[:, 0],
-                                                     k_scale=scale_BxSx1)[:, None]
-    else:
-        keys = keys_BxSxK.astype(f32) if scale_BxSx1 is None else keys_BxSxK.astype(f32) * scale_BxSx1
-        cached_BxWxS = jnp.where(jnp.arange(s) < positions_BxW[:, :1, None], index_logits(q_BxWxIxK, w_BxWxI, keys),
-                                 -jnp.inf)
+    over the cache slots before the call (`cached_logits`; on a mesh each batch shard reads its own
+    pages, `page_shards`) and the call's own exact keys up to each query -> int32
+    [B, W, min(topk, S + W)]: j < S is cache slot j, S + w the call's own entry w, -1 none (fewer
+    visible)."""
+    def logits(c, table, layer, q, w, positions):
+        return cached_logits(q, w, c, positions, layer=layer, pallas=pallas, page_table=table)
+
+    cached_BxWxS = page_shards.read(logits, cache, page_table, layer, q_BxWxIxK, w_BxWxI, positions_BxW, merge="sum")
+    s = cached_BxWxS.shape[-1]
+    cached_BxWxS = jnp.where(jnp.arange(s) < positions_BxW[:, :1, None], cached_BxWxS, -jnp.inf)
     own_visible_BxWxW = positions_BxW[:, None, :] <= positions_BxW[:, :, None]
     own_BxWxW = jnp.where(own_visible_BxWxW, index_logits(q_BxWxIxK, w_BxWxI, own_k_BxWxK), -jnp.inf)
     logits = jnp.concatenate([cached_BxWxS, own_BxWxW], axis=-1)

@@ -10,7 +10,9 @@ split over `tensor` as the weights are (the shard_map leaves that axis to XLA).
 
 A call whose rows the shards do not divide (the server's one-row prefill chunk) runs with its rows
 whole on every shard: each shard reads the pages it holds (on all but the row's own shard, none),
-and the partial softmaxes are merged across the shards by log-sum-exp (exact: the others weigh 0).
+and the partial softmaxes are merged across the shards by log-sum-exp (exact: the others weigh 0),
+or a read that is zero where the page is another shard's (a gather of entries, the indexer's
+scores of zero keys) by their sum.
 Writes go to the shard holding the page, the other shards drop them. Without a mesh, or on a mesh
 without token axes, the call runs as it is.
 """
@@ -53,7 +55,7 @@ def _merge_shards(out_BxWxHxV: jax.Array, lse_BxWxH: jax.Array, axes):
     return out, jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
-def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows: bool, merge_lse: bool):
+def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows: bool, merge: str | None):
     """fn(cache, page_table, layer, *rows, *shared) on each shard of the context mesh's token axes."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if page_table is None else _axes(mesh)
@@ -64,14 +66,16 @@ def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows
     if pages % shards:
         raise ValueError(f"a paged cache's {pages} pages must split evenly over the mesh's {shards} batch shards")
     split = page_table.shape[0] % shards == 0
-    if out_rows and not split and not merge_lse:
+    if out_rows and not split and merge is None:
         raise ValueError(f"a paged read of {page_table.shape[0]} rows on {shards} batch shards: the rows must split "
                          "evenly over them")
     traced = isinstance(layer, jax.Array)
 
     def body(cache, table, layer_arg, rows, shared):
         out = fn(cache, _localize(table, cache.latent.shape[-3], axes), layer_arg if traced else layer, *rows, *shared)
-        return _merge_shards(*out, axes) if out_rows and not split else out
+        if not out_rows or split:
+            return out
+        return _merge_shards(*out, axes) if merge == "lse" else jax.tree.map(lambda a: jax.lax.psum(a, axes), out)
 
     pool_spec = jax.tree.map(lambda a: _split(a, a.ndim - 3, axes), cache)
     row_specs = tuple(jax.tree.map(lambda a, d=d: _split(a, d, axes) if split else P(), r)
@@ -82,12 +86,12 @@ def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows
     return run(cache, page_table, layer if traced else 0, rows, shared)
 
 
-def read(fn, cache, page_table, layer, *rows, shared=(), merge_lse: bool = False):
-    """fn(cache, local page_table, layer, *rows, *shared) -> [B, ...] outputs (or, `merge_lse`, the
-    pair (out [B, W, H, V], lse [B, W, H]) that rows whole on every shard are merged by), each shard
-    over its own pages. rows: [B, ...] arrays (or tuples of them); shared: whole on every shard."""
-    return _on_shards(fn, cache, page_table, layer, rows, (0,) * len(rows), shared, out_rows=True,
-                      merge_lse=merge_lse)
+def read(fn, cache, page_table, layer, *rows, shared=(), merge: str | None = None):
+    """fn(cache, local page_table, layer, *rows, *shared) -> [B, ...] outputs, each shard over its own
+    pages. Rows whole on every shard are merged by `merge`: "lse", fn's pair (out [B, W, H, V],
+    lse [B, W, H]) by log-sum-exp; "sum", fn's outputs (zero where a page is another shard's) summed.
+    rows: [B, ...] arrays (or tuples of them); shared: whole on every shard."""
+    return _on_shards(fn, cache, page_table, layer, rows, (0,) * len(rows), shared, out_rows=True, merge=merge)
 
 
 def write(fn, cache, page_table, layer, entries, positions_BxW):
@@ -95,4 +99,4 @@ def write(fn, cache, page_table, layer, entries, positions_BxW):
     entries [(L,) B, W, ...] whose pages it holds."""
     dim = entries.latent.ndim - 3
     return _on_shards(fn, cache, page_table, layer, (entries, positions_BxW), (dim, 0), (), out_rows=False,
-                      merge_lse=False)
+                      merge=None)

@@ -334,7 +334,7 @@ def cache_index(slots_BxX: jax.Array, page_table_BxM: jax.Array | None = None, p
     """Where each row's `slots` [B, ...] live in a cache array's (row, slot) axes: (b, s) in a
     contiguous cache; with a `page_table`, (page_table[b, s // K], s % K) in a pool of N pages of K
     slots (`pool_NxK`), a slot with no page (-1, or past the table) at page N, out of bounds: a
-    scatter drops it, a gather reads a clamped page (whose value the caller masks)."""
+    scatter drops it, `gather_slots` reads zeros."""
     b = slots_BxX.shape[0]
     if page_table_BxM is None:
         return jnp.arange(b).reshape((b,) + (1,) * (slots_BxX.ndim - 1)), slots_BxX
@@ -346,11 +346,12 @@ def cache_index(slots_BxX: jax.Array, page_table_BxM: jax.Array | None = None, p
 
 def gather_slots(a: jax.Array | None, layer, slots_BxX: jax.Array, page_table=None) -> jax.Array | None:
     """Entries a[(layer,) b, slots[b, ...]] -> [B, ..., *] of a cache array [(L,) B, S, *], or
-    with a `page_table` of a pool [(L,) N, K, *]: one gather from the stack, no layer copy."""
+    with a `page_table` of a pool [(L,) N, K, *]: one gather from the stack, no layer copy. A slot
+    past the cache or with no page (-1: none, or on a mesh another shard's) reads zeros."""
     if a is None:
         return None
     index = cache_index(slots_BxX, page_table, a.shape[-3:-1])
-    return a[index] if layer is None else a[(layer, *index)]
+    return a.at[index if layer is None else (layer, *index)].get(mode="fill", fill_value=0)
 
 
 def row_slots(a: jax.Array, page_table_BxM: jax.Array | None = None) -> int:
@@ -358,31 +359,30 @@ def row_slots(a: jax.Array, page_table_BxM: jax.Array | None = None) -> int:
     return a.shape[-2] if page_table_BxM is None else page_table_BxM.shape[1] * a.shape[-2]
 
 
-def rows_view(a: jax.Array | None, layer, page_table=None) -> jax.Array | None:
-    """One layer of a cache array as rows [B, S, *]: the contiguous cache's own, or each row's
-    pages gathered through `page_table` (S = M x K), for a read of every slot of a row."""
-    if page_table is None or a is None:
-        return layer_slice(a, layer)
-    b, s = page_table.shape[0], row_slots(a, page_table)
-    return gather_slots(a, layer, jnp.broadcast_to(jnp.arange(s), (b, s)), page_table)
-
-
-def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, chosen_BxWxK, *, softmax_scale: float, compute_dtype,
-                  layer=None, page_table=None) -> jax.Array:
-    """Softmax over each query's chosen entries only (DeepSeek Sparse Attention) -> o_lat [B, W, H, C]
-    float32. `chosen` [B, W, K] int: j < S is cache slot j, S + w the call's own entry w (`own` as in
-    `attend`: exact, not rounded), -1 none; every query has at least one. Reads B x W x K rows,
-    whatever the cache length. With a `page_table` [B, M] the cache is a pool of pages (as in
-    `attend`), S = M x K and slot j is read through the table."""
-    dt, f32 = compute_dtype, jnp.float32
+def read_chosen(cache, layer, chosen_BxWxK: jax.Array, compute_dtype, page_table=None):
+    """The cache entries a sparse call chose (`chosen` as in `attend_sparse`) -> (latent [B, W, K, C]
+    dequantised, k_pe [B, W, K, R]) in compute_dtype, zero where the choice is no cache slot (the
+    call's own entry, none) or its page is not here."""
     latent, scale, k_pe = cache[:3]
-    s, w = row_slots(latent, page_table), chosen_BxWxK.shape[1]
-    slots, mine = jnp.clip(chosen_BxWxK, 0, s - 1), jnp.clip(chosen_BxWxK - s, 0, w - 1)
-    from_own = (chosen_BxWxK >= s)[..., None]
-    rows = jnp.arange(chosen_BxWxK.shape[0])[:, None, None]
+    s = row_slots(latent, page_table)
+    slots = jnp.where((chosen_BxWxK >= 0) & (chosen_BxWxK < s), chosen_BxWxK, s)  # s: past the cache, zeros
     read = functools.partial(gather_slots, layer=layer, slots_BxX=slots, page_table=page_table)
-    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt), dequantize(read(latent), read(scale), dt))
-    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), read(k_pe).astype(dt))
+    return dequantize(read(latent), read(scale), compute_dtype), read(k_pe).astype(compute_dtype)
+
+
+def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, chosen_rows, own, chosen_BxWxK, slots: int, *, softmax_scale: float,
+                  compute_dtype) -> jax.Array:
+    """Softmax over each query's chosen entries only (DeepSeek Sparse Attention) -> o_lat [B, W, H, C]
+    float32. `chosen` [B, W, K] int: j < `slots` (S, a row's cache slots) is cache slot j, S + w the
+    call's own entry w (`own` as in `attend`: exact, not rounded), -1 none; every query has at least
+    one. `chosen_rows`: the chosen cache entries (`read_chosen`): B x W x K rows, whatever the cache
+    length."""
+    dt, f32 = compute_dtype, jnp.float32
+    mine = jnp.clip(chosen_BxWxK - slots, 0, chosen_BxWxK.shape[1] - 1)
+    from_own = (chosen_BxWxK >= slots)[..., None]
+    rows = jnp.arange(chosen_BxWxK.shape[0])[:, None, None]
+    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt), chosen_rows[0])
+    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), chosen_rows[1])
     scores = (jnp.einsum("BWHC,BWKC->BWHK", q_lat_BxWxHxC.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
               + jnp.einsum("BWHR,BWKR->BWHK", q_pe_BxWxHxR.astype(dt), k_pe_BxWxKxR, preferred_element_type=f32))
     p = jax.nn.softmax(jnp.where(chosen_BxWxK[:, :, None, :] >= 0, scores * softmax_scale, -jnp.inf), axis=-1)

@@ -155,9 +155,9 @@ def test_pallas_selection_and_sparse_decode_equal_the_gather_on_quantised_caches
     assert all(len(set(row)) == TOPK and all(j < p or j == s for j in row) for row, p in zip(picked, [33, 20]))
     q_lat, q_pe = normal(b, 1, h, c), normal(b, 1, h, r)
     kw = dict(softmax_scale=0.2, compute_dtype=jnp.float32)
-    kernel, gather = (jax.jit(functools.partial(f, **kw)) for f in (latent_attention.attend_sparse_pallas,
-                                                                   latent_attention.attend_sparse))
-    want = gather(q_lat, q_pe, cache, own, chosen)
+    kernel = jax.jit(functools.partial(latent_attention.attend_sparse_pallas, **kw))
+    rows = latent_attention.read_chosen(cache, None, chosen, jnp.float32)
+    want = latent_attention.attend_sparse(q_lat, q_pe, rows, own, chosen, s, **kw)
     np.testing.assert_allclose(kernel(q_lat, q_pe, cache, own, chosen), want, atol=1e-5)
     table_BxM = jnp.asarray(rng.permutation(2 * b * 5)[:b * 5].reshape(b, 5), jnp.int32)
     pool = LatentCache(*(jnp.full((2 * b * 5, 8, a.shape[-1]), 100.0, a.dtype).at[table_BxM].set(a.reshape(b, 5, 8, -1))
