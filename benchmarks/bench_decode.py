@@ -4,6 +4,7 @@
         [--cache_dtype=bfloat16] [--attention_impl=xla] [--num_heads=16] [--kv_lora_rank=512]
     python -m benchmarks.bench_decode --compare --lengths=2048 --batch=2   # fp8 vs bf16 cache, XLA and Pallas
     python -m benchmarks.bench_decode --paged [--page_size=128] [--short=512] [--long=32768] [--sums=10240,40960]
+    python -m benchmarks.bench_decode --paged --index_topk=2048   # V3.2: the lightning indexer, sparse attention
 
 Builds a randomly initialised model (MLA at the 671B latent sizes, small everywhere else, so that
 the step is dominated by attention over the cache), fills a cache of each length and times one
@@ -22,7 +23,8 @@ for each sum in --sums, rows of equal sum and different longest rows (16, 4 and 
 --short and one long), paged and contiguous step times; a straight line of the paged times against
 the sum of the rows and of the contiguous times against batch x the longest row, with their fits.
 Cases are timed in rounds that run each once (best of --repeats), so load on a shared host weighs
-on them alike. On CPU pass --cache_dtype=float32: XLA:CPU widens a bf16 cache to fp32 around the
+on them alike. `--index_topk`: the model is V3.2's (the indexer scores each row's cached keys, the
+query attends to its best --index_topk). On CPU pass --cache_dtype=float32: XLA:CPU widens a bf16 cache to fp32 around the
 step's write, a copy of the whole cache (or pool) every step that no TPU or GPU program makes.
 """
 
@@ -44,11 +46,13 @@ from dsv3_jax.inference import cache_bytes_per_token, init_cache
 
 def bench_config(args) -> ModelConfig:
     return ModelConfig.tiny(
-        vocab_size=1024, hidden_size=args.hidden_size, num_heads=args.num_heads, q_lora_rank=None,
+        vocab_size=1024, hidden_size=args.hidden_size, num_heads=args.num_heads,
+        q_lora_rank=1536 if args.index_topk else None,  # V3.2's indexer reads the query latent
         kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_layers=args.num_layers, num_dense_layers=args.num_layers, num_mtp_layers=0,
         max_position_embeddings=max(args.lengths) + 1, compute_dtype=args.compute_dtype,
-        attention_impl=args.attention_impl)
+        attention_impl=args.attention_impl, index_topk=args.index_topk,
+        index_n_heads=args.index_heads if args.index_topk else 0, index_head_dim=args.index_dim if args.index_topk else 0)
 
 
 def time_steps(step, state, cases: dict, repeats: int) -> dict:
@@ -229,6 +233,10 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("short", 512, "--paged: the 15 short rows' length", flag_values=fv)
     flags.DEFINE_integer("long", 32768, "--paged: the long row's length", flag_values=fv)
     flags.DEFINE_list("sums", "10240,40960", "--paged: sums of the rows' lengths of the table", flag_values=fv)
+    flags.DEFINE_integer("index_topk", 0, "> 0: V3.2's sparse attention (the lightning indexer) keeping this many "
+                         "entries a query", flag_values=fv)
+    flags.DEFINE_integer("index_heads", 64, "--index_topk: the indexer's heads", flag_values=fv)
+    flags.DEFINE_integer("index_dim", 128, "--index_topk: the indexer's head dim", flag_values=fv)
 
 
 def main(argv=None) -> int:

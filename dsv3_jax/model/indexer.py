@@ -26,7 +26,7 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import page_shards, params
 from dsv3_jax.model.norm import LayerNorm
 from dsv3_jax.model.rope import apply_rope
-from dsv3_jax.ops.latent_attention import READ_BLOCK, gather_slots, row_slots
+from dsv3_jax.ops.latent_attention import layer_slice, scores_over_pages
 from dsv3_jax.ops.linear import project
 import pallas_kernels
 
@@ -95,32 +95,27 @@ def indexer_kl(logits_BxTxS: jax.Array, attn_probs_BxTxS: jax.Array, selected_Bx
 
 
 def cached_logits(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, positions_BxW: jax.Array, *, layer=None,
-                  pallas: bool = False, page_table=None, block: int = READ_BLOCK) -> jax.Array:
-    """The W queries' logits over the cache's index keys (`cache.index_k` of `layer`, or with a
-    `page_table` [B, M] each row's read through it) -> float32 [B, W, S], S = `row_slots`: read
-    `block` slots at a time up to the batch's longest prefix (blocks past it are never read, their
-    logits 0, as are a slot's whose page another shard holds: its keys read as zeros); the caller
-    masks the slots at and past each row's first position. `pallas` (one query per row): the
-    indexer kernel's scores, -inf past the row's prefix."""
-    b, w, s = *q_BxWxIxK.shape[:2], row_slots(cache.index_k, page_table)
-    block = min(block, s)
+                  pallas: bool = False, page_table=None) -> jax.Array:
+    """The W queries' logits over the cache's index keys (`cache.index_k` of `layer`, [B, S, K]; with
+    a `page_table` [B, M] a pool of pages, S = M x K) -> float32 [B, W, S], the caller masking the
+    slots at and past each row's first position. Through pages only the pages before each row's
+    position are read (`scores_over_pages`: the cost follows the rows' lengths, not M x K); a slot
+    not read scores 0, so a read on every shard of rows whole sums. `pallas` (one query per row):
+    the indexer kernel's scores."""
     before_B = positions_BxW[:, 0]
 
-    def body(i, out_BxWxS):
-        slots_BxP = jnp.broadcast_to(i * block + jnp.arange(block), (b, block))
-        keys_BxPxK, scale_BxPx1 = (gather_slots(a, layer, slots_BxP, page_table)
-                                   for a in (cache.index_k, cache.index_k_scale))
+    def score(keys_BxSxK, scale_BxSx1, rows=slice(None), start=0):
         if pallas:
-            w_fold_BxI = w_BxWxI[:, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0
-            logits = pallas_kernels.indexer_scores(q_BxWxIxK[:, 0], w_fold_BxI, keys_BxPxK, before_B - i * block,
-                                                   k_scale=scale_BxPx1)[:, None]
-        else:
-            keys = keys_BxPxK.astype(jnp.float32) * (1.0 if scale_BxPx1 is None else scale_BxPx1)
-            logits = index_logits(q_BxWxIxK, w_BxWxI, keys)
-        return jax.lax.dynamic_update_slice_in_dim(out_BxWxS, logits, i * block, axis=2)
+            w_fold_BxI = w_BxWxI[rows, 0] * q_BxWxIxK.shape[-1] ** -0.5  # ReLU(a x) = a ReLU(x), a > 0
+            return pallas_kernels.indexer_scores(q_BxWxIxK[rows, 0], w_fold_BxI, keys_BxSxK, before_B[rows] - start,
+                                                 k_scale=scale_BxSx1)[:, None]
+        keys = keys_BxSxK.astype(jnp.float32) if scale_BxSx1 is None else keys_BxSxK.astype(jnp.float32) * scale_BxSx1
+        return index_logits(q_BxWxIxK[rows], w_BxWxI[rows], keys)
 
-    out = jnp.zeros((b, w, -(-s // block) * block), jnp.float32)  # whole blocks; slots past S read zeros
-    return jax.lax.fori_loop(0, (jnp.max(before_B) + block - 1) // block, body, out)[..., :s]
+    if page_table is None:
+        return score(*(layer_slice(a, layer) for a in (cache.index_k, cache.index_k_scale)))
+    return scores_over_pages(score, cache.index_k, cache.index_k_scale, page_table, before_B, q_BxWxIxK.shape[1],
+                             layer=layer)
 
 
 def cached_topk(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, own_k_BxWxK: jax.Array, positions_BxW: jax.Array,

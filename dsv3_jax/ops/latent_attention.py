@@ -152,42 +152,78 @@ def _fold(carry_BxHxW, part_TxHxW, rows_T):
     return m_new, l_B, alpha_B[..., None] * acc_B + jax.ops.segment_sum(acc_T, rows_T, b, indices_are_sorted=True)
 
 
-def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: int, dt):
-    """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
-    pages: work items of J consecutive pages of one row (J * K about `block` slots, at most the
-    table's M), the items in use in row order, B of them per step (the last step padded with items
-    of row B), each item a partial softmax over its J * K slots (`step(empty, latent [T, J * K, C],
-    k_pe [T, J * K, R], visible [T, J * K], rows [T])`, the queries of rows T) folded into its row's;
-    steps past the last item are never run. An item of several pages keeps a step's dots as wide as
-    the contiguous path's blocks and folds once per J pages."""
-    b, (latent, scale, k_pe) = acc_shape[0], pages[:3]
-    if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
-        raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
-    m, k = page_table_BxM.shape[1], latent.shape[-2]
-    per_item = max(1, min(block // k, m))  # J pages, P = J * K slots an item
-    p = per_item * k
-    items_B = jnp.where(page_table_BxM[:, 0] >= 0, (before_B + p - 1) // p, 0)  # no page: another shard's row
+def _page_items(page_table_BxM: jax.Array, before_B: jax.Array, page_size: int, block: int):
+    """A paged read's work items: J consecutive pages of one row (J * K about `block` slots, at most
+    the table's M), the items of each row's slots before `before_B` in row order (none for a row
+    with no page: another shard's), B of them per step, the last step padded with items of row B
+    -> (steps, P = J * K, item(i) -> (rows_T (B: padding), row_T (clamped to a row), first slot_T,
+    page_TxJ) of step i)."""
+    b, m = page_table_BxM.shape
+    per_item = max(1, min(block // page_size, m))
+    p = per_item * page_size
+    items_B = jnp.where(page_table_BxM[:, 0] >= 0, (before_B + p - 1) // p, 0)
     ends_B = jnp.cumsum(items_B)
-    empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
 
-    def read(a, page_TxJ):
-        if a is None:
-            return None
-        a_TxJxKxX = a[page_TxJ] if layer is None else a[layer, page_TxJ]
-        return a_TxJxKxX.reshape(b, p, *a.shape[-1:])
-
-    def body(i, carry):
+    def item(i):
         t_T = i * b + jnp.arange(b)
         rows_T = jnp.searchsorted(ends_B, t_T, side="right")  # B: past the last item
         row_T = jnp.minimum(rows_T, b - 1)
         j_T = t_T - ends_B[row_T] + items_B[row_T]  # the item's index among its row's
         entry_TxJ = jnp.minimum(j_T[:, None] * per_item + jnp.arange(per_item), m - 1)  # in the row's table
-        page_TxJ = page_table_BxM[row_T[:, None], entry_TxJ]
-        visible_TxP = j_T[:, None] * p + jnp.arange(p) < before_B[row_T, None]
-        latent_TxPxC = dequantize(read(latent, page_TxJ), read(scale, page_TxJ), dt)
-        return _fold(carry, step(empty, latent_TxPxC, read(k_pe, page_TxJ), visible_TxP, row_T), rows_T)
+        return rows_T, row_T, j_T * p, page_table_BxM[row_T[:, None], entry_TxJ]
 
-    return jax.lax.fori_loop(0, (ends_B[-1] + b - 1) // b, body, empty)
+    return (ends_B[-1] + b - 1) // b, p, item
+
+
+def _read_pages(a: jax.Array | None, layer, page_TxJ: jax.Array, p: int) -> jax.Array | None:
+    """Pages [T, J] of a pool [(L,) N, K, X] (at `layer`) as [T, P = J * K, X]."""
+    if a is None:
+        return None
+    a_TxJxKxX = a[page_TxJ] if layer is None else a[layer, page_TxJ]
+    return a_TxJxKxX.reshape(page_TxJ.shape[0], p, a.shape[-1])
+
+
+def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: int, dt):
+    """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
+    pages in `_page_items`' work items, each a partial softmax over its P = J * K slots
+    (`step(empty, latent [T, P, C], k_pe [T, P, R], visible [T, P], rows [T])`, the queries of rows
+    T) folded into its row's; steps past the last item are never run. An item of several pages keeps
+    a step's dots as wide as the contiguous path's blocks and folds once per J pages."""
+    b, (latent, scale, k_pe) = acc_shape[0], pages[:3]
+    if page_table_BxM.ndim != 2 or page_table_BxM.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, M], got {page_table_BxM.shape}")
+    steps, p, item = _page_items(page_table_BxM, before_B, latent.shape[-2], block)
+    empty = _empty(acc_shape)  # a step's T = B items start from it as the rows do
+
+    def body(i, carry):
+        rows_T, row_T, start_T, page_TxJ = item(i)
+        visible_TxP = start_T[:, None] + jnp.arange(p) < before_B[row_T, None]
+        latent_TxPxC = dequantize(_read_pages(latent, layer, page_TxJ, p), _read_pages(scale, layer, page_TxJ, p), dt)
+        return _fold(carry, step(empty, latent_TxPxC, _read_pages(k_pe, layer, page_TxJ, p), visible_TxP, row_T),
+                     rows_T)
+
+    return jax.lax.fori_loop(0, steps, body, empty)
+
+
+def scores_over_pages(score, keys, scale, page_table_BxM: jax.Array, before_B: jax.Array, width: int, *, layer=None,
+                      block: int = READ_BLOCK) -> jax.Array:
+    """Per-slot scores float32 [B, W, S = M x K] of each row's slots before `before_B`, its keys
+    [(L,) N, K, X] (and their scales [(L,) N, K, 1] | None) read from a pool of pages through the
+    table in `_page_items`' work items: `score(keys [T, P, X], scale [T, P, 1] | None, row_T, first
+    slot_T)` -> [T, W, P]. So the cost follows the sum of the rows' prefixes; slots not read (past a
+    row's prefix, of a row with no page here) score 0."""
+    b, m = page_table_BxM.shape
+    steps, p, item = _page_items(page_table_BxM, before_B, keys.shape[-2], block)
+
+    def body(i, out_BxWxS):
+        rows_T, row_T, start_T, page_TxJ = item(i)
+        part_TxWxP = score(_read_pages(keys, layer, page_TxJ, p), _read_pages(scale, layer, page_TxJ, p), row_T,
+                           start_T)
+        slot_Tx1xP = (start_T[:, None] + jnp.arange(p))[:, None, :]  # past the table (clamped pages): dropped
+        return out_BxWxS.at[rows_T[:, None, None], jnp.arange(width)[:, None], slot_Tx1xP].set(part_TxWxP,
+                                                                                             mode="drop")
+
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((b, width, m * keys.shape[-2]), jnp.float32))
 
 
 def _over_cache(step, acc_shape, cache, positions_BxW, layer, block: int, dt, page_table):
@@ -378,11 +414,11 @@ def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, chosen_rows, own, chosen_BxWxK, s
     one. `chosen_rows`: the chosen cache entries (`read_chosen`): B x W x K rows, whatever the cache
     length."""
     dt, f32 = compute_dtype, jnp.float32
-    mine = jnp.clip(chosen_BxWxK - slots, 0, chosen_BxWxK.shape[1] - 1)
+    mine_BxWxKx1 = jnp.clip(chosen_BxWxK - slots, 0, chosen_BxWxK.shape[1] - 1)[..., None]
     from_own = (chosen_BxWxK >= slots)[..., None]
-    rows = jnp.arange(chosen_BxWxK.shape[0])[:, None, None]
-    lat_BxWxKxC = jnp.where(from_own, own[0][rows, mine].astype(dt), chosen_rows[0])
-    k_pe_BxWxKxR = jnp.where(from_own, own[1][rows, mine].astype(dt), chosen_rows[1])
+    lat_BxWxKxC, k_pe_BxWxKxR = (
+        jnp.where(from_own, jnp.take_along_axis(mine[:, None].astype(dt), mine_BxWxKx1, axis=2), cached)
+        for mine, cached in zip(own, chosen_rows))  # a row's own entries, gathered within the row
     scores = (jnp.einsum("BWHC,BWKC->BWHK", q_lat_BxWxHxC.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
               + jnp.einsum("BWHR,BWKR->BWHK", q_pe_BxWxHxR.astype(dt), k_pe_BxWxKxR, preferred_element_type=f32))
     p = jax.nn.softmax(jnp.where(chosen_BxWxK[:, :, None, :] >= 0, scores * softmax_scale, -jnp.inf), axis=-1)
