@@ -417,8 +417,8 @@ def attend_sparse(q_lat_BxWxHxC, q_pe_BxWxHxR, chosen_rows, own, chosen_BxWxK, s
     mine_BxWxKx1 = jnp.clip(chosen_BxWxK - slots, 0, chosen_BxWxK.shape[1] - 1)[..., None]
     from_own = (chosen_BxWxK >= slots)[..., None]
     lat_BxWxKxC, k_pe_BxWxKxR = (
-        jnp.where(from_own, jnp.take_along_axis(mine[:, None].astype(dt), mine_BxWxKx1, axis=2), cached)
-        for mine, cached in zip(own, chosen_rows))  # a row's own entries, gathered within the row
+        jnp.where(from_own, jnp.take_along_axis(own_BxWxX[:, None].astype(dt), mine_BxWxKx1, axis=2), cached)
+        for own_BxWxX, cached in zip(own, chosen_rows))  # a row's own entries, gathered within the row
     scores = (jnp.einsum("BWHC,BWKC->BWHK", q_lat_BxWxHxC.astype(dt), lat_BxWxKxC, preferred_element_type=f32)
               + jnp.einsum("BWHR,BWKR->BWHK", q_pe_BxWxHxR.astype(dt), k_pe_BxWxKxR, preferred_element_type=f32))
     p = jax.nn.softmax(jnp.where(chosen_BxWxK[:, :, None, :] >= 0, scores * softmax_scale, -jnp.inf), axis=-1)
