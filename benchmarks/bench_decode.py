@@ -24,8 +24,9 @@ for each sum in --sums, rows of equal sum and different longest rows (16, 4 and 
 the sum of the rows and of the contiguous times against batch x the longest row, with their fits.
 Cases are timed in rounds that run each once (best of --repeats), so load on a shared host weighs
 on them alike. `--index_topk`: the model is V3.2's (the indexer scores each row's cached keys, the
-query attends to its best --index_topk). On CPU pass --cache_dtype=float32: XLA:CPU widens a bf16 cache to fp32 around the
-step's write, a copy of the whole cache (or pool) every step that no TPU or GPU program makes.
+query attends to its best --index_topk). On CPU pass --cache_dtype=float32: XLA:CPU widens a bf16
+cache to fp32 around the step's write, a copy of the whole cache (or pool) every step that no TPU or
+GPU program makes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def bench_config(args) -> ModelConfig:
         num_layers=args.num_layers, num_dense_layers=args.num_layers, num_mtp_layers=0,
         max_position_embeddings=max(args.lengths) + 1, compute_dtype=args.compute_dtype,
         attention_impl=args.attention_impl, index_topk=args.index_topk,
-        index_n_heads=args.index_heads if args.index_topk else 0, index_head_dim=args.index_dim if args.index_topk else 0)
+        index_n_heads=args.index_heads if args.index_topk else 0,
+        index_head_dim=args.index_dim if args.index_topk else 0)
 
 
 def time_steps(step, state, cases: dict, repeats: int) -> dict:

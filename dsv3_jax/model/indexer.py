@@ -129,8 +129,8 @@ def cached_topk(q_BxWxIxK: jax.Array, w_BxWxI: jax.Array, cache, own_k_BxWxK: ja
         return cached_logits(q, w, c, positions, layer=layer, pallas=pallas, page_table=table)
 
     cached_BxWxS = page_shards.read(logits, cache, page_table, layer, q_BxWxIxK, w_BxWxI, positions_BxW, merge="sum")
-    s = cached_BxWxS.shape[-1]
-    cached_BxWxS = jnp.where(jnp.arange(s) < positions_BxW[:, :1, None], cached_BxWxS, -jnp.inf)
+    visible_Bx1xS = jnp.arange(cached_BxWxS.shape[-1]) < positions_BxW[:, :1, None]
+    cached_BxWxS = jnp.where(visible_Bx1xS, cached_BxWxS, -jnp.inf)
     own_visible_BxWxW = positions_BxW[:, None, :] <= positions_BxW[:, :, None]
     own_BxWxW = jnp.where(own_visible_BxWxW, index_logits(q_BxWxIxK, w_BxWxI, own_k_BxWxK), -jnp.inf)
     logits = jnp.concatenate([cached_BxWxS, own_BxWxW], axis=-1)

@@ -55,7 +55,7 @@ def _merge_shards(out_BxWxHxV: jax.Array, lse_BxWxH: jax.Array, axes):
     return out, jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
-def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows: bool, merge: str | None):
+def _on_shards(fn, cache, page_table, layer, rows, row_dims, shared, *, out_rows: bool, merge: str | None = None):
     """fn(cache, page_table, layer, *rows, *shared) on each shard of the context mesh's token axes."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if page_table is None else _axes(mesh)
@@ -98,5 +98,4 @@ def write(fn, cache, page_table, layer, entries, positions_BxW):
     """fn(cache, local page_table, layer, entries, positions) -> the pool, each shard writing the
     entries [(L,) B, W, ...] whose pages it holds."""
     dim = entries.latent.ndim - 3
-    return _on_shards(fn, cache, page_table, layer, (entries, positions_BxW), (dim, 0), (), out_rows=False,
-                      merge=None)
+    return _on_shards(fn, cache, page_table, layer, (entries, positions_BxW), (dim, 0), (), out_rows=False)
