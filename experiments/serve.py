@@ -1,8 +1,8 @@
 """An OpenAI-compatible server over the continuous-batching engine.
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
-        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--prefix_cache_blocks=64] [--use_mtp] \
-        [--page_size=128 [--max_cache_tokens=N | --cache_memory_fraction=0.9]] \
+        [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--noprefix_cache] [--use_mtp] \
+        [--page_size=64] [--max_cache_tokens=N | --cache_memory_fraction=0.9] \
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
@@ -16,7 +16,7 @@ a compile after that (a shape warm-up missed: a stall of seconds) is logged as a
 
 With --mesh the weights are loaded straight onto the device mesh, each parameter built from the shards
 its devices hold (load_pretrained(mesh=...), the rules table sharding/rules.py: MLA heads on `tensor`,
-routed experts on `expert`), the cache's slots are split over `data` x `fsdp` x `expert`, and every
+routed experts on `expert`), the cache's slots and pages are split over `data` x `fsdp` x `expert`, and every
 step runs under the mesh, the MoE layers expert-parallel (dsv3_jax/serving/runner.py). One process
 drives all the mesh's devices (a multi-host server would need every process to run the same steps).
 --weights, --quantize and --quant_group are experiments.generate's: the projections held quantized as
@@ -55,21 +55,20 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_batch", 16, "decode slots (concurrent requests)", flag_values=fv)
     flags.DEFINE_integer("max_seq_len", 2048, "context per slot: prompt + max_tokens", flag_values=fv)
     flags.DEFINE_integer("chunk", 64, "prefill chunk length (a power of two)", flag_values=fv)
-    flags.DEFINE_integer("page_size", None, "a paged latent cache of pages of this many tokens, requests holding "
-                         "pages for what they have and the newest preempted when they run out (default: one cache "
-                         "row of max_seq_len per slot)", flag_values=fv)
-    flags.DEFINE_integer("max_cache_tokens", None, "with --page_size: tokens the page pool holds, all requests "
+    flags.DEFINE_integer("page_size", 64, "tokens per page of the latent cache: requests hold pages for what they "
+                         "have, the newest preempted when they run out", flag_values=fv)
+    flags.DEFINE_integer("max_cache_tokens", None, "tokens the page pool holds, all requests "
                          "together (default: what fits --cache_memory_fraction of the device's memory after the "
                          "weights; where the device reports no memory, as on CPU, max_batch x max_seq_len)",
                          flag_values=fv)
-    flags.DEFINE_float("cache_memory_fraction", 0.9, "with --page_size: the share of the device's memory the weights "
+    flags.DEFINE_float("cache_memory_fraction", 0.9, "the share of the device's memory the weights "
                        "and the page pool may fill, when --max_cache_tokens is not given", flag_values=fv)
     flags.DEFINE_integer("max_queue", 256, "waiting requests beyond which the server answers 429", flag_values=fv)
     flags.DEFINE_integer("max_request_bytes", MAX_REQUEST_BYTES, "largest request body accepted; a bigger one is "
                          "refused (413) before it is read", flag_values=fv)
-    flags.DEFINE_integer("prefix_cache_blocks", 64, "prompt-prefix blocks (--chunk positions of cache rows each) "
-                         "kept for reuse, LRU; 0 = off. With --page_size any value > 0 shares the prompts' pages "
-                         "themselves, the pool's pages bounding them", flag_values=fv)
+    flags.DEFINE_boolean("prefix_cache", True, "prompts share the pages of their common prefixes (in granules of "
+                         "lcm(--page_size, --chunk) tokens, kept while the pool has room, evicted least recently "
+                         "used); off with --use_mtp", flag_values=fv)
     flags.DEFINE_boolean("use_mtp", False, "MTP speculative decoding (drafts verified in one step)", flag_values=fv)
     flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16", "float8", "int8"], "latent cache dtype",
                       flag_values=fv)
@@ -111,15 +110,15 @@ def build(args):
         raise ValueError(f"the tokenizer {chat.path} has {chat.tokenizer.vocab_size} ids, more than the model's "
                          f"vocab_size {model.config.vocab_size}: pass the checkpoint's own --tokenizer")
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)
-    cache_tokens, source = pool_tokens(args, model.config, max_seq_len, mesh) if args.page_size else (None, "")
+    cache_tokens, source = pool_tokens(args, model.config, max_seq_len, mesh)
     runner = Runner(model, max_batch=args.max_batch, max_seq_len=max_seq_len, cache_dtype=args.cache_dtype,
                     chunk=args.chunk, use_mtp=args.use_mtp, mesh=mesh, rules=args.rules, page_size=args.page_size,
                     cache_tokens=cache_tokens,
                     offload=ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
                     if args.offload_experts else None)
-    if args.page_size:
-        logging.info("paged cache: %d tokens in %d pages of %d, %.4g GB (%s)", runner.cache_tokens,
-                     runner.cache_tokens // args.page_size, args.page_size, sum(a.nbytes for a in jax.tree.leaves(runner.cache)) / 1e9, source)
+    logging.info("paged cache: %d tokens in %d pages of %d, %.4g GB (%s)", runner.cache_tokens,
+                 runner.cache_tokens // args.page_size, args.page_size,
+                 sum(a.nbytes for a in jax.tree.leaves(runner.cache)) / 1e9, source)
     if note := cli.expert_slots_note(runner.offload, "--chunk"):
         logging.info(note)
     start = time.perf_counter()
@@ -128,8 +127,8 @@ def build(args):
                  "buckets of %s rows%s", time.perf_counter() - start, runner.chunk, runner.decode_buckets,
                  f", on the mesh {dict(mesh.shape)}" if mesh is not None else "")
     _warn_on_compiles()
-    prefix = 0 if args.use_mtp else args.prefix_cache_blocks  # not with MTP: see serving/engine.py
-    if prefix != args.prefix_cache_blocks:
+    prefix = args.prefix_cache and not args.use_mtp  # not with MTP: see serving/engine.py
+    if prefix != args.prefix_cache:
         logging.info("prefix caching is off with --use_mtp")
     eos_ids = read_generation_config(args.checkpoint).eos_ids  # generation_config.json's, if the folder has one
     engine = Engine(runner, chat.tokenizer, max_queue=args.max_queue, prefix_cache=prefix, eos_ids=eos_ids)
@@ -149,6 +148,8 @@ def pool_tokens(args, cfg, max_seq_len: int, mesh=None) -> tuple[int, str]:
     from dsv3_jax.inference.cache import token_shards
     from dsv3_jax.inference.page_pool import fitting_tokens
 
+    if args.page_size < 1:
+        raise ValueError(f"--page_size must be >= 1 token, got {args.page_size}")
     if args.max_cache_tokens is not None:
         return args.max_cache_tokens, "--max_cache_tokens"
     layers = cfg.num_layers + (cfg.num_mtp_layers if args.use_mtp else 0)

@@ -162,13 +162,12 @@ class Generation:
         per_shard = min(1 << (need - 1).bit_length(), rows_SxR.shape[1] * m)
         table_BxM = np.full((b, m), -1, np.int32)
         for shard, rows in enumerate(rows_SxR):
-            pool = PagePool(per_shard, page_size)
+            pool = PagePool(per_shard, page_size, first_page=shard * per_shard)
             for row in rows:
                 pool.admit(row, self.prompts[row, :self.lengths[row]].tolist())
                 if not pool.grow(row, extra):  # the pool is sized above for every row's pages
                     raise RuntimeError(f"page pool of {pool.num_pages} pages short for row {row}")
                 pool.fill_row(table_BxM, row, row)
-            table_BxM[rows] += np.where(table_BxM[rows] >= 0, shard * per_shard, 0).astype(np.int32)
         return init_cache(self.model_config, shards * per_shard, page_size, cache_dtype, with_mtp=use_mtp), table_BxM
 
     def _cache(self):

@@ -68,13 +68,14 @@ class PagePool:
     """`num_pages` pages of `page_size` tokens: a free list, per-request page lists, reference counts
     and an LRU cache of keyed pages no request holds. free + held + cached == num_pages always.
     Prefixes are shared in granules of `granule` pages. A page's key is (its granule's key, its
-    place in the granule)."""
+    place in the granule). `first_page`: the pool-wide id of this pool's page 0, where the device
+    pool holds several such blocks (one per batch shard of a mesh); page tables hold pool-wide ids."""
 
-    def __init__(self, num_pages: int, page_size: int, granule: int = 1):
+    def __init__(self, num_pages: int, page_size: int, granule: int = 1, first_page: int = 0):
         if num_pages < 1 or page_size < 1 or granule < 1:
             raise ValueError(f"a page pool needs num_pages, page_size and granule >= 1, got {num_pages=}, "
                              f"{page_size=}, {granule=}")
-        self.num_pages, self.page_size, self.granule = num_pages, page_size, granule
+        self.num_pages, self.page_size, self.granule, self.first_page = num_pages, page_size, granule, first_page
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
         self.refs_N = np.zeros(num_pages, np.int32)  # requests holding each page
         self.page_of: dict[tuple[bytes, int], int] = {}  # key -> page, for every keyed page, held or cached
@@ -200,10 +201,10 @@ class PagePool:
         del self.requests[rid]
 
     def fill_row(self, table_BxM: np.ndarray, b: int, rid) -> None:
-        """Writes the request's pages into row b of an int32 page table, -1 past them."""
+        """Writes the request's pages into row b of an int32 page table, as pool-wide ids, -1 past them."""
         pages = self._request(rid).pages
         if len(pages) > table_BxM.shape[1]:
             raise ValueError(f"request {rid!r} holds {len(pages)} pages, more than the page table's "
                              f"{table_BxM.shape[1]} columns")
         table_BxM[b] = -1
-        table_BxM[b, :len(pages)] = pages
+        table_BxM[b, :len(pages)] = np.asarray(pages, np.int32) + self.first_page

@@ -16,14 +16,13 @@ answer is complete (or, where no completion fits the budget, ends at "length").
 
 A step that raises may have consumed the donated cache, so the engine resets: the requests in
 slots end with an "error" event, the runner rebuilds its cache, and the queue is served again.
-On a paged cache (`Runner(page_size=)`) a request is admitted when the pages of what it has fit
-the pool, and a decode step that finds the pages short preempts the newest request: its pages go
+The cache is paged (`Runner`): a request is admitted into a free slot when the pages of what it has
+fit the pool, and a decode step that finds the pages short preempts the newest request: its pages go
 back and it is resumed later by prefilling its prompt and the tokens it has (vLLM's policy), so
-its answer is the same. With `prefix_cache`, a prompt starts from the cache of its longest cached
-prefix, in whole prefill chunks so that the chunks it still prefills are a cold prefill's: on a
-paged cache it shares the pool's pages of that prefix and publishes its own prompt pages as they are
-written (`PagePool`: never copied, evicted least recently used), else it copies cached rows into its
-slot and stores copies of the full chunks it prefills (`prefix_cache`). `health()` says "ok",
+its answer is the same. With `prefix_cache`, a prompt shares the pool's pages of its longest cached
+prefix, in whole prefill chunks so that the chunks it still prefills are a cold prefill's, and
+publishes its own prompt pages as they are written (`PagePool`: never copied, evicted least
+recently used). `health()` says "ok",
 "recovering" (during a reset) or "failed" (the reset itself raised; new requests are refused with
 `EngineFailed`), with the last error. Text is detokenized (`TextStream`,
 incremental) by the engine thread outside the lock, so `submit`, `cancel` and `/health` never wait on it.
@@ -44,7 +43,6 @@ from dsv3_jax.inference.sampling import RowSampling, TokenLogprobs
 from dsv3_jax.serving.grammar import Grammars, Matcher
 from dsv3_jax.serving.metrics import Metrics
 from dsv3_jax.serving.penalties import Penalties, PenaltyTables
-from dsv3_jax.serving.prefix_cache import PrefixCache
 from dsv3_jax.serving.runner import Runner
 from dsv3_jax.serving.textstream import TextStream
 
@@ -72,7 +70,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (<= 20)
     echo: bool = False  # report the prompt's log-probabilities (on the first event; needs logprobs)
     penalties: Penalties = Penalties()  # presence / frequency / repetition, logit_bias, min_tokens
-    prefix_cache: bool = True  # False: the prompt neither reuses nor stores cached prefix rows (echo never reuses)
+    prefix_cache: bool = True  # False: the prompt neither reuses nor shares cached prefix pages (echo never reuses)
     include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, ends the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
     grammar: str | None = None  # llguidance grammar string (`grammar.request_grammar`): the output follows it
@@ -104,17 +102,15 @@ class Request:
     stream: TextStream | None = None
     chunks: list = dataclasses.field(default_factory=list)  # prefill chunks still to run
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # echo: gathered chunk by chunk
-    restore: list = dataclasses.field(default_factory=list)  # cached prefix blocks to write into its slot
     matcher: Matcher | None = None  # its place in params.grammar
     done: bool = False
 
 
 class Engine:
-    """`prefix_cache`: blocks of cached prompt-prefix rows (`prefix_cache.PrefixCache`), 0 = off; on a
-    paged cache any value > 0 shares prompt pages instead, the pool's free pages bounding them.
-    `eos_ids`: end-of-sequence ids beyond the tokenizer's own (generation_config.json's)."""
+    """`prefix_cache`: prompts share the pages of their common prefixes (the pool's free pages
+    bounding them). `eos_ids`: end-of-sequence ids beyond the tokenizer's own (generation_config.json's)."""
 
-    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: int = 0,
+    def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: bool = False,
                  eos_ids: tuple[int, ...] = ()):
         if prefix_cache and runner.drafts:
             raise ValueError("prefix_cache needs use_mtp off (the MTP rows of a block depend on the token after it)")
@@ -122,8 +118,7 @@ class Engine:
         # ids that end a request unless it sets ignore_eos: the tokenizer's EOS and any that the
         # checkpoint's generation_config.json adds
         self.eos_ids = tuple(dict.fromkeys((tokenizer.eos_id, *eos_ids)))
-        self.share_pages = bool(prefix_cache) and runner.page_size is not None
-        self.prefix = PrefixCache(prefix_cache, runner.chunk) if prefix_cache and not self.share_pages else None
+        self.share_pages = bool(prefix_cache)
         self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         b = runner.max_batch
         self.slots: list[Request | None] = [None] * b
@@ -171,15 +166,12 @@ class Engine:
 
     def health(self) -> dict:
         """{"status": "ok" | "recovering" | "failed", "last_error": the last failed step's error or None,
-        "resets": resets so far, "slots_in_use": slots holding a request, "queue_length": requests waiting};
-        on a paged cache also "cache_tokens_used" (pages held, shared ones once) and "cache_tokens_total"."""
+        "resets": resets so far, "slots_in_use": slots holding a request, "queue_length": requests waiting,
+        "cache_tokens_used": pages held (shared ones once), "cache_tokens_total": the pool}."""
         with self.cond:
-            state = {"status": self.state, "last_error": self.last_error, "resets": self.resets,
-                     "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting)}
-            if self.runner.page_size is not None:
-                state |= {"cache_tokens_used": self.runner.cache_tokens_used,
-                          "cache_tokens_total": self.runner.cache_tokens}
-            return state
+            return {"status": self.state, "last_error": self.last_error, "resets": self.resets,
+                    "slots_in_use": sum(r is not None for r in self.slots), "queue_length": len(self.waiting),
+                    "cache_tokens_used": self.runner.cache_tokens_used, "cache_tokens_total": self.runner.cache_tokens}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
@@ -208,9 +200,8 @@ class Engine:
                 self._reset(f"{type(e).__name__}: {e}")
 
     def _reset(self, reason: str) -> None:
-        """Ends the requests in slots with an error and rebuilds the cache (the step may have consumed it)."""
-        if self.prefix is not None:  # blocks are copies, but drop them too: nothing from before is trusted
-            self.prefix.blocks.clear()
+        """Ends the requests in slots with an error and rebuilds the cache and its pool, shared prefix
+        pages included (the step may have consumed it: nothing from before is trusted)."""
         with self.cond:
             self.state, self.last_error, self.resets = "recovering", reason, self.resets + 1
             for slot, r in enumerate(self.slots):
@@ -232,19 +223,15 @@ class Engine:
     def step(self) -> None:
         """Admission, one prefill chunk, one decode step."""
         with self.cond:
-            restores = self._admit()
+            self._admit()
             prefilling = [r for r in self.slots if r is not None and r.chunks]
             request = min(prefilling, key=lambda r: r.arrival) if prefilling else None
             slot = self.slots.index(request) if request is not None else -1
             sampling = RowSampling(*(a.copy() for a in self.sampling))
-        for s, blocks in restores:
-            for k, block in enumerate(blocks):
-                self.runner.write_block(s, k * self.runner.chunk, block)
         if request is not None:
             self._prefill(slot, request, sampling)
         with self.cond:
-            if self.runner.page_size is not None:
-                self._reserve()
+            self._reserve()
             active = np.array([r is not None and not r.chunks for r in self.slots])
             positions, tokens = self.positions.copy(), self.next_tokens.copy()
             sampling = RowSampling(*(a.copy() for a in self.sampling))
@@ -271,7 +258,7 @@ class Engine:
                 self._accept(slot, r, result.emitted[slot, :n].tolist(), logprobs)
 
     def _reserve(self) -> None:
-        """Paged: pages for every decoding slot's next step (its fed token and drafts), preempting
+        """Pages for every decoding slot's next step (its fed token and drafts), preempting
         the newest request while they are short (vLLM's policy): its pages go back and it waits at
         the head of the queue, to be prefilled again from its prompt and the tokens it has."""
         for slot, r in enumerate(self.slots):
@@ -286,24 +273,17 @@ class Engine:
                 if victim is r:
                     break
 
-    def _admit(self) -> list[tuple[int, list]]:
-        """Fills free slots, lowest first; -> (slot, cached prefix blocks) to write before they prefill."""
-        restores = []
+    def _admit(self) -> None:
+        """Fills free slots, lowest first, while the head of the queue's pages fit its slot's shard."""
         for slot, r in enumerate(self.slots):
             if r is None and self.waiting:
                 request = self.waiting[0]
                 p = request.params
                 reuse = p.prefix_cache and not p.echo  # echo scores every prompt token
                 tokens = request.prompt + request.generated  # a preempted request resumes from what it has
-                if self.runner.page_size is None:
-                    blocks = self.prefix.match(request.prompt) if self.prefix and reuse else []
-                    cached = len(blocks) * self.runner.chunk
-                    if blocks:
-                        restores.append((slot, blocks))
-                else:
-                    cached = self.runner.admit(slot, request, tokens, share=self.share_pages and reuse)
-                    if cached is None:
-                        continue  # first come, first served: the pages (of this slot's shard) free up
+                cached = self.runner.admit(slot, request, tokens, share=self.share_pages and reuse)
+                if cached is None:
+                    continue  # first come, first served: the pages (of this slot's shard) free up
                 self.waiting.popleft()
                 self.slots[slot] = request
                 request.chunks = [c for c in self.runner.chunks(len(tokens)) if c[0] >= cached]
@@ -312,7 +292,6 @@ class Engine:
                 self.penalties.start(slot, request.prompt, p.penalties)
                 self.penalties.observe(slot, request.generated)
                 self.positions[slot] = cached
-        return restores
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, _ = request.chunks[0]
@@ -322,10 +301,6 @@ class Engine:
             request.matcher.fill(bitmask_1xG, 0, self._budget(request))
         out = self.runner.prefill_chunk(slot, request.prompt + request.generated, start, sampling,
                                         None if bitmask_1xG is None else bitmask_1xG[0])
-        if self.prefix and request.params.prefix_cache and valid == self.runner.chunk:
-            key = self.prefix.wants(request.prompt, start // self.runner.chunk)
-            if key is not None:
-                self.prefix.put(key, self.runner.read_block(slot, start))
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return
@@ -393,7 +368,7 @@ class Engine:
         return min(request.params.max_tokens - used, self.runner.context - len(request.prompt) - used)
 
     def _free(self, slot: int) -> None:
-        if self.runner.page_size is not None and self.slots[slot] is not None:
+        if self.slots[slot] is not None:
             self.runner.release(slot, self.slots[slot])
         self.slots[slot] = None
         self.positions[slot] = 0

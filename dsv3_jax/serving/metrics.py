@@ -73,7 +73,7 @@ class Metrics:
 
     def render(self, *, queue_length: int, slots_in_use: int, first_moe_layer: int = 0,
                cache_tokens: tuple[int, int] | None = None) -> str:
-        """The Prometheus text; `cache_tokens`: a paged cache's (tokens held, tokens in the pool)."""
+        """The Prometheus text; `cache_tokens`: the page pool's (tokens held, tokens in all), None: left out."""
         lines: list[str] = []
 
         def metric(name, kind, help_, samples):
@@ -96,7 +96,7 @@ class Metrics:
                        [("", cache_tokens[0])])
                 metric("cache_tokens_total", "gauge", "Tokens the paged cache's pool holds.", [("", cache_tokens[1])])
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
-            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache.",
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from shared prefix pages.",
                    [("", self.prefix_hit_tokens)])
             metric("generated_tokens_total", "counter", "Tokens generated.", [("", self.generated_tokens)])
             metric("decode_steps_total", "counter", "Decode steps run.", [("", self.decode_steps)])

@@ -1,23 +1,27 @@
-"""The engine's only door into the model: a latent cache of `max_batch` slots, chunked prefill of one
-prompt into one slot's rows, and one decode step over every slot at its own position, optionally
-with MTP speculation (each slot feeds its last token and M drafts; `inference.speculative.accept`).
+"""The engine's only door into the model: a paged latent cache shared by `max_batch` slots, chunked
+prefill of one prompt into one slot's pages, and one decode step over every slot at its own
+position, optionally with MTP speculation (each slot feeds its last token and M drafts;
+`inference.speculative.accept`).
 
-Letters: B slots (max_batch), S cache length (max_seq_len), W chunk length, V vocab, L layers, E experts,
-M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step.
+Letters: B slots (max_batch), S context (max_seq_len), W chunk length, V vocab, L layers, E experts,
+M drafts (MTP depths when speculating, else 0), K = 1 + M tokens fed per slot and step, P page size.
 
 The steps are the inference core's (`dsv3_jax.inference.steps`: `prefill.prefill_chunk` and
 `steps.decode_step`, the ones `generate()` runs), with per-row sampling, penalties and
 log-probabilities switched on; prompts are cut into chunks by `dsv3_jax.inference.prefill.plan`, as
-`generate()` cuts them. Each call's tokens attend to the cache slots before their positions and to
-each other. Only the slot's rows [1, S] of the cache are cut out for a prefill chunk and written
-back, so the other slots' rows are never touched. The cache holds stale entries at positions a row has not
-reached; attention never reads them (see `dsv3_jax.inference.cache`), so a freed slot needs no
-clearing and idle rows of the decode step may write anywhere at or past their frontier.
+`generate()` cuts them. Each call's tokens attend to the cache positions before theirs and to
+each other.
+
+The cache is a pool of pages of P tokens (`PagePool`): a slot's request holds pages for the tokens
+it has, not for the longest context, and a step reads and writes its rows through their rows of
+the page table (`admit`, `grow`, `release`). Slots bound the requests in flight, pages the tokens
+they hold. A page holds stale entries at positions its request has not reached; attention never
+reads them (see `dsv3_jax.inference.cache`), so a freed page needs no clearing. Prompt prefixes are
+shared as pages in granules of lcm(P, W) tokens (`admit(share=True)`, `publish`).
 
 Decode buckets: a step runs only N rows, N the smallest of 1, 2, 4, ... max_batch that holds the
-decoding slots, so a lone request costs a batch-1 step, not a max_batch one. The step gathers those
-slots' rows of the cache (the decoding slots, padded with distinct idle ones), runs them and
-scatters them back; at N = max_batch it runs the whole cache in place.
+decoding slots (padded with distinct idle ones, whose page-table rows are empty), so a lone request
+costs a batch-1 step, not a max_batch one.
 
 Grammars (structured outputs): every step takes a token bitmask per row (`steps`; int32 [B, K, G],
 G = ceil(V / 32)), all bits set for a free slot, so a constrained request joining the batch compiles
@@ -27,21 +31,20 @@ Compilation: the decode step once per bucket N (`decode_buckets`); a prefill chu
 every chunk `chunk` wide, the last one padded). Every function is pure in
 (state, cache, ...) and donates the cache.
 
-On a mesh (`mesh=`, the one the weights were loaded onto, `load_pretrained(mesh=...)`): the cache's
-slots (its B axis) are split as the rules table splits a batch (`data` x `fsdp` x `expert`:
-each device keeps its own requests' rows and attends over them), every step is traced and run under `jax.set_mesh(mesh)`, so
+On a mesh (`mesh=`, the one the weights were loaded onto, `load_pretrained(mesh=...)`): the pool's
+pages and the slots are split as the rules table splits a batch (`data` x `fsdp` x `expert`: slot b
+in shard b % shards, one `PagePool` each, a request taking pages of its slot's shard, where its
+attention runs; `dsv3_jax.model.page_shards`), every step is traced and run under `jax.set_mesh(mesh)`, so
 the MoE layers exchange tokens with their experts' devices (`sharding/expert_parallel.py`) and XLA
 splits MLA's heads as the weights are split (`tensor`), and every step returns the cache in the
 sharding it came in (one compile per shape, as on one device). Expert parallelism splits a step's
 tokens over the token axes (data x fsdp x expert), so decode buckets are multiples of that product
-and a prefill chunk's width must be one too. A paged cache's pool splits over the same shards, each
-holding the pages of its slots' requests (`Runner`, `dsv3_jax.model.page_shards`).
+and a prefill chunk's width must be one too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import NamedTuple
 
@@ -72,8 +75,8 @@ def decode_buckets(max_batch: int, multiple: int = 1) -> tuple[int, ...]:
 def step_rows(active_B: np.ndarray, buckets: tuple[int, ...], shards: int = 1) -> np.ndarray:
     """int32 [N]: the slots a decode step runs, the active ones first, padded with idle ones to the
     smallest bucket N that holds them (distinct, so the scatter back writes each slot once). With
-    `shards` (a paged cache on a mesh), block i of the N rows is shard i's (slots i, i + shards, ...):
-    N / shards rows hold each shard's active slots, so a row reads the pages of its own shard."""
+    `shards` (a mesh), block i of the N rows is shard i's (slots i, i + shards, ...): N / shards
+    rows hold each shard's active slots, so a row reads the pages of its own shard."""
     by_shard = [np.arange(i, len(active_B), shards) for i in range(shards)]
     n = next(b for b in buckets if b // shards >= max(np.count_nonzero(active_B[s]) for s in by_shard))
     if n == len(active_B) and shards == 1:
@@ -82,32 +85,18 @@ def step_rows(active_B: np.ndarray, buckets: tuple[int, ...], shards: int = 1) -
                            for s in by_shard]).astype(np.int32)
 
 
-@functools.partial(jax.jit, static_argnames="width")
-def _read_block(cache, slot, start, *, width):
-    """The slot's cache rows at positions start .. start + width - 1: [L, 1, W, ...] per array."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (0, slot, start) + (0,) * (a.ndim - 3),
-                                                        (a.shape[0], 1, width) + a.shape[3:]), cache)
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="sharding")
-def _write_block(cache, block, slot, start, *, sharding=None):
-    def put(a, b):
-        return jax.lax.dynamic_update_slice(a, b, (0, slot, start) + (0,) * (a.ndim - 3))
-    return steps._constrain(jax.tree.map(put, cache, block), sharding)
-
-
 class Runner:
-    """Owns the model state and the cache; the engine calls `prefill_chunk` and `decode`.
+    """Owns the model state and the paged cache; the engine calls `admit`, `prefill_chunk`, `decode`,
+    `grow` and `release`.
 
-    `page_size`: a paged cache instead, a pool of `cache_tokens` tokens (default max_batch x
-    max_seq_len) in pages of `page_size` that the slots' requests hold as they need them (`admit`,
-    `grow`, `release`; `PagePool`): slots bound the requests in flight, pages the tokens they hold.
-    On a mesh the pool splits over the batch shards with the slots (slot b in shard b % shards, one
-    `PagePool` each): a request takes pages of its slot's shard, where its attention runs."""
+    `page_size`: tokens per page; the default is the default prefill chunk, so a shared prefix's
+    granule is one page (and 64 is DeepSeek's FlashMLA page). `cache_tokens`: the
+    pool, all requests together (default max_batch x max_seq_len in whole pages: each slot can hold
+    its longest request, the memory one row of max_seq_len per slot takes)."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
                  chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None,
-                 page_size: int | None = None, cache_tokens: int | None = None):
+                 page_size: int = 64, cache_tokens: int | None = None):
         cfg = model.config
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
@@ -117,19 +106,18 @@ class Runner:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         prefill.check_chunk(chunk)
-        cache_tokens = max_batch * max_seq_len if cache_tokens is None else cache_tokens
         shards = token_shards(mesh)
-        if page_size is not None:
-            _check_pages(page_size, cache_tokens, max_seq_len, shards)
-            cache_tokens -= cache_tokens % page_size  # whole pages
-        self.page_size, self.cache_tokens, self.shards = page_size, cache_tokens, shards
-        self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
-        self.cache_dtype = cache_dtype or cfg.compute_dtype
-        self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
         if max_batch % shards or chunk % shards:
             raise ValueError(f"on this mesh a step's tokens are split over {shards} devices (data x fsdp x expert): "
                              f"max_batch={max_batch} and the prefill width chunk={chunk} "
                              f"must be multiples of {shards}")
+        if cache_tokens is None and page_size >= 1:
+            cache_tokens = max_batch * -(-max_seq_len // page_size) * page_size
+        _check_pages(page_size, cache_tokens, max_seq_len, shards)
+        self.page_size, self.cache_tokens, self.shards = page_size, cache_tokens - cache_tokens % page_size, shards
+        self.config, self.max_batch, self.max_seq_len, self.chunk = cfg, max_batch, max_seq_len, chunk
+        self.cache_dtype = cache_dtype or cfg.compute_dtype
+        self.mesh, self.cache_sharding = mesh, cache_sharding(mesh, max_batch, rules)
         self.decode_buckets = decode_buckets(max_batch, shards)
         self.drafts = cfg.num_mtp_layers if use_mtp else 0
         self.context = max_seq_len - self.drafts  # prompt + max_tokens: the verify step writes M past the last
@@ -143,25 +131,18 @@ class Runner:
             # a step's tokens: one row's prefill chunk, or every slot's decode step
             self.steps = offload.wrap(self.steps, max(chunk, max_batch * (1 + self.drafts)))
 
-    @property
-    def _row_shards(self) -> int:
-        """Blocks a decode step's rows come in: the pool's shards (a slot cache's rows are gathered)."""
-        return 1 if self.page_size is None else self.shards
-
     def _on_mesh(self):
         """The context every step is traced and run in: the mesh (expert parallelism), if any."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
-        """A new zero cache (and, paged, an empty pool): after a failed step, whose donated cache may be gone."""
-        rows, slots = self.max_batch, self.max_seq_len
-        if self.page_size is not None:
-            # prefixes shared in whole prefill chunks: a reused prefix's pages hold a cold prefill's bits
-            granule = math.lcm(self.page_size, self.chunk) // self.page_size
-            rows, slots = self.cache_tokens // self.page_size, self.page_size
-            self.pools = [PagePool(rows // self.shards, self.page_size, granule) for _ in range(self.shards)]
-            self.table = np.full((self.max_batch, -(-self.max_seq_len // self.page_size)), -1, np.int32)
-        cache = init_cache(self.config, rows, slots, self.cache_dtype, with_mtp=self.drafts > 0)
+        """A new zero cache and an empty pool: after a failed step, whose donated cache may be gone."""
+        # prefixes shared in whole prefill chunks: a reused prefix's pages hold a cold prefill's bits
+        granule = math.lcm(self.page_size, self.chunk) // self.page_size
+        pages = self.cache_tokens // self.page_size // self.shards  # per shard
+        self.pools = [PagePool(pages, self.page_size, granule, first_page=i * pages) for i in range(self.shards)]
+        self.table = np.full((self.max_batch, -(-self.max_seq_len // self.page_size)), -1, np.int32)
+        cache = init_cache(self.config, pages * self.shards, self.page_size, self.cache_dtype, with_mtp=self.drafts > 0)
         # committed to a device (or placed on the mesh), as every step's output is: one compiled step for both
         self.cache = jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
@@ -169,51 +150,45 @@ class Runner:
         """The pages of the slot's shard."""
         return self.pools[slot % self.shards]
 
-    def _fill(self, slot: int, rid) -> None:
-        """The slot's table row: the request's pages, as ids of the whole pool (its shard's block)."""
-        self._pool(slot).fill_row(self.table, slot, rid)
-        row = self.table[slot]
-        row[row >= 0] += slot % self.shards * self.pools[0].num_pages
-
     def admit(self, slot: int, rid, tokens: list[int], share: bool = False) -> int | None:
-        """Paged: pages for a prompt of `tokens` in the slot's table row, those of its longest cached
+        """Pages for a prompt of `tokens` in the slot's table row, those of its longest cached
         prefix (in its shard) shared when `share`; -> the prompt tokens already cached, None when they
         do not fit."""
         if not self._pool(slot).can_admit(tokens, share):
             return None
         cached = self._pool(slot).admit(rid, tokens, share)
-        self._fill(slot, rid)
+        self._pool(slot).fill_row(self.table, slot, rid)
         return cached
 
     def publish(self, slot: int, rid, written: int) -> None:
-        """Paged: the request's first `written` positions are in its pages, its full prompt granules shareable."""
+        """The request's first `written` positions are in its pages, its full prompt granules shareable."""
         self._pool(slot).publish(rid, written)
 
     def grow(self, slot: int, rid, end: int) -> bool:
-        """Paged: pages for the slot's positions before `end`; False, nothing changed, when too few are free."""
+        """Pages for the slot's positions before `end`; False, nothing changed, when too few are free."""
         more = end - self._pool(slot).requests[rid].tokens
         if more > 0 and not self._pool(slot).grow(rid, more):
             return False
-        self._fill(slot, rid)
+        self._pool(slot).fill_row(self.table, slot, rid)
         return True
 
     def newest(self, slot: int):
-        """Paged: the request to preempt when the slot's pages run short, the newest of its shard's."""
+        """The request to preempt when the slot's pages run short, the newest of its shard's."""
         return self._pool(slot).newest()
 
     def release(self, slot: int, rid) -> None:
-        """Paged: the request's pages back to the pool, the slot's table row empty."""
+        """The request's pages back to the pool, the slot's table row empty."""
         self._pool(slot).release(rid)
         self.table[slot] = -1
 
     @property
     def cache_tokens_used(self) -> int:
-        """Paged: the tokens of the pages held (a shared page once)."""
+        """The tokens of the pages held (a shared page once)."""
         return sum(pool.held_pages for pool in self.pools) * self.page_size
 
     def _cache(self, rows_N: np.ndarray):
-        """The cache a step over rows_N takes: paged, with those rows' page table."""
-        return self.cache if self.page_size is None else self.cache._replace(page_table=self.table[rows_N])
+        """The cache a step over rows_N takes: with those rows' page table."""
+        return self.cache._replace(page_table=self.table[rows_N])
 
     def chunks(self, length: int) -> list[tuple[int, int, int]]:
         """(start, valid, padded width) of each chunk of a `length`-token prompt."""
@@ -221,8 +196,8 @@ class Runner:
 
     def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int, sampling: RowSampling,
                       bitmask_G: np.ndarray | None = None) -> PrefillResult:
-        """Writes the prompt's chunk at `start` into the slot's rows. Returns the sampled next token
-        (kept by the caller only after the last chunk; drawn among those bitmask_G allows, None: any)
+        """Writes the prompt's chunk at `start` into the slot's pages (admitted to hold the prompt).
+        Returns the sampled next token (kept by the caller only after the last chunk; drawn among those bitmask_G allows, None: any)
         with its MTP drafts, and the chunk's next-token log-probabilities."""
         bitmask_G = self.free_bitmask[0, 0] if bitmask_G is None else bitmask_G
         prompt = np.asarray(prompt, np.int32)[None]
@@ -237,22 +212,12 @@ class Runner:
         (carry, logprobs) = jax.device_get(out)
         return PrefillResult(np.concatenate([carry.first, carry.drafts[0]]), TokenLogprobs(*(a[0] for a in logprobs)))
 
-    def read_block(self, slot: int, start: int):
-        """A copy of the slot's cache rows at positions start .. start + chunk - 1 (a prefix block)."""
-        with self._on_mesh():
-            return _read_block(self.cache, np.int32(slot), np.int32(start), width=self.chunk)
-
-    def write_block(self, slot: int, start: int, block) -> None:
-        """Puts a `read_block` copy back at positions start .. start + chunk - 1 of the slot."""
-        with self._on_mesh():
-            self.cache = _write_block(self.cache, block, np.int32(slot), np.int32(start), sharding=self.cache_sharding)
-
     def decode(self, tokens_BxK: np.ndarray, positions_B: np.ndarray, active_B: np.ndarray,
                sampling: RowSampling, bitmask_BxKxG: np.ndarray | None = None) -> steps.StepOut:
         """One step: active slot b feeds tokens[b] (its last token, then its drafts) from positions[b],
         output i drawn among the tokens bitmask[b, i] allows (None: any). Numpy results, the rows of
         inactive slots zeros."""
-        rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets, self._row_shards)
+        rows_N = step_rows(np.asarray(active_B, bool), self.decode_buckets, self.shards)
         picked = RowSampling(*(None if a is None else np.asarray(a)[rows_N] for a in sampling))
         bitmask = self.free_bitmask if bitmask_BxKxG is None else bitmask_BxKxG
         out = self._step(rows_N, np.asarray(tokens_BxK, np.int32)[rows_N], np.asarray(positions_B, np.int32)[rows_N],
@@ -277,7 +242,7 @@ class Runner:
         def compile_steps():
             self.prefill_chunk(0, np.zeros(self.chunk, np.int32), 0, greedy)
             for n in self.decode_buckets:  # n active rows pick bucket n; their mask is switched off below
-                self._step(step_rows(np.arange(b) < n, self.decode_buckets, self._row_shards),
+                self._step(step_rows(np.arange(b) < n, self.decode_buckets, self.shards),
                            np.zeros((n, 1 + self.drafts), np.int32),
                            np.zeros(n, np.int32), np.zeros(n, bool), RowSampling.greedy(n, self.penalty_width),
                            self.free_bitmask[:n])
@@ -285,8 +250,6 @@ class Runner:
             self.offload.warm_up(compile_steps)  # at each expert slot count a step may grow to
         else:
             compile_steps()
-        if self.chunk <= self.max_seq_len and self.page_size is None:  # prefix-cache blocks: a full chunk's rows
-            self.write_block(0, 0, self.read_block(0, 0))
 
 
 def _check_pages(page_size: int, cache_tokens: int, max_seq_len: int, shards: int) -> None:

@@ -82,7 +82,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    prefix_cache: bool = True  # False: this request neither reuses nor stores cached prompt-prefix rows
+    prefix_cache: bool = True  # False: this request neither reuses nor shares cached prompt-prefix pages
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -357,11 +357,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
     @app.get("/metrics")
     async def metrics():
         state = engine.health()
-        paged = "cache_tokens_used" in state
         text = engine.metrics.render(queue_length=state["queue_length"], slots_in_use=state["slots_in_use"],
                                      first_moe_layer=engine.runner.config.num_dense_layers,
-                                     cache_tokens=(state["cache_tokens_used"], state["cache_tokens_total"]) if paged
-                                     else None)
+                                     cache_tokens=(state["cache_tokens_used"], state["cache_tokens_total"]))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

@@ -1,5 +1,5 @@
-"""Continuous batching against `generate()` alone, cancellation, the bounded queue, recovery from a failed step,
-the paged cache: preemption and prefix sharing."""
+"""Continuous batching on the paged cache against `generate()` alone, cancellation, the bounded queue,
+recovery from a failed step, preemption and prefix sharing."""
 
 import contextlib
 import threading
@@ -197,47 +197,6 @@ def test_a_reset_that_fails_leaves_the_engine_failed(model):
                 eng.submit(Request([1], SamplingParams(max_tokens=1), TokenSink()))
     finally:
         eng.shutdown()
-
-
-def _run_one(eng, prompt, max_tokens, **params) -> list[int]:
-    sink = TokenSink()
-    eng.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), sink))
-    assert sink.done.wait(300) and sink.reason == "length"
-    return sink.tokens
-
-
-def test_prefix_cache_reuses_whole_chunks_and_keeps_outputs(model, engine):
-    """Prompts sharing a 40-token prefix (2 whole chunks of 16 and 8 more): the later ones take
-    the 2 blocks from the cache; every output equals the shared engine's, which has no cache."""
-    runner = Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK)
-    cached = Engine(runner, load_tokenizer(), max_queue=4, prefix_cache=8)
-    cached.start()
-    rng = np.random.RandomState(2)
-    prefix = rng.randint(0, VOCAB, 40).tolist()
-    prompts = [prefix + rng.randint(0, VOCAB, n).tolist() for n in (3, 9, 1, 14)]
-    try:
-        got = [_run_one(cached, p, 6) for p in prompts]
-        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK
-        opted_out = _run_one(cached, prompts[1], 6, prefix_cache=False)
-        assert cached.metrics.prefix_hit_tokens == 3 * 2 * CHUNK, "an opted-out request must not reuse blocks"
-    finally:
-        cached.shutdown()
-    want = [_run_one(engine, p, 6) for p in prompts]
-    assert got == want and opted_out == want[1]
-
-
-def test_prefix_cache_evicts_the_least_recently_used_block():
-    from dsv3_jax.serving.prefix_cache import PrefixCache
-
-    cache = PrefixCache(capacity=2, width=4)
-    a, b, c = ([i] * 9 for i in (1, 2, 3))  # 9 tokens: 2 blocks may be reused
-    for prompt in (a, b):
-        cache.put(cache.wants(prompt, 0), f"block0 of {prompt[0]}")
-    assert cache.wants(a, 0) is None and cache.wants(a, 2) is None  # cached; block 2 is not whole
-    assert cache.match(a) == ["block0 of 1"]  # refreshes a: b is now the least recent
-    cache.put(cache.wants(c, 0), "block0 of 3")
-    assert cache.match(b) == [] and cache.match(a) == ["block0 of 1"] and cache.match(c) == ["block0 of 3"]
-    assert cache.match([1] * 4) == []  # 4 tokens: its one block holds the last token, which is prefilled
 
 
 class PoolSink(TokenSink):

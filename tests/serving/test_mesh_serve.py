@@ -1,7 +1,7 @@
 """`python -m experiments.serve --mesh=tensor=2,expert=4` on 8 fake CPU devices (MLA heads on
 `tensor`, experts on `expert`, run expert-parallel) answers 16 concurrent greedy requests of mixed
 lengths on a paged cache split over the `expert` shards, too small for them all (requests are
-preempted and resumed), with the tokens of the single-device server (the shared one, slot cache),
+preempted and resumed), with the tokens of the single-device server (the shared one, default pages),
 with and without MTP speculation, and compiles nothing after its warm-up, with redundant experts
 placed by EPLB for a skewed load (the answers of the default placement) and the decoded tokens'
 expert load recorded at shutdown; with
@@ -77,7 +77,7 @@ def _mesh_servers_answer(checkpoint, tmp_path, want, *weights, modes=((), ("--us
 def test_mesh_server_answers_as_one_device(server, served_checkpoint, tmp_path):
     """On a paged cache too small for the sixteen requests (some preempted in each mode), with E / 2
     redundant experts placed for a skewed load: its answers are the default placement's on the
-    one-device server's slot cache, with and without MTP; the load it records has a row per MoE
+    one-device server's (default pages, none preempted), with and without MTP; the load it records has a row per MoE
     layer, every layer the same routed tokens."""
     cfg = serve_config()
     layers, experts = cfg.num_moe_layers, cfg.num_routed_experts
