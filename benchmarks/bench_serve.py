@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_serve [--checkpoint=CKPT] [--requests=16] [--max_tokens=64] [--max_batch=16] \
         [--concurrency=1,4,16] [--expert_cache=C]
-    python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16] [--page_size=P]
+    python -m benchmarks.bench_serve --mode=prefix [--prefix=1024] [--requests=16] [--page_size=64]
     python -m benchmarks.bench_serve --mode=grammar [--requests=16] [--max_tokens=64] [--concurrency=1,4,16]
     python -m benchmarks.bench_serve --mode=memory [--requests=48] [--long_every=16] [--max_tokens=16] \
         [--max_seq_len=1024] [--budget_slots=4] [--page_size=16] [--max_batch=32]
@@ -20,26 +20,27 @@ bytes moved per output token and stall time over that row (from /metrics).
 
 --mode=prefix: --requests prompts share a --prefix-token prefix, each with its own 16-token
 suffix, sent one after another (greedy, 8 tokens each) with the server's prefix cache off (the
-request field `prefix_cache: false`) and then on; prints TTFT p50 of each, their ratio (target
->= 3x) and whether the outputs are identical. With --page_size the server runs a paged cache, whose
-prefix cache is the prompts' shared pages.
+request field `prefix_cache: false`) and then on (the prompts' shared pages, in pages of
+--page_size, default the server's); prints TTFT p50 of each, their ratio (target >= 3x) and whether
+the outputs are identical.
 
 --mode=grammar: structured outputs' cost per token. At each concurrency the same prompts run free
 and under a JSON schema (`guided_json`: an array of at least --max_tokens integers, so every request
 runs its --max_tokens tokens either way), alternating free / constrained twice on one server; prints
 ms per output token and the decode step of each, and their ratio constrained / free.
 
---mode=memory: the slot cache against the paged cache at one cache budget (--budget_slots x
---max_seq_len tokens) on a mixed-length trace: --requests prompts, every --long_every-th near the
-context limit (--max_seq_len - --max_tokens - 8 tokens), the others 16-40 tokens, each generating
---max_tokens (greedy), sent 50 ms apart in that order. The slot cache serves them with
---budget_slots slots of --max_seq_len; the paged cache with --max_batch slots and a pool of
---max_cache_tokens = the budget in pages of --page_size. While each runs, /metrics is read every
+--mode=memory: one page pool of a cache budget (--budget_slots x --max_seq_len tokens, in pages of
+--page_size: --max_cache_tokens) served by --budget_slots slots, a context per slot as a cache
+reserving every slot's longest context holds (the server's pool on a device that reports no memory,
+CPU, and the slot cache the server once had), against the same pool shared by --max_batch slots, on
+a mixed-length trace: --requests prompts, every --long_every-th near the context limit (--max_seq_len
+- --max_tokens - 8 tokens), the others 16-40 tokens, each generating --max_tokens (greedy), sent
+50 ms apart in that order. While each runs, /metrics is read every
 0.1 s (dsv3_requests_running, dsv3_cache_tokens_used / _total, dsv3_preemptions_total) beside the
 tokens the running requests hold as the client sees them (a streaming request: its prompt and the
 tokens it has received; of the requests sent and not yet streaming, the first ones up to the
-running count, as admission is first come first served: their prompts). Prints each cache's peak
-concurrent requests and the paged/slot ratio (target >= 4x), and the paged cache's tokens in use
+running count, as admission is first come first served: their prompts). Prints each setup's peak
+concurrent requests and the shared/per-slot ratio (target >= 4x), and the shared pool's tokens in use
 against the tokens held: used - held per running request must stay within one page (a request's
 pages round its tokens up, and a decoding request holds the slot of the token it feeds next), checked
 on the samples before any preemption (a preempted request waits although its client has tokens).
@@ -199,9 +200,8 @@ def bench_prefix(checkpoint: str, args) -> None:
     rng = np.random.default_rng(1)
     prefix = [1] + rng.integers(3, 2048, args.prefix - 1).tolist()
     prompts = [prefix + rng.integers(3, 2048, 16).tolist() for _ in range(args.requests)]
-    blocks = (args.prefix + 16) // 32 + 1  # --chunk=32: every block of one prompt fits
     paged = (f"--page_size={args.page_size}",) if args.page_size else ()
-    server = Server(checkpoint, args.port, args.max_batch, args.prefix + 64, f"--prefix_cache_blocks={blocks}", *paged)
+    server = Server(checkpoint, args.port, args.max_batch, args.prefix + 64, *paged)
     results = {}
     try:
         server.stream(prompts[0][:40], 2, prefix_cache=False)  # first request through the HTTP stack
@@ -324,9 +324,8 @@ def bench_memory(checkpoint: str, args) -> None:
     print(f"trace: {len(prompts)} requests, {longs} of {len(prompts[0])} prompt tokens (every {args.long_every}th), "
           f"{len(prompts) - longs} of 16-40; {args.max_tokens} new tokens each; budget {budget} tokens "
           f"({budget * token_bytes / 1e6:.1f} MB of fp32 cache, {token_bytes} bytes a token)", flush=True)
-    setups = (("slot cache", args.budget_slots, ()),
-              (f"paged, pages of {page_size}", args.max_batch,
-               (f"--page_size={page_size}", f"--max_cache_tokens={budget}")))
+    pool = (f"--page_size={page_size}", f"--max_cache_tokens={budget}")
+    setups = (("a context per slot", args.budget_slots, pool), (f"shared, pages of {page_size}", args.max_batch, pool))
     results = {}
     for name, slots, extra in setups:
         print(f"{name}: starting experiments.serve with {slots} slots ...", flush=True)
@@ -341,22 +340,22 @@ def bench_memory(checkpoint: str, args) -> None:
     peaks = []
     for name, (slots, r) in results.items():
         running = [s[0] for s in r["samples"]]
-        used = [budget if s[1] is None else s[1] for s in r["samples"]]  # a slot cache holds its whole budget
+        used = [s[1] for s in r["samples"]]
         peaks.append(max(running))
         print(f"{name:<20} {slots:5d} {max(running):12d} {np.mean([n for n in running if n]):12.1f} {max(used):16.0f} "
               f"{max(s[3] for s in r['samples']):9d} {r['samples'][-1][2]:11.0f} {r['wall']:7.1f}")
     ratio = peaks[1] / peaks[0]
-    print(f"peak concurrent requests, paged / slot cache: {ratio:.1f}x (target >= 4x): "
+    print(f"peak concurrent requests, shared / a context per slot: {ratio:.1f}x (target >= 4x): "
           f"{'PASS' if ratio >= 4 else 'FAIL'}")
     samples = results[setups[1][0]][1]["samples"]
     calm = [s for s in samples if s[2] == 0 and s[0] > 0]  # before any preemption, something running
     over = [(used - held) / running for running, used, _, held in calm]
     held, used = sum(s[3] for s in calm), sum(s[1] for s in calm)
     ok = calm and -1 <= min(over) and max(over) < page_size
-    print(f"paged cache, {len(calm)} samples before any preemption: (used - held) / running request in "
+    print(f"shared pool, {len(calm)} samples before any preemption: (used - held) / running request in "
           f"[{min(over):.2f}, {max(over):.2f}] tokens (target: within one page, [-1, {page_size})): "
           f"{'PASS' if ok else 'FAIL'}; used / held over them {used / held:.3f} "
-          f"(slot cache: {budget} tokens, {budget * token_bytes / 1e6:.1f} MB, whatever it holds)")
+          f"(pool: {budget} tokens, {budget * token_bytes / 1e6:.1f} MB)")
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -370,12 +369,12 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("mode", "concurrency", ["concurrency", "prefix", "grammar", "memory"], "what to measure",
                       flag_values=fv)
     flags.DEFINE_integer("prefix", 1024, "--mode=prefix: shared prefix tokens", flag_values=fv)
-    flags.DEFINE_integer("page_size", None, "tokens per page of a paged cache: --mode=prefix serves from one "
-                         "(prefixes shared as pages); --mode=memory's paged cache (default 16)", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "tokens per page of the server's cache in --mode=prefix (default: the "
+                         "server's) and --mode=memory (default 16)", flag_values=fv)
     flags.DEFINE_integer("long_every", 16, "--mode=memory: every n-th request near the context limit", flag_values=fv)
     flags.DEFINE_integer("max_seq_len", 1024, "--mode=memory: the context limit of one request", flag_values=fv)
-    flags.DEFINE_integer("budget_slots", 4, "--mode=memory: the slot cache's slots; the budget of both caches is "
-                         "this x --max_seq_len tokens", flag_values=fv)
+    flags.DEFINE_integer("budget_slots", 4, "--mode=memory: the slots of the setup holding a context per slot; the "
+                         "pool of both setups is this x --max_seq_len tokens", flag_values=fv)
     flags.DEFINE_integer("expert_cache", None, "concurrency mode: offload the routed experts behind a device cache "
                          "of C per layer (generate() and the server), and report its hit rate, bytes moved per "
                          "token and stall time", flag_values=fv)
