@@ -170,6 +170,10 @@ def test_page_table_rows_name_each_requests_pages_and_minus_one_past_them():
     pool.grow("x", 2 * K)
     with pytest.raises(ValueError, match="5 pages, more than the page table's 4 columns"):
         pool.fill_row(table_BxM, 1, "x")
+    second = PagePool(8, K, first_page=8)  # the pool's next block (a mesh's second batch shard)
+    second.admit("z", list(range(2 * K)))
+    second.fill_row(table_BxM, 0, "z")
+    np.testing.assert_array_equal(table_BxM[0], [8, 9, -1, -1])
 
 
 def test_bad_input_is_named():
