@@ -113,7 +113,8 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer, *, max_queue: int = 64, prefix_cache: bool = False,
                  eos_ids: tuple[int, ...] = ()):
         if prefix_cache and runner.drafts:
-            raise ValueError("prefix_cache needs use_mtp off (the MTP entry at a shared granule's end depends on the token after it)")
+            raise ValueError("prefix_cache needs use_mtp off (the MTP entry at a shared granule's end depends on "
+                             "the token after it)")
         self.runner, self.tokenizer, self.max_queue = runner, tokenizer, max_queue
         # ids that end a request unless it sets ignore_eos: the tokenizer's EOS and any that the
         # checkpoint's generation_config.json adds
