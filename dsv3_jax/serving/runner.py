@@ -197,8 +197,9 @@ class Runner:
     def prefill_chunk(self, slot: int, prompt: np.ndarray, start: int, sampling: RowSampling,
                       bitmask_G: np.ndarray | None = None) -> PrefillResult:
         """Writes the prompt's chunk at `start` into the slot's pages (admitted to hold the prompt).
-        Returns the sampled next token (kept by the caller only after the last chunk; drawn among those bitmask_G allows, None: any)
-        with its MTP drafts, and the chunk's next-token log-probabilities."""
+        Returns the sampled next token (kept by the caller only after the last chunk; drawn among
+        those bitmask_G allows, None: any) with its MTP drafts, and the chunk's next-token
+        log-probabilities."""
         bitmask_G = self.free_bitmask[0, 0] if bitmask_G is None else bitmask_G
         prompt = np.asarray(prompt, np.int32)[None]
         window = prefill.window(prompt, start, self.chunk, self.drafts)
