@@ -2,7 +2,7 @@
 
     python -m experiments.serve --checkpoint=RUN_OR_CKPT_OR_HF [--tokenizer=tokenizer.json] [--host=127.0.0.1] \
         [--port=8000] [--max_batch=16] [--max_seq_len=2048] [--chunk=64] [--noprefix_cache] [--use_mtp] \
-        [--page_size=64] [--max_cache_tokens=N | --cache_memory_fraction=0.9] \
+        [--page_size=CHUNK] [--max_cache_tokens=N | --cache_memory_fraction=0.9] \
         [--max_queue=256] [--max_request_bytes=4194304] \
         [--cache_dtype=bfloat16] [--mesh=tensor=2,expert=4 [--rules=default]] \
         [--weights=fp8|int8|int4 [--quantize=experts|all] [--quant_group=128]] \
@@ -55,8 +55,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_batch", 16, "decode slots (concurrent requests)", flag_values=fv)
     flags.DEFINE_integer("max_seq_len", 2048, "context per slot: prompt + max_tokens", flag_values=fv)
     flags.DEFINE_integer("chunk", 64, "prefill chunk length (a power of two)", flag_values=fv)
-    flags.DEFINE_integer("page_size", 64, "tokens per page of the latent cache: requests hold pages for what they "
-                         "have, the newest preempted when they run out", flag_values=fv)
+    flags.DEFINE_integer("page_size", None, "tokens per page of the latent cache: requests hold pages for what they "
+                         "have, the newest preempted when they run out (default: --chunk, so prompts share "
+                         "prefixes in whole chunks)", flag_values=fv)
     flags.DEFINE_integer("max_cache_tokens", None, "tokens the page pool holds, all requests "
                          "together (default: what fits --cache_memory_fraction of the device's memory after the "
                          "weights; where the device reports no memory, as on CPU, max_batch x max_seq_len)",
@@ -81,7 +82,10 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def parse_args(argv=None):
-    return cli.with_mesh(cli.parse(define_flags, argv, __doc__))
+    args = cli.with_mesh(cli.parse(define_flags, argv, __doc__))
+    if args.page_size is None:  # a page per prefill chunk: a shared prefix's granule is one chunk
+        args.page_size = args.chunk
+    return args
 
 
 def build(args):

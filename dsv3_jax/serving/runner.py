@@ -89,15 +89,16 @@ class Runner:
     """Owns the model state and the paged cache; the engine calls `admit`, `prefill_chunk`, `decode`,
     `grow` and `release`.
 
-    `page_size`: tokens per page; the default is the default prefill chunk, so a shared prefix's
-    granule is one page (and 64 is DeepSeek's FlashMLA page). `cache_tokens`: the
-    pool, all requests together (default max_batch x max_seq_len in whole pages: each slot can hold
-    its longest request, the memory one row of max_seq_len per slot takes)."""
+    `page_size`: tokens per page (default: the prefill `chunk`, so a shared prefix's granule,
+    lcm(page_size, chunk), is one page and one chunk). `cache_tokens`: the pool, all requests
+    together (default max_batch x max_seq_len in whole pages: each slot can hold its longest
+    request, the memory one row of max_seq_len per slot takes)."""
 
     def __init__(self, model, *, max_batch: int, max_seq_len: int, cache_dtype: str | None = None,
                  chunk: int = 64, use_mtp: bool = False, mesh=None, rules=None, offload=None,
-                 page_size: int = 64, cache_tokens: int | None = None):
+                 page_size: int | None = None, cache_tokens: int | None = None):
         cfg = model.config
+        page_size = chunk if page_size is None else page_size
         if use_mtp and model.mtp is None:
             raise ValueError("use_mtp needs a model with MTP modules (config num_mtp_layers >= 1)")
         if not 2 <= max_seq_len <= cfg.max_position_embeddings:
