@@ -33,8 +33,8 @@ The trainer asks for seq_len = T + 1 and derives inputs `tokens[:, :-1]`, target
 Checkpointing: the train iterator is a `grain.DatasetIterator`; `iterator.get_state()` is a small
 JSON-able dict, and `set_state` resumes at exactly the next batch (same config, same
 process_count and num_workers). Inside an Orbax `CheckpointManager`, save it next to the train
-state with `ocp.args.Composite(state=..., data=checkpoint_save_args(iterator))` and restore with
-`checkpoint_restore_args(iterator)` (one JSON file per process).
+state with `ocp.args.Composite(state=..., data=grain.checkpoint.CheckpointSave(iterator))` and
+restore with `grain.checkpoint.CheckpointRestore(iterator)` (one JSON file per process).
 """
 
 import dataclasses
@@ -174,18 +174,6 @@ def split_indices(num_documents: int, eval_fraction: float) -> dict[str, np.ndar
         is_eval[np.argmin(u)], is_eval[np.argmax(u)] = True, False
         train, evals = np.flatnonzero(~is_eval).astype(dtype), np.flatnonzero(is_eval).astype(dtype)
     return {"train": train, "eval": evals}
-
-
-def checkpoint_save_args(iterator):
-    """Orbax args that save a grain iterator, for `ocp.args.Composite(data=...)`."""
-    import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
-    return grain.checkpoint.CheckpointSave(iterator)
-
-
-def checkpoint_restore_args(iterator):
-    """Orbax args that restore `iterator` in place (it must come from the same config)."""
-    import orbax.checkpoint  # noqa: F401  (registers the grain handler with Orbax)
-    return grain.checkpoint.CheckpointRestore(iterator)
 
 
 def _process_rows(start: int, n: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

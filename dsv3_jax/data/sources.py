@@ -43,11 +43,6 @@ def encode_tokens(ids) -> bytes:
     return np.asarray(ids, dtype=TOKEN_DTYPE).tobytes()
 
 
-def decode_tokens(record: bytes) -> np.ndarray:
-    """Inverse of `encode_tokens`: int32 [num_tokens]."""
-    return np.frombuffer(record, dtype=TOKEN_DTYPE).astype(np.int32)
-
-
 def sidecar_path(shard: str) -> str:
     return f"{shard}.json"
 
@@ -112,7 +107,7 @@ class TokenSource:
         return self._ends[-1]
 
     def __getitem__(self, index) -> np.ndarray:
-        tokens = decode_tokens(self._reader[index])
+        tokens = np.frombuffer(self._reader[index], dtype=TOKEN_DTYPE).astype(np.int32)  # `encode_tokens`' bytes
         if self._vocab_size is not None and tokens.size:
             shard = bisect.bisect_right(self._ends, index)
             if not self._checked[shard] and (tokens.max() >= self._vocab_size or tokens.min() < 0):
@@ -129,28 +124,26 @@ class TokenSource:
         return f"TokenSource({len(self._paths)} shards, {len(self)} documents)"
 
 
-def read_text_file(path: str) -> tuple[list[str], list[str]]:
-    """Returns (documents, origins) of a `.txt` file, a document per block between blank lines."""
+def read_text_file(path: str) -> list[tuple[str, str]]:
+    """(document, origin) of each block between blank lines of a `.txt` file."""
     text = _read_nonempty(path)
-    docs = [d.strip("\n") for d in _BLANK_LINES.split(text.replace("\r\n", "\n"))]
-    docs = [d for d in docs if d.strip()]
+    docs = [d.strip("\n") for d in _BLANK_LINES.split(text.replace("\r\n", "\n")) if d.strip()]
     if not docs:
         raise DataError(f"{path}: no documents (only whitespace).")
-    return docs, [f"{path} document {i}" for i in range(len(docs))]
+    return [(doc, f"{path} document {i}") for i, doc in enumerate(docs)]
 
 
-def read_jsonl_file(path: str, text_field: str = "text") -> tuple[list[str], list[str]]:
-    """Returns (documents, origins) of a `.jsonl` file, one document per non-blank line."""
-    docs, origins = [], []
+def read_jsonl_file(path: str, text_field: str = "text") -> list[tuple[str, str]]:
+    """(document, "file:line") of each non-blank line of a `.jsonl` file."""
+    docs = []
     for where, obj in json_lines(path):
         if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
             raise DataError(f"{where}: expected an object with a string field {text_field!r}.")
         if obj[text_field].strip():
-            docs.append(obj[text_field])
-            origins.append(where)
+            docs.append((obj[text_field], where))
     if not docs:
         raise DataError(f"{path}: no documents (no non-empty {text_field!r} field).")
-    return docs, origins
+    return docs
 
 
 def json_lines(path: str):
@@ -203,15 +196,11 @@ def open_source(data=None, *, text_field: str = "text", vocab_size: int | None =
         if not all(shards):
             raise DataError(f"{data}: mixes ArrayRecord shards with text files; run prepare_data.")
         return TokenSource(paths, vocab_size=vocab_size)
-    docs, origins = [], []
+    pairs = []  # (document, origin)
     for path in paths:
-        if path.endswith(JSONL_SUFFIXES):
-            file_docs, file_origins = read_jsonl_file(path, text_field)
-        else:
-            file_docs, file_origins = read_text_file(path)
-        docs.extend(file_docs)
-        origins.extend(file_origins)
-    return TextSource(docs, origins)
+        pairs += read_jsonl_file(path, text_field) if path.endswith(JSONL_SUFFIXES) else read_text_file(path)
+    documents, origins = zip(*pairs)
+    return TextSource(documents, origins)
 
 
 def _read_nonempty(path: str) -> str:

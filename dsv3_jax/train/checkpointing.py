@@ -16,6 +16,7 @@ import contextlib
 import logging
 import signal
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -24,7 +25,6 @@ from dsv3_jax import paths
 from dsv3_jax.checkpoint import integrity, orbax_layout
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from sharding import multihost
-from dsv3_jax.data import checkpoint_restore_args, checkpoint_save_args
 
 
 class Checkpointer:
@@ -73,7 +73,7 @@ class Checkpointer:
         error = None
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=checkpoint_restore_args(data_iterator)))
+                state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)))
         except Exception as e:  # Orbax passes TensorStore's read errors on as a bare Exception
             error = integrity.from_read_error(step, state_dir, e) or e
             _join_orbax_restore_barrier()
@@ -101,7 +101,7 @@ class Checkpointer:
         sums = integrity.checksums(state)
         try:
             started = self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=checkpoint_save_args(data_iterator),
+                state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
                 **{integrity.ITEM: ocp.args.JsonSave({"checksums": sums})}))
         except Exception as e:  # what Orbax raises from its writers, e.g. OSError ENOSPC
             raise self._failed(step, e) from None

@@ -158,6 +158,7 @@ def test_get_state_set_state_resumes_exactly(jsonl_path, skip):
 
 
 def test_orbax_composite_checkpoint(jsonl_path, tmp_path):
+    import grain
     import orbax.checkpoint as ocp
     it = iter(make_dataset(_config(jsonl_path), process_index=0, process_count=1))
     for _ in range(5):
@@ -165,14 +166,14 @@ def test_orbax_composite_checkpoint(jsonl_path, tmp_path):
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         mngr.save(5, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"w": np.arange(3.0)}),
-            data=pipeline.checkpoint_save_args(it)))
+            data=grain.checkpoint.CheckpointSave(it)))
         mngr.wait_until_finished()
     want = next(it)
     fresh = iter(make_dataset(_config(jsonl_path), process_index=0, process_count=1))
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         restored = mngr.restore(5, args=ocp.args.Composite(
             state=ocp.args.StandardRestore({"w": np.zeros(3)}),
-            data=pipeline.checkpoint_restore_args(fresh)))
+            data=grain.checkpoint.CheckpointRestore(fresh)))
     np.testing.assert_array_equal(restored.state["w"], np.arange(3.0))
     np.testing.assert_array_equal(next(restored.data)["tokens"], want["tokens"])
 
