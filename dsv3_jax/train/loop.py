@@ -66,8 +66,9 @@ def resolve_model(config, workdir: str, resume: bool) -> tuple[ModelConfig, Deep
     if resume:
         record = ModelConfig.from_dict(json.loads(paths.at(paths.join(workdir, "model_config.json")).read_text()))
         cfg = run_config.for_resume(record, requested, from_checkpoint=bool(config.train.init_from))
-        for line in run_config.log_lines(record, cfg, "the run's model_config.json"):
-            logging.warning("resume with a changed run field: %s", line)
+        for name, was, now in run_config.differences(record, cfg, run_config.RUN_FIELDS):
+            logging.warning("resume with a changed run field: config.model.%s=%r (was %r in the run's "
+                            "model_config.json)", name, now, was)
         return cfg, None
     if config.train.init_from:
         model = build_model(config, requested)
@@ -237,7 +238,7 @@ def train(config) -> list[dict]:
             writer.write(records[0])
         t_window = time.perf_counter()
         with checkpointing.preemption() as preempted:
-            previous = None  # the step before's skip count and scalars, checked once this step is queued
+            previous = None  # (the step before, its metrics), checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 batch, first_batch = (next(train_iter) if first_batch is None else first_batch), None
                 state, m = train_step(state, batch)
@@ -245,8 +246,7 @@ def train(config) -> list[dict]:
                     _check_restored(start, m)
                 if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
                     _check_skips(*previous, tc.max_consecutive_skips)
-                # From the metrics, not the state: the next step donates the state's buffers.
-                previous = (step, m["consecutive_skips"], m["loss"], m["grad_norm"])
+                previous = (step, m)  # the metrics, not the state: the next step donates the state's buffers
                 if step % tc.log_every == 0 or step == tc.steps:
                     record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
                     if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
@@ -294,12 +294,12 @@ def _check_restored(restored_step: int, m) -> None:
             f"checkpoint of step {restored_step} is suspect; stopping without saving.")
 
 
-def _check_skips(step, consecutive_skips, loss, grad_norm, limit: int):
-    consecutive = int(consecutive_skips)
+def _check_skips(step: int, m, limit: int):
+    consecutive = int(m["consecutive_skips"])
     if consecutive >= limit:
         raise TrainingError(
             f"{consecutive} steps in a row (up to step {step}) had a non-finite loss or gradient "
-            f"(last loss {float(loss)}, grad norm {float(grad_norm)}); stopping. Lower "
+            f"(last loss {float(m['loss'])}, grad norm {float(m['grad_norm'])}); stopping. Lower "
             f"config.optimizer.peak_lr or check the data; train.max_consecutive_skips={limit}.")
 
 

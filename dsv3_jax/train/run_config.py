@@ -52,9 +52,3 @@ def for_resume(record: ModelConfig, requested: ModelConfig, *, from_checkpoint: 
                                "(model_config.json): a run keeps its architecture; use a new --workdir, "
                                "or --init_from=<this run> to start a new run from its weights")
     return record.replace(**run_fields(requested))
-
-
-def log_lines(was: ModelConfig, now: ModelConfig, source: str) -> list[str]:
-    """One line for each run field of `now` that differs from `was` (e.g. the run's record)."""
-    return [f"config.model.{name}={new!r} (was {old!r} in {source})"
-            for name, old, new in differences(was, now, RUN_FIELDS)]

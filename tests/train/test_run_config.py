@@ -15,4 +15,4 @@ def test_resume_refuses_a_model_field_and_takes_run_fields():
         run_config.for_resume(record, record.replace(num_routed_experts=32, remat=True), from_checkpoint=False)
     cfg = run_config.for_resume(record, record.replace(hidden_size=64, remat=True), from_checkpoint=True)
     assert cfg == record.replace(remat=True)  # --init_from runs: the checkpoint's architecture is kept
-    assert run_config.log_lines(record, cfg, "x") == ["config.model.remat=True (was False in x)"]
+    assert run_config.differences(record, cfg, run_config.RUN_FIELDS) == [("remat", False, True)]
