@@ -32,23 +32,30 @@ BUNDLED_CHAT_PATH = pathlib.Path(__file__).parent / "assets" / "chat.jsonl"
 MESSAGES_FIELD = "messages"
 
 
+def read_chat_file(path: str) -> list[tuple[list[dict], str]]:
+    """(messages, "file:line") of each conversation of a `.jsonl` chat file; a malformed line fails naming
+    file:line."""
+    conversations = []
+    for where, obj in json_lines(path):
+        messages = obj.get(MESSAGES_FIELD) if isinstance(obj, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: expected an object with a non-empty list {MESSAGES_FIELD!r}.")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: {MESSAGES_FIELD}[{i}] must be an object with string 'role' and 'content'.")
+        conversations.append((messages, where))
+    return conversations
+
+
 def open_chat_source(data=None) -> list[tuple[list[dict], str]]:
     """The conversations of `data` (globs of `.jsonl` files, as `sources.open_source`), each
-    (messages, "file:line"); None: the bundled set. A malformed line fails naming file:line."""
+    (messages, "file:line"); None: the bundled set."""
     paths = [str(BUNDLED_CHAT_PATH)] if data is None else expand_paths(data)
     conversations = []
     for path in paths:
         if not path.endswith(".jsonl"):
             raise DataError(f"{path}: chat data must be .jsonl files of {{\"{MESSAGES_FIELD}\": [...]}} lines.")
-        for where, obj in json_lines(path):
-            messages = obj.get(MESSAGES_FIELD) if isinstance(obj, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise DataError(f"{where}: expected an object with a non-empty list {MESSAGES_FIELD!r}.")
-            for i, m in enumerate(messages):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise DataError(f"{where}: {MESSAGES_FIELD}[{i}] must be an object with string 'role' and "
-                                    "'content'.")
-            conversations.append((messages, where))
+        conversations += read_chat_file(path)
     return conversations
 
 
