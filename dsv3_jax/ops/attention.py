@@ -77,10 +77,7 @@ def causal_attention_lse(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, *, softmax_scale: floa
 def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float,
                         segment_ids: jax.Array | None = None) -> jax.Array:
     """The same function by plain autodiff-able jnp (jax.nn.softmax), for tests."""
-    batch, length = q_BxTxHxK.shape[:2]
-    scores = jnp.einsum("BTHK,BSHK->BHTS", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
-    scores = jnp.where(causal_mask(segment_ids, batch, length), scores * softmax_scale, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = _probs(q_BxTxHxK, k_BxSxHxK, causal_mask(segment_ids, *q_BxTxHxK.shape[:2]), softmax_scale)
     out = jnp.einsum("BHTS,BSHV->BTHV", probs.astype(v_BxSxHxV.dtype), v_BxSxHxV, preferred_element_type=jnp.float32)
     return out.astype(q_BxTxHxK.dtype)
 
@@ -88,9 +85,13 @@ def attention_reference(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, *, softmax_scale: float
 def head_summed_probs(q_BxTxHxK, k_BxSxHxK, mask_Bx1xTxS: jax.Array, *, softmax_scale: float) -> jax.Array:
     """float32 [B, T, S]: each head's attention probabilities under `mask`, summed over the heads
     (the main attention's distribution that DSA's indexer is trained towards)."""
+    return jnp.sum(_probs(q_BxTxHxK, k_BxSxHxK, mask_Bx1xTxS, softmax_scale), axis=1)
+
+
+def _probs(q_BxTxHxK, k_BxSxHxK, mask_Bx1xTxS, scale) -> jax.Array:
+    """float32 [B, H, T, S]: softmax over the keys of the masked, scaled scores (the plain form)."""
     scores = jnp.einsum("BTHK,BSHK->BHTS", q_BxTxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(jnp.where(mask_Bx1xTxS, scores * softmax_scale, -jnp.inf), axis=-1)
-    return jnp.sum(probs, axis=1)
+    return jax.nn.softmax(jnp.where(mask_Bx1xTxS, scores * scale, -jnp.inf), axis=-1)
 
 
 def _scores(q_BxHxTxK, k_BxHxSxK, mask_Bx1xTxS, scale):

@@ -45,7 +45,7 @@ READ_BLOCK = 256  # cache slots per block read
 def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
     """Fresh entries -> (latent, latent_scale | None, k_pe) in the cache's dtypes."""
     if cache_dtype == "int8":
-        return (*quantize_int8_per_token(latent_BxWxC), k_pe_BxWxR.astype(jnp.bfloat16))
+        return (*quantize_per_token(latent_BxWxC), k_pe_BxWxR.astype(jnp.bfloat16))
     if cache_dtype != "float8":
         dt = jnp.dtype(cache_dtype)
         return latent_BxWxC.astype(dt), None, k_pe_BxWxR.astype(dt)
@@ -54,12 +54,16 @@ def encode(latent_BxWxC: jax.Array, k_pe_BxWxR: jax.Array, cache_dtype: str):
     return q.reshape(b, w, c), scale.reshape(b, w, -1), k_pe_BxWxR.astype(jnp.bfloat16)
 
 
-def quantize_int8_per_token(latent_BxWxC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """-> (int8 [B, W, C], fp32 scale [B, W, 1]): x ~= q * scale, scale = amax(|x|) / 127 per token."""
-    x = latent_BxWxC.astype(jnp.float32)
+def quantize_per_token(x_BxWxX: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """-> (q [B, W, X] in `dtype`, fp32 scale [B, W, 1]): x ~= q * scale, scale = amax(|x|) / qmax per
+    token; int8: qmax 127, rounded to nearest; e4m3: qmax 448."""
+    x = x_BxWxX.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)  # an all-zero token keeps zeros, not NaNs
-    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+    qmax = INT8_MAX if dtype == jnp.int8 else E4M3_MAX
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)  # an all-zero token keeps zeros, not NaNs
+    if dtype == jnp.int8:
+        return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+    return (x / scale).astype(dtype), scale
 
 
 def dequantize(latent_BxSxC: jax.Array, scale_BxSxG: jax.Array | None, dtype) -> jax.Array:
@@ -266,16 +270,6 @@ def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_sc
     return jnp.transpose(acc / l_sum[..., None], (0, 2, 1, 3))
 
 
-def _expanded_step(carry, q_nope, q_pe, latent_BxPxC, k_pe_BxPxR, bias_Bx1x1xP, w_uk, w_uv, softmax_scale, dt):
-    """One block of P cached slots, expanded to per-head keys [B, H, P, N] and values [B, H, P, V];
-    queries heads-first [B, H, W, *]."""
-    k_nope = jnp.einsum("BPC,CHN->BHPN", latent_BxPxC.astype(dt), w_uk, preferred_element_type=jnp.float32)
-    v = jnp.einsum("BPC,CHV->BHPV", latent_BxPxC.astype(dt), w_uv, preferred_element_type=jnp.float32)
-    s = (jnp.einsum("BHWN,BHPN->BHWP", q_nope, k_nope.astype(dt), preferred_element_type=jnp.float32)
-         + jnp.einsum("BHWR,BPR->BHWP", q_pe, k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
-    return _softmax_step(carry, s * softmax_scale + bias_Bx1x1xP, v, "BHWP,BHPV->BHWV", dt)
-
-
 def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache, positions_BxW, *,
                     softmax_scale: float, compute_dtype, block: int = READ_BLOCK, layer=None, page_table=None
                     ) -> tuple[jax.Array, jax.Array]:
@@ -290,9 +284,13 @@ def attend_expanded(q_nope_BxWxHxN, q_pe_BxWxHxR, w_uk_CxHxN, w_uv_CxHxV, cache,
     w_uk, w_uv = w_uk_CxHxN.astype(dt), w_uv_CxHxV.astype(dt)
 
     def step(carry, latent_BxPxC, k_pe_BxPxR, visible_BxP, rows=slice(None)):
+        """One block of P cached slots, expanded to per-head keys [B, H, P, N] and values [B, H, P, V]."""
         bias = jnp.where(visible_BxP, 0.0, -jnp.inf)[:, None, None, :]
-        return _expanded_step(carry, q_nope[rows], q_pe[rows], latent_BxPxC, k_pe_BxPxR, bias, w_uk, w_uv,
-                              softmax_scale, dt)
+        k_nope = jnp.einsum("BPC,CHN->BHPN", latent_BxPxC.astype(dt), w_uk, preferred_element_type=jnp.float32)
+        v = jnp.einsum("BPC,CHV->BHPV", latent_BxPxC.astype(dt), w_uv, preferred_element_type=jnp.float32)
+        s = (jnp.einsum("BHWN,BHPN->BHWP", q_nope[rows], k_nope.astype(dt), preferred_element_type=jnp.float32)
+             + jnp.einsum("BHWR,BPR->BHWP", q_pe[rows], k_pe_BxPxR.astype(dt), preferred_element_type=jnp.float32))
+        return _softmax_step(carry, s * softmax_scale + bias, v, "BHWP,BHPV->BHWV", dt)
 
     acc_shape = q_nope.shape[:3] + (w_uv.shape[-1],)
     m, l_sum, acc = _over_cache(step, acc_shape, cache, positions_BxW, layer, block, dt, page_table)
@@ -356,14 +354,9 @@ def layer_slice(a: jax.Array | None, layer) -> jax.Array | None:
 def encode_index_key(k_BxWxK: jax.Array, cache_dtype: str) -> tuple[jax.Array, jax.Array | None]:
     """Fresh index keys -> (key, scale [B, W, 1] | None) in the cache's dtypes: float32 / bfloat16 as
     they are, int8 and e4m3 with one fp32 scale per key (amax / 127, amax / 448)."""
-    if cache_dtype == "int8":
-        return quantize_int8_per_token(k_BxWxK)
-    if cache_dtype != "float8":
-        return k_BxWxK.astype(cache_dtype), None
-    x = k_BxWxK.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    return (x / scale).astype(jnp.float8_e4m3fn), scale
+    if cache_dtype in ("int8", "float8"):
+        return quantize_per_token(k_BxWxK, jnp.int8 if cache_dtype == "int8" else jnp.float8_e4m3fn)
+    return k_BxWxK.astype(cache_dtype), None
 
 
 def cache_index(slots_BxX: jax.Array, page_table_BxM: jax.Array | None = None, pool_NxK: tuple[int, int] = (0, 0)):
