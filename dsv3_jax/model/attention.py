@@ -204,15 +204,17 @@ class MLA(nnx.Module):
         cfg = self.cfg
         q, k, v, _ = self._qkv(x_BxTxD, cos, sin)
         every_key_kept = x_BxTxD.shape[1] <= cfg.index_topk  # the selection would keep each visible key
-        if cfg.has_indexer and (indexer_terms or not every_key_kept):
-            visible = causal_mask(segment_ids, *x_BxTxD.shape[:2])
-            detached = jax.lax.stop_gradient
-            logits = self.indexer(detached(x_BxTxD), detached(self.query_latent(x_BxTxD)), cos, sin, visible)
-            # the dense warm-up's terms: the selection is every visible key, no top-k to sort
-            keep = visible[:, 0] if every_key_kept else select_topk(logits, cfg.index_topk)
-        if not cfg.has_indexer or every_key_kept:
+        if not cfg.has_indexer or every_key_kept and not indexer_terms:
+            out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
+            return self._mm("BTHV,HVD->BTD", out, "wo")
+        visible = causal_mask(segment_ids, *x_BxTxD.shape[:2])
+        detached = jax.lax.stop_gradient
+        logits = self.indexer(detached(x_BxTxD), detached(self.query_latent(x_BxTxD)), cos, sin, visible)
+        if every_key_kept:  # the dense warm-up's terms: the selection is every visible key, no top-k to sort
+            keep = visible[:, 0]
             out = _attention_fn(cfg.attention_impl)(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids)
         else:
+            keep = select_topk(logits, cfg.index_topk)
             out = xla_attention(q, k, v, softmax_scale=cfg.softmax_scale, segment_ids=segment_ids, keep=keep)
         out = self._mm("BTHV,HVD->BTD", out, "wo")
         if not indexer_terms:

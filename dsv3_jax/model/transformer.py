@@ -23,6 +23,7 @@ from dsv3_jax.model.moe import RouterStats
 from dsv3_jax.model.mtp import MTPLayer, run_mtp
 from dsv3_jax.model.norm import RMSNorm
 from dsv3_jax.model.rope import rope_angles
+from dsv3_jax.ops.latent_attention import row_slots
 from sharding import pipeline
 
 
@@ -39,8 +40,7 @@ class ModelCache(NamedTuple):
     @property
     def slots(self) -> int:
         """Positions a row can address: S, or M x K through the page table."""
-        latent = next(c for c in self[:3] if c is not None).latent
-        return latent.shape[2] if self.page_table is None else self.page_table.shape[1] * latent.shape[2]
+        return row_slots(next(c for c in self[:3] if c is not None).latent, self.page_table)
 
 
 class ModelOutput(NamedTuple):

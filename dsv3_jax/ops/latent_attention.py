@@ -123,10 +123,13 @@ def _empty(acc_shape):
             jnp.zeros(acc_shape, jnp.float32))
 
 
-def _over_prefix(step, acc_shape, cache, positions_BxW, layer, block: int, dt):
+def _over_cache(step, acc_shape, cache, positions_BxW, layer, block: int, dt, page_table=None):
     """The online softmax (`step(carry, latent [B, P, C] dequantised to dt, k_pe [B, P, R],
     visible [B, P])`) over the cache slots before each row's first position, `block` slots at a
-    time; blocks past every row's start are never read. Starts empty; acc_shape [B, H, W, *]."""
+    time; blocks past every row's start are never read. Starts empty; acc_shape [B, H, W, *].
+    With `page_table`, of a pool of pages (`_over_pages`)."""
+    if page_table is not None:
+        return _over_pages(step, acc_shape, cache, page_table, positions_BxW[:, 0], layer, block, dt)
     latent_BxSxC, scale_BxSxG, k_pe_BxSxR = cache[:3]
     block = math.gcd(block, latent_BxSxC.shape[-2])  # blocks tile the cache exactly
     read = _reader(cache, layer, block)
@@ -188,7 +191,7 @@ def _read_pages(a: jax.Array | None, layer, page_TxJ: jax.Array, p: int) -> jax.
 
 
 def _over_pages(step, acc_shape, pages, page_table_BxM, before_B, layer, block: int, dt):
-    """`_over_prefix`'s online softmax over each row's slots before `before_B`, read from a pool of
+    """`_over_cache`'s online softmax over each row's slots before `before_B`, read from a pool of
     pages in `_page_items`' work items, each a partial softmax over its P = J * K slots
     (`step(empty, latent [T, P, C], k_pe [T, P, R], visible [T, P], rows [T])`, the queries of rows
     T) folded into its row's; steps past the last item are never run. An item of several pages keeps
@@ -228,14 +231,6 @@ def scores_over_pages(score, keys, scale, page_table_BxM: jax.Array, before_B: j
                                                                                              mode="drop")
 
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((b, width, m * keys.shape[-2]), jnp.float32))
-
-
-def _over_cache(step, acc_shape, cache, positions_BxW, layer, block: int, dt, page_table):
-    """The online softmax over each row's slots before its first position: of a contiguous cache
-    (`_over_prefix`) or, with `page_table`, of a pool of pages (`_over_pages`)."""
-    if page_table is None:
-        return _over_prefix(step, acc_shape, cache, positions_BxW, layer, block, dt)
-    return _over_pages(step, acc_shape, cache, page_table, positions_BxW[:, 0], layer, block, dt)
 
 
 def attend(q_lat_BxWxHxC, q_pe_BxWxHxR, cache, own, positions_BxW, *, softmax_scale: float, compute_dtype,
