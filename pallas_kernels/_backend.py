@@ -103,6 +103,24 @@ def check_blocks(be: Backend, *, rows: tuple[str, ...] = (), lanes: tuple[str, .
             raise ValueError(f"Triton needs {name}={b} to be a power of two >= 16")
 
 
+def online_softmax_init(rows: int, width: int):
+    """The online softmax's empty carry: running max m [rows,1], normaliser l [rows,1], acc [rows,width], fp32."""
+    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, width), jnp.float32))
+
+
+def online_softmax_step(carry, s, visible, pv):
+    """One key block of the online softmax: scaled scores s [rows,bk] fp32, of which `visible` count,
+    fold into carry (m, l, acc); `pv(p)` is the block's probabilities times its values, [rows,width]."""
+    m_prev, l_prev, acc_prev = carry
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # a block with nothing visible adds nothing
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    return m_new, l_new, alpha * acc_prev + pv(p)
+
+
 def dot_f32(a, b, form: str = "NN"):
     """A 2-D block product accumulated in fp32: a . b ("NN"), a . b^T ("NT") or a^T . b ("TN")."""
     return lax.dot_general(a, b, _DOT_FORMS[form], preferred_element_type=jnp.float32)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE, dot_f32, pad_axis, round_up
+from pallas_kernels._backend import dot_f32, pad_axis, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +63,10 @@ def check_splits_and_heads(num_splits: int | None, block_h: int | None) -> None:
 
 
 def _online_step(carry, q_lat, q_pe, kv, kp, visible, scale):
-    """One KV block of the online softmax; carry = (m [H,1], l [H,1], acc [H,R]) in fp32, `visible`
-    [1,bk] says which of the block's rows count."""
-    m_prev, l_prev, acc_prev = carry
-    s = dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp, "NT")
-    s = jnp.where(visible, s * scale, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # a block with nothing visible adds nothing
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    return m_new, l_new, alpha * acc_prev + _pv_dot(p, kv)
+    """One KV block of the online softmax over carry (m [H,1], l [H,1], acc [H,R]); `visible` [1,bk]
+    says which of the block's rows count."""
+    s = (dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp, "NT")) * scale
+    return _backend.online_softmax_step(carry, s, visible, lambda p: _pv_dot(p, kv))
 
 
 def _before(start, length, block_kv):
@@ -107,11 +101,6 @@ def _dequant(kv, sc, dtype):
     return x.reshape(kv.shape).astype(dtype)
 
 
-def _init(h, r):
-    return (jnp.full((h, 1), MASK_VALUE, jnp.float32), jnp.zeros((h, 1), jnp.float32),
-            jnp.zeros((h, r), jnp.float32))
-
-
 def _tpu_kernel(len_ref, *refs, scale, block_kv, blocks_per_split, fp8, paged):
     """One (row, split, block) step; a paged cache's table (`refs[0]`) is read by the index maps only."""
     ql_ref, qp_ref, kv_ref, kp_ref, *refs = refs[1:] if paged else refs
@@ -122,7 +111,7 @@ def _tpu_kernel(len_ref, *refs, scale, block_kv, blocks_per_split, fp8, paged):
 
     @pl.when(j == 0)
     def _():
-        m_ref[...], l_ref[...], acc_ref[...] = _init(*acc_ref.shape)
+        m_ref[...], l_ref[...], acc_ref[...] = _backend.online_softmax_init(*acc_ref.shape)
 
     @pl.when(start < length)
     def _():
@@ -155,7 +144,7 @@ def _triton_kernel(len_ref, *refs, scale, block_kv, blocks_per_split, fp8, paged
         kv = _dequant(kv_ref[rows, :], None if sc_ref is None else sc_ref[rows, :], q_lat.dtype)
         return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], _before(start, length, block_kv), scale)
 
-    carry = lax.fori_loop(0, n_blocks, body, _init(*o_ref.shape))
+    carry = lax.fori_loop(0, n_blocks, body, _backend.online_softmax_init(*o_ref.shape))
     _finish(carry, o_ref, lse_ref)
 
 

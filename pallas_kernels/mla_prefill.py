@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
-from pallas_kernels._backend import MASK_VALUE, dot_f32, pad_axis, round_up
+from pallas_kernels._backend import dot_f32, pad_axis, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +46,18 @@ class BlockSizes:
         _backend.check_blocks(be, rows=("block_q",), lanes=("block_k",), block_q=block_q, block_k=block_k)
 
 
-def _block_shape(shape, blk):
-    """An operand's block: [B, H|1, T, X] operands are cut along T (rows), [B, 1, 1, T] segment ids
-    of the keys along their last axis (lanes). T >= 8 after padding, so the two never coincide."""
-    return (None, None, 1, blk) if shape[2] == 1 else (None, None, blk, shape[3])
+def _spec(shape, blk, where: Callable):
+    """BlockSpec of a [B, H|1, T, X] operand, cut along T (rows), or of [B, 1, 1, T] key segment ids,
+    cut along their last axis (lanes), in blocks of `blk`; where(*grid ids) -> (b, h, T block). T >= 8
+    after padding, so the two never coincide; a [B, 1, ...] operand serves every head."""
+    keys = shape[2] == 1
 
+    def index(*grid_ids):
+        b, h, seq_idx = where(*grid_ids)
+        h = h if shape[1] > 1 else 0
+        return (b, h, 0, seq_idx) if keys else (b, h, seq_idx, 0)
 
-def _index(shape, b, h, seq_idx):
-    h = h if shape[1] > 1 else 0  # a [B, 1, ...] operand serves every head
-    return (b, h, 0, seq_idx) if shape[2] == 1 else (b, h, seq_idx, 0)
+    return pl.BlockSpec((None, None, 1, blk) if keys else (None, None, blk, shape[3]), index)
 
 
 def _slice(ref, idx, blk):
@@ -63,29 +66,24 @@ def _slice(ref, idx, blk):
 
 
 def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer_blk, inner_blk,
-                inner_range: Callable, dims):
+                inner_range: Callable):
     """Runs `finish(fold(step, inner blocks in inner_range(o)), outer)` for every outer block.
 
     outer/inner: sequences of [B, H|1, T, X] or [B, 1, 1, T] arrays; out_shapes: [B,H,T,X]
     ShapeDtypeStructs blocked like the outer rows; init() -> tuple of fp32 carries;
-    step(carry, outer_vals, inner_vals, o, i).
+    step(carry, outer_vals, inner_vals, o, i). The grid's B, H, T are those of outer[0].
     """
-    b, h, t = dims
+    b, h, t = outer[0].shape[:3]
     n_outer, n_inner = t // outer_blk, t // inner_blk
     n_o, n_i, n_out = len(outer), len(inner), len(out_shapes)
     carry_shapes = [c.shape for c in jax.eval_shape(init)]
     if be.style == "tpu":
-        def clamp(o, i):
+        def at_inner(bi, hi_, o, i):  # clamped into inner_range(o): a skipped block issues no DMA
             lo, hi = inner_range(o)
-            return jnp.clip(i, lo, jnp.maximum(hi - 1, lo))
-        in_specs = [pl.BlockSpec(_block_shape(a.shape, outer_blk),
-                                 lambda bi, hi_, o, i, shape=a.shape: _index(shape, bi, hi_, o))
-                    for a in outer]
-        in_specs += [pl.BlockSpec(_block_shape(a.shape, inner_blk),
-                                  lambda bi, hi_, o, i, shape=a.shape: _index(shape, bi, hi_, clamp(o, i)))
-                     for a in inner]
-        out_specs = [pl.BlockSpec(_block_shape(s.shape, outer_blk),
-                                  lambda bi, hi_, o, i: (bi, hi_, o, 0)) for s in out_shapes]
+            return bi, hi_, jnp.clip(i, lo, jnp.maximum(hi - 1, lo))
+
+        at_outer = lambda bi, hi_, o, i: (bi, hi_, o)  # noqa: E731
+        inner_spec_blk = inner_blk
 
         def kernel(*refs):
             o_refs, i_refs = refs[:n_o], refs[n_o:n_o + n_i]
@@ -113,12 +111,9 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
         grid = (b, h, n_outer, n_inner)
         scratch = [pltpu.VMEM(s, jnp.float32) for s in carry_shapes]
     else:
-        in_specs = [pl.BlockSpec(_block_shape(a.shape, outer_blk),
-                                 lambda o, bi, hi_, shape=a.shape: _index(shape, bi, hi_, o)) for a in outer]
-        in_specs += [pl.BlockSpec(_block_shape(a.shape, t),
-                                  lambda o, bi, hi_, shape=a.shape: _index(shape, bi, hi_, 0)) for a in inner]
-        out_specs = [pl.BlockSpec(_block_shape(s.shape, outer_blk),
-                                  lambda o, bi, hi_: (bi, hi_, o, 0)) for s in out_shapes]
+        at_outer = lambda o, bi, hi_: (bi, hi_, o)  # noqa: E731
+        at_inner = lambda o, bi, hi_: (bi, hi_, 0)  # noqa: E731
+        inner_spec_blk = t  # the whole length, read block by block in the kernel's loop
 
         def kernel(*refs):
             o_refs, i_refs, out_refs = refs[:n_o], refs[n_o:n_o + n_i], refs[n_o + n_i:]
@@ -135,6 +130,9 @@ def _flash_call(be, *, name, step, init, finish, outer, inner, out_shapes, outer
                 r[...] = v.astype(r.dtype)
 
         grid, scratch = (n_outer, b, h), []
+    in_specs = [_spec(a.shape, outer_blk, at_outer) for a in outer]
+    in_specs += [_spec(a.shape, inner_spec_blk, at_inner) for a in inner]
+    out_specs = [_spec(o.shape, outer_blk, at_outer) for o in out_shapes]
     return _backend.pallas_call(be, kernel, name=name, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
                                 out_specs=out_specs, scratch_shapes=scratch)(*outer, *inner)
 
@@ -153,15 +151,9 @@ def _dot(a, b, form: str = "NN"):
 
 
 def _fwd_step(carry, outer, inner, o, i, *, cfg):
-    m_prev, l_prev, acc_prev = carry
     (q, q_seg), (k, v, k_seg) = outer, inner
     s, mask = _scores(q, k, q_seg, k_seg, o * cfg.bq, i * cfg.bk, cfg.scale)
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    return m_new, l_new, alpha * acc_prev + _dot(p, v)
+    return _backend.online_softmax_step(carry, s, mask, lambda p: _dot(p, v))
 
 
 def _fwd_finish(carry, outer):
@@ -170,22 +162,24 @@ def _fwd_finish(carry, outer):
     return acc / l_safe, m + jnp.log(l_safe)
 
 
-def _probs(q, k, q_seg, k_seg, lse, q0, k0, scale):
+def _probs_and_ds(q_side, kv_side, q0, k0, scale):
+    """The backward's recomputed probabilities P and score gradients dS = P * (dO . V^T - delta) of a
+    (q block, kv block), [bq,bk] fp32 each."""
+    (q, q_seg, do, lse, delta), (k, v, k_seg) = q_side, kv_side
     s, mask = _scores(q, k, q_seg, k_seg, q0, k0, scale)
-    return jnp.where(mask, jnp.exp(s - lse), 0.0)
+    p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+    return p, p * (dot_f32(do, v, "NT") - delta)
 
 
 def _dq_step(carry, outer, inner, o, i, *, cfg):
-    (dq,), (q, q_seg, do, lse, delta), (k, v, k_seg) = carry, outer, inner
-    p = _probs(q, k, q_seg, k_seg, lse, o * cfg.bq, i * cfg.bk, cfg.scale)
-    ds = p * (dot_f32(do, v, "NT") - delta)
+    (dq,), (k, _, _) = carry, inner
+    _, ds = _probs_and_ds(outer, inner, o * cfg.bq, i * cfg.bk, cfg.scale)
     return (dq + _dot(ds, k),)
 
 
 def _dkv_step(carry, outer, inner, o, i, *, cfg):
-    (dk, dv), (k, v, k_seg), (q, q_seg, do, lse, delta) = carry, outer, inner
-    p = _probs(q, k, q_seg, k_seg, lse, i * cfg.bq, o * cfg.bk, cfg.scale)
-    ds = p * (dot_f32(do, v, "NT") - delta)
+    (dk, dv), (q, _, do, _, _) = carry, inner
+    p, ds = _probs_and_ds(inner, outer, i * cfg.bq, o * cfg.bk, cfg.scale)
     return dk + _dot(ds, q, "TN"), dv + _dot(p, do, "TN")
 
 
@@ -206,13 +200,11 @@ def _forward(q, k, v, q_seg, k_seg, cfg: _Cfg):
     dv = v.shape[3]
     return _flash_call(
         cfg.be, name="mla_prefill_fwd", step=functools.partial(_fwd_step, cfg=cfg),
-        init=lambda: (jnp.full((cfg.bq, 1), MASK_VALUE, jnp.float32),
-                      jnp.zeros((cfg.bq, 1), jnp.float32), jnp.zeros((cfg.bq, dv), jnp.float32)),
+        init=lambda: _backend.online_softmax_init(cfg.bq, dv),
         finish=_fwd_finish, outer=[q, q_seg], inner=[k, v, k_seg],
         out_shapes=[jax.ShapeDtypeStruct((b, h, t, dv), q.dtype),
                     jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)],
-        outer_blk=cfg.bq, inner_blk=cfg.bk, dims=(b, h, t),
-        inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
+        outer_blk=cfg.bq, inner_blk=cfg.bk, inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -227,7 +219,7 @@ def _flash_fwd(q, k, v, q_seg, k_seg, cfg):
 
 def _flash_bwd(cfg: _Cfg, res, do):
     q, k, v, q_seg, k_seg, o, lse = res
-    b, h, t, d_qk = q.shape
+    t, d_qk = q.shape[2:]
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     do = do.astype(q.dtype)
     q_side, kv_side = [q, q_seg, do, lse, delta], [k, v, k_seg]
@@ -236,14 +228,14 @@ def _flash_bwd(cfg: _Cfg, res, do):
         init=lambda: (jnp.zeros((cfg.bq, d_qk), jnp.float32),),
         finish=lambda c, _: (c[0] * cfg.scale,), outer=q_side, inner=kv_side,
         out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], outer_blk=cfg.bq, inner_blk=cfg.bk,
-        dims=(b, h, t), inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
+        inner_range=lambda o: (0, _causal_hi(o, cfg.bq, cfg.bk, t // cfg.bk)))
     dk, dv = _flash_call(
         cfg.be, name="mla_prefill_dkv", step=functools.partial(_dkv_step, cfg=cfg),
         init=lambda: (jnp.zeros((cfg.bk, d_qk), jnp.float32),
                       jnp.zeros((cfg.bk, v.shape[3]), jnp.float32)),
         finish=lambda c, _: (c[0] * cfg.scale, c[1]), outer=kv_side, inner=q_side,
         out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        outer_blk=cfg.bk, inner_blk=cfg.bq, dims=(b, h, t),
+        outer_blk=cfg.bk, inner_blk=cfg.bq,
         inner_range=lambda o: (lax.div(o * cfg.bk, cfg.bq), t // cfg.bq))  # lax.div: no sign op
     return dq, dk, dv, None, None
 

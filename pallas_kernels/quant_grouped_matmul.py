@@ -59,14 +59,11 @@ def _nibbles(p_int8):
     return lax.shift_right_arithmetic(lax.shift_left(p, 28), 28), lax.shift_right_arithmetic(p, 4)
 
 
-def _dequant_group(q_rows, scale_1xN, fmt, dtype):
-    """One quantization group [g, N] (int4: its [g/2, N] packed rows) times its scale row."""
-    if fmt == "int4":
-        lo, hi = _nibbles(q_rows)
-        vals = jnp.concatenate([lo, hi], axis=0).astype(jnp.float32)
-    else:
-        vals = q_rows.astype(jnp.float32)
-    return (vals * scale_1xN.astype(jnp.float32)).astype(dtype)
+def _dequant_parts(q_rows, scale_1xN, fmt, dtype):
+    """One quantization group's weights times its scale row, in `dtype`, as a list of [rows, N] parts in
+    K order: int8 one part, int4 its low then its high nibbles (packed [g/2, N] rows)."""
+    parts = _nibbles(q_rows) if fmt == "int4" else (q_rows,)
+    return [(vals.astype(jnp.float32) * scale_1xN.astype(jnp.float32)).astype(dtype) for vals in parts]
 
 
 def _tpu_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, acc_ref, *, fmt, group):
@@ -76,9 +73,10 @@ def _tpu_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, acc_ref, *, fmt, 
 
     def update(acc):
         x = x_ref[...]
-        w = jnp.concatenate([_dequant_group(q_ref[j * rows:(j + 1) * rows, :], s_ref[j], fmt, x.dtype)
-                             for j in range(s_ref.shape[0])], axis=0)  # [bk, bn]
-        return acc + dot_f32(x, w)
+        w_parts = []
+        for j in range(s_ref.shape[0]):
+            w_parts += _dequant_parts(q_ref[j * rows:(j + 1) * rows, :], s_ref[j], fmt, x.dtype)
+        return acc + dot_f32(x, jnp.concatenate(w_parts, axis=0))  # x [bm, bk] . w [bk, bn]
 
     _backend.accumulate(acc_ref, o_ref, update, first=k == 0, last=k == num_k - 1, active=valid_ref[i] == 1)
 
@@ -90,20 +88,12 @@ def _triton_kernel(tg_ref, valid_ref, x_ref, q_ref, s_ref, o_ref, *, fmt, group,
     e = tg_ref[i]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     rows = group // 2 if fmt == "int4" else group
-    dt = x_ref.dtype
 
     def body(gi, acc):
-        scale = s_ref[pl.ds(e * groups_per_expert + gi, 1), cols].astype(jnp.float32)
+        scale = s_ref[pl.ds(e * groups_per_expert + gi, 1), cols]
         q = q_ref[pl.ds((e * groups_per_expert + gi) * rows, rows), cols]
-        k0 = gi * group
-        if fmt == "int4":
-            lo, hi = _nibbles(q)
-            parts = ((k0, lo), (k0 + rows, hi))
-        else:
-            parts = ((k0, q.astype(jnp.int32)),)
-        for start, vals in parts:
-            w = (vals.astype(jnp.float32) * scale).astype(dt)
-            acc += jnp.dot(x_ref[:, pl.ds(start, rows)], w, preferred_element_type=jnp.float32)
+        for part, w in enumerate(_dequant_parts(q, scale, fmt, x_ref.dtype)):
+            acc += jnp.dot(x_ref[:, pl.ds(gi * group + part * rows, rows)], w, preferred_element_type=jnp.float32)
         return acc
 
     acc0 = jnp.zeros((x_ref.shape[0], block_n), jnp.float32)

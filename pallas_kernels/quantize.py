@@ -35,17 +35,23 @@ def _cast_e4m3(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+def _quantize_tiles(x_NxK: jax.Array, row_tile: int, pow2_scale: bool, min_amax: float):
+    """(q [N,K] e4m3, scale [ceil(N/row_tile), KB] f32): one scale per row_tile x 128 tile."""
+    n, k = x_NxK.shape
+    nb, kb = -(-n // row_tile), -(-k // TILE)
+    x = pad_axis(pad_axis(x_NxK.astype(jnp.float32), 0, nb * row_tile), 1, kb * TILE)
+    x = x.reshape(nb, row_tile, kb, TILE)
+    scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=(1, 3)), pow2_scale, min_amax)
+    q = _cast_e4m3(x / scale_NBxKB[:, None, :, None])
+    return q.reshape(nb * row_tile, kb * TILE)[:n, :k], scale_NBxKB
+
+
 @functools.partial(jax.jit, static_argnames=("pow2_scale", "min_amax"))
 def quantize_1x128(x_MxK: jax.Array, *, pow2_scale: bool = False, min_amax: float = MIN_AMAX):
     """Per-(row, 128-column) quantisation. Returns (x_q [M,K] e4m3, scale [M,KB] f32)."""
     if x_MxK.ndim != 2:
         raise ValueError(f"quantize_1x128 expects [M, K], got {x_MxK.shape=}")
-    m, k = x_MxK.shape
-    kb = -(-k // TILE)
-    x = pad_axis(x_MxK.astype(jnp.float32), 1, kb * TILE).reshape(m, kb, TILE)
-    scale_MxKB = _scale_from_amax(jnp.max(jnp.abs(x), axis=-1), pow2_scale, min_amax)
-    q = _cast_e4m3(x / scale_MxKB[..., None]).reshape(m, kb * TILE)[:, :k]
-    return q, scale_MxKB
+    return _quantize_tiles(x_MxK, 1, pow2_scale, min_amax)
 
 
 @functools.partial(jax.jit, static_argnames=("pow2_scale", "min_amax"))
@@ -57,13 +63,7 @@ def quantize_128x128(w_NxK: jax.Array, *, pow2_scale: bool = False, min_amax: fl
     exact division in about half the scales, and the converter's files keep the exact division."""
     if w_NxK.ndim != 2:
         raise ValueError(f"quantize_128x128 expects [N, K], got {w_NxK.shape=}")
-    n, k = w_NxK.shape
-    nb, kb = -(-n // TILE), -(-k // TILE)
-    w = pad_axis(pad_axis(w_NxK.astype(jnp.float32), 0, nb * TILE), 1, kb * TILE)
-    w = w.reshape(nb, TILE, kb, TILE)
-    scale_NBxKB = _scale_from_amax(jnp.max(jnp.abs(w), axis=(1, 3)), pow2_scale, min_amax)
-    q = _cast_e4m3(w / scale_NBxKB[:, None, :, None])
-    return q.reshape(nb * TILE, kb * TILE)[:n, :k], scale_NBxKB
+    return _quantize_tiles(w_NxK, TILE, pow2_scale, min_amax)
 
 
 def expand_scale(scale: jax.Array, rows: int, cols: int, row_tile: int) -> jax.Array:

@@ -39,8 +39,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import pad_axis
-from pallas_kernels.mla_decode import (_dequant, _finish, _init, _online_step, check_cache_shapes,
-                                       check_splits_and_heads, head_specs, run_splits, split_layout)
+from pallas_kernels.mla_decode import (_dequant, _finish, _online_step, check_cache_shapes, check_splits_and_heads,
+                                       head_specs, run_splits, split_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _tpu_kernel(idx_smem, idx_vmem, ql_ref, qp_ref, *refs, scale, block_k, block
 
     @pl.when(j == 0)
     def _():
-        m_ref[...], l_ref[...], acc_ref[...] = _init(*acc_ref.shape)
+        m_ref[...], l_ref[...], acc_ref[...] = _backend.online_softmax_init(*acc_ref.shape)
         for buf in bufs:  # -1 entries leave their rows unwritten: zeros, never stale NaN bits
             buf[...] = jnp.zeros_like(buf)
         fetch(0, 0, start=True)
@@ -122,7 +122,7 @@ def _triton_kernel(idx_ref, ql_ref, qp_ref, kv_ref, kp_ref, *refs, scale, block_
         kv = jnp.where(valid[:, None], kv, jnp.zeros_like(kv))
         return _online_step(carry, q_lat, q_pe, kv, kp_ref[rows, :], valid[None, :], scale)
 
-    _finish(lax.fori_loop(0, blocks_per_split, body, _init(*o_ref.shape)), o_ref, lse_ref)
+    _finish(lax.fori_loop(0, blocks_per_split, body, _backend.online_softmax_init(*o_ref.shape)), o_ref, lse_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "block_sizes", "backend", "interpret", "paged"))
