@@ -118,39 +118,50 @@ def pad_w_operands(w_q, w_scale, np_: int, kp: int):
     return w, jnp.swapaxes(ws, -1, -2)[..., :, None, :]
 
 
+def row_tile_call(be: _backend.Backend, kernel, in_specs, *, name: str, num_tiles: int, block_m: int, block_n: int,
+                  n_padded: int, k_steps: int, out_dtype):
+    """`pallas_call` of a kernel over row tiles of `block_m` rows, each through its group's weights, out
+    [num_tiles * block_m, n_padded] in (block_m, block_n) blocks. The operands are the tile -> group map
+    and tile validity [num_tiles], then those of `in_specs`: TPU prefetches the first two as scalars
+    for the index maps and runs `k_steps` K steps into a VMEM accumulator on a third grid axis; Triton
+    takes them as ordinary inputs and loops over K in the kernel."""
+    grid = (num_tiles, n_padded // block_n)
+    out_specs = pl.BlockSpec((block_m, block_n), lambda i, j, *_: (i, j))
+    if be.style == "tpu":
+        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid + (k_steps,), in_specs=in_specs,
+                                                 out_specs=out_specs,
+                                                 scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)])
+    else:
+        per_tile = pl.BlockSpec((num_tiles,), lambda i, j: (0,))
+        grid_spec = pl.GridSpec(grid=grid, in_specs=[per_tile, per_tile] + in_specs, out_specs=out_specs)
+    out_shape = jax.ShapeDtypeStruct((num_tiles * block_m, n_padded), out_dtype)
+    return _backend.pallas_call(be, kernel, name=name, out_shape=out_shape, grid_spec=grid_spec)
+
+
 def tiled_call(be: _backend.Backend, bs: BlockSizes, x, xs, w, ws, tile_group, tile_valid, out_dtype, name: str):
     """The kernel over padded operands, x [Mp,Kp], xs [KBp,Mp,1], w [G,Np,Kp], ws [G,KBp,1,Np]: row
-    tile i through group tile_group[i]'s weight (tile_valid[i] == 0: zeros) -> [Mp,Np]. The tile ->
-    group map arrives by scalar prefetch on TPU, as an ordinary input on Triton."""
+    tile i through group tile_group[i]'s weight (tile_valid[i] == 0: zeros) -> [Mp,Np]."""
     (mp, kp), (g, np_, _) = x.shape, w.shape
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     num_tiles, subs, kbp = mp // bm, bk // TILE, kp // TILE
     kw = dict(subs=subs, dot_dtype=bs.dot_dtype(be))
     if be.style == "tpu":
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bk),
-            in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk, tg, v: (i, kk * v[i])),
-                      pl.BlockSpec((subs, bm, 1), lambda i, j, kk, tg, v: (kk * v[i], i, 0)),
-                      pl.BlockSpec((None, bn, bk), lambda i, j, kk, tg, v: (tg[i], j, kk * v[i])),
-                      pl.BlockSpec((None, subs, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
+        in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk, tg, v: (i, kk * v[i])),
+                    pl.BlockSpec((subs, bm, 1), lambda i, j, kk, tg, v: (kk * v[i], i, 0)),
+                    pl.BlockSpec((None, bn, bk), lambda i, j, kk, tg, v: (tg[i], j, kk * v[i])),
+                    pl.BlockSpec((None, subs, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))]
         kernel = functools.partial(_tpu_kernel, **kw)
     else:
         w = w.reshape(g * np_, kp)
         ws = jnp.moveaxis(ws, 0, 2).reshape(kbp, 1, g * np_)
-        grid_spec = pl.GridSpec(
-            grid=(num_tiles, np_ // bn),
-            in_specs=[pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                      pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
-                      pl.BlockSpec((g * np_, kp), lambda i, j: (0, 0)),
-                      pl.BlockSpec((kbp, 1, g * np_), lambda i, j: (0, 0, 0))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
+        in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                    pl.BlockSpec((kbp, bm, 1), lambda i, j: (0, i, 0)),
+                    pl.BlockSpec((g * np_, kp), lambda i, j: (0, 0)),
+                    pl.BlockSpec((kbp, 1, g * np_), lambda i, j: (0, 0, 0))]
         kernel = functools.partial(_triton_kernel, num_k=kp // bk, n_padded=np_, block_n=bn, **kw)
-    return _backend.pallas_call(be, kernel, name=name, out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-                                grid_spec=grid_spec)(tile_group, tile_valid, x, xs, w, ws)
+    call = row_tile_call(be, kernel, in_specs, name=name, num_tiles=num_tiles, block_m=bm, block_n=bn, n_padded=np_,
+                         k_steps=kp // bk, out_dtype=out_dtype)
+    return call(tile_group, tile_valid, x, xs, w, ws)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "backend", "interpret"))

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import dot_f32, pad_axis, round_up
 from pallas_kernels.fp8_grouped_matmul import grouped_rows_reference, tile_layout
+from pallas_kernels.fp8_matmul import row_tile_call
 
 FORMATS = ("int8", "int4")
 
@@ -141,36 +141,26 @@ def _frozen_weights_mm(static, x, w_q, w_scale, group_sizes):
     kp = round_up(k, bs.block_k)
     pack = 2 if fmt == "int4" else 1
     tiles = tile_layout(group_sizes, m, bm)
-    num_tiles = tiles.num_tiles
     xt = pad_axis(tiles.scatter(x), 1, kp)
     q = pad_axis(pad_axis(q, 1, kp // pack), 2, np_)  # padded rows: zero weights
     s = pad_axis(pad_axis(w_scale.astype(jnp.float32), 1, kp // group), 2, np_)
     if be.style == "tpu":
         rows, groups = bs.block_k // pack, bs.block_k // group
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(num_tiles, np_ // bn, kp // bs.block_k),
-            in_specs=[pl.BlockSpec((bm, bs.block_k), lambda i, j, kk, tg, v: (i, kk * v[i])),
-                      pl.BlockSpec((None, rows, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], j)),
-                      pl.BlockSpec((None, groups, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, tg, v: (i, j)),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)])
+        in_specs = [pl.BlockSpec((bm, bs.block_k), lambda i, j, kk, tg, v: (i, kk * v[i])),
+                    pl.BlockSpec((None, rows, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], j)),
+                    pl.BlockSpec((None, groups, 1, bn), lambda i, j, kk, tg, v: (tg[i], kk * v[i], 0, j))]
         kernel = functools.partial(_tpu_kernel, fmt=fmt, group=group)
         operands = (xt, q, s[:, :, None, :])
     else:
         gk = kp // group
-        grid_spec = pl.GridSpec(
-            grid=(num_tiles, np_ // bn),
-            in_specs=[pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((num_tiles,), lambda i, j: (0,)),
-                      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                      pl.BlockSpec((g * kp // pack, np_), lambda i, j: (0, 0)),
-                      pl.BlockSpec((g * gk, np_), lambda i, j: (0, 0))],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))
+        in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                    pl.BlockSpec((g * kp // pack, np_), lambda i, j: (0, 0)),
+                    pl.BlockSpec((g * gk, np_), lambda i, j: (0, 0))]
         kernel = functools.partial(_triton_kernel, fmt=fmt, group=group, groups_per_expert=gk, block_n=bn)
         operands = (xt, q.reshape(g * kp // pack, np_), s.reshape(g * gk, np_))
-    out = _backend.pallas_call(be, kernel, name=f"{fmt}_grouped_matmul",
-                               out_shape=jax.ShapeDtypeStruct((num_tiles * bm, np_), out_dtype),
-                               grid_spec=grid_spec)(tiles.tile_group, tiles.tile_valid, *operands)
+    call = row_tile_call(be, kernel, in_specs, name=f"{fmt}_grouped_matmul", num_tiles=tiles.num_tiles, block_m=bm,
+                         block_n=bn, n_padded=np_, k_steps=kp // bs.block_k, out_dtype=out_dtype)
+    out = call(tiles.tile_group, tiles.tile_valid, *operands)
     return tiles.gather(out[:, :n])
 
 
