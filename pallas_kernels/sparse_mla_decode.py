@@ -153,9 +153,8 @@ def sparse_mla_decode(q_latent_BxHxR, q_pe_BxHxP, kv_latent_BxSxR, k_pe_BxSxP, i
     per_split = bps * bk
     idx = indices_BxK.astype(jnp.int32)
     idx = pad_axis(jnp.where((idx >= 0) & (idx < s), idx, -1), 1, splits * per_split, value=-1)
-    cache = [pad_axis(kv_latent_BxSxR, 2, rp), pad_axis(k_pe_BxSxP, 2, pp)]
-    if quantized:
-        cache.append(pad_axis(kv_scale.astype(jnp.float32), 2, rp // 128))
+    cache = [kv_latent_BxSxR, k_pe_BxSxP] + ([kv_scale.astype(jnp.float32)] if quantized else [])
+    cache = [pad_axis(a, 2, w) for a, w in zip(cache, (rp, pp, rp // 128))]
     kw = dict(scale=float(softmax_scale), block_k=bk, blocks_per_split=bps, quantized=quantized)
     cache_row = (lambda bi: 0) if paged else (lambda bi: bi)
     q_specs, o_specs, head_blocks = head_specs(be, bs.block_h, ql, qp)
