@@ -16,6 +16,9 @@ CUDA is Mosaic GPU, so the Triton route is selected explicitly through
 
 ``interpret=True`` runs either style through the Pallas interpreter (the only option on
 CPU). Default: CPU -> TPU style interpreted, TPU -> Mosaic TPU, GPU -> Triton.
+
+Beside the dispatcher: the block math the kernels share (fp32 block dots, a TPU scratch
+reduction, the online softmax of the three attention kernels, padding to tiles).
 """
 
 from __future__ import annotations
