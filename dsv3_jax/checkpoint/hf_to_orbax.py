@@ -37,15 +37,14 @@ import shutil
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from dsv3_jax.checkpoint import fp8, hf_names, hf_tokenizer, orbax_layout, quantized
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
 from dsv3_jax.checkpoint.hf_names import leaf_slices
+from dsv3_jax.checkpoint.load import abstract_model
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import DeepSeekV3
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.ops import quant
 
@@ -74,22 +73,15 @@ class LeafPlan:
         return hf_names.stacked_dims(self.leaf)
 
 
-def model_variables(cfg: ModelConfig) -> dict[tuple[str, ...], nnx.Variable]:
-    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    return {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)
-            if isinstance(node, nnx.Variable)}
-
-
 def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool, quantize: str | None = None,
          quant_targets: str | None = None, quant_group: int = 128) -> tuple[list[LeafPlan], dict[str, str]]:
     """Matches every parameter with its HF tensors; raises on any mismatch. Also returns
     {hf name: dtype} for tensors whose dtype differs from the rest of their parameter."""
-    variables = model_variables(cfg)
+    model, variables = abstract_model(cfg)
     targets = {}
     if quantize is not None:
         quant.check_format(quantize, "--quantize")
         which = model_quant.check_targets(quant_targets or model_quant.default_targets(quantize))
-        model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
         targets = {path: contract for path, _, _, contract in model_quant.targets(model, which)}
     infos = reader.check_all(cfg)
     plans, exceptions = [], {}

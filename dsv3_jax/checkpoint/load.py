@@ -39,17 +39,23 @@ from sharding import eplb
 from dsv3_jax import paths
 from dsv3_jax.checkpoint import fp8, hf_names, integrity, lora_export, orbax_layout, quantized, run_folder
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
+from dsv3_jax.checkpoint.quantized import Quantization, build_array
 from dsv3_jax.checkpoint.safetensors_io import CheckpointError
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import DeepSeekV3, lora, moe
 from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import logical_axes
-from dsv3_jax.ops import quant
 
 
 def _variables(model: nnx.Module) -> dict[tuple[str, ...], nnx.Variable]:
     return {tuple(str(p) for p in path): node for path, node in nnx.iter_graph(model)
             if isinstance(node, nnx.Variable)}
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[DeepSeekV3, dict[tuple[str, ...], nnx.Variable]]:
+    """`DeepSeekV3(cfg)` built abstractly (`nnx.eval_shape`: nothing allocated) and its variables by path."""
+    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
+    return model, _variables(model)
 
 
 ROUTED_EXPERTS = ("moe_layers.ffn.w1", "moe_layers.ffn.w3", "moe_layers.ffn.w2")  # the MoE layers' routed stacks
@@ -82,64 +88,19 @@ def placement_of_axes(mesh, rules, offload_experts: bool = False):
     return lambda axes, shape, name: sharding.named_sharding(tuple(axes), tuple(shape), mesh, table, name=name)
 
 
-class Quantization:
-    """What `load_pretrained(weights=...)` asks for: the format, the projections it covers (`targets`
-    of dsv3_jax/model/quant.py) and the int group; `plan(model)` maps each covered variable path to
-    (owning module, attribute, contracted axes)."""
-
-    def __init__(self, weights: str, targets: str | None = None, group: int = 128):
-        self.fmt = quant.check_format(weights)
-        self.targets = model_quant.check_targets(targets or model_quant.default_targets(self.fmt))
-        if group <= 0:
-            raise ValueError(f"quant_group={group} must be positive")
-        self.group = group
-        self.scale_fmt = None  # the model's FP8 scale format (V3.1: "ue8m0"), set by `plan`
-
-    def plan(self, model) -> dict:
-        self.scale_fmt = model.config.scale_fmt
-        return {path: (module, name, contract) for path, module, name, contract in
-                model_quant.targets(model, self.targets)}
-
-    def build(self, plan_entry, var, path, place, src=None, raw=None, xp=np, stored=None) -> None:
-        """`var` built quantized per shard in `place`'s shardings (`placement_of_axes`), from `src` /
-        `raw` or, `stored`, from the q and scale arrays a checkpoint holds (`quantized.build_quantized`)."""
-        module, name, contract = plan_entry
-        qa = quantized.build_quantized(var, contract, self.fmt, self.group, ".".join(path),
-                                       place, build_array, src, raw, xp, self.scale_fmt, stored)
-        setattr(module, name, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
-
-
-def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
-    """The global array `shape` with sharding `where`, each of this process's devices given
-    `shard(index)` (a numpy block of ours[index]): what `jax.make_array_from_callback` does, but one
-    block at a time, copied to the devices that hold it (replicas share one read) and dropped before
-    the next is made, so the host never holds more than one block of a parameter."""
-    by_index: dict = {}
-    for device, index in where.addressable_devices_indices_map(tuple(shape)).items():
-        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-        by_index.setdefault(key, (index, []))[1].append(device)
-    arrays = []
-    for index, devices in by_index.values():
-        block = np.asarray(shard(index), dtype)
-        arrays += [jax.device_put(block, d) for d in devices]
-        del block
-    return jax.make_array_from_single_device_arrays(tuple(shape), where, arrays)
-
-
-def load_hf(folder: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
-            offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
-    """Builds `DeepSeekV3` from an HF folder. `dtype` sets the parameter dtype (default: as stored,
-    bfloat16 for FP8 checkpoints); the compute dtype follows it unless overridden. `quantization`:
-    the projections it covers are built quantized per shard (stored FP8 kept as it is for `fp8`)."""
+def load_hf(folder: str | os.PathLike, dtype, place, quantization: Quantization | None = None,
+            **config_overrides) -> DeepSeekV3:
+    """Builds `DeepSeekV3` from an HF folder, each parameter in `place`'s sharding (`placement_of_axes`).
+    `dtype` sets the parameter dtype (default: as stored, bfloat16 for FP8 checkpoints); the compute
+    dtype follows it unless overridden. `quantization`: the projections it covers are built
+    quantized per shard (stored FP8 kept as it is for `fp8`)."""
     reader = HFReader(folder)
     pdtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else reader.stored_dtype()
     config_overrides.setdefault("compute_dtype", pdtype.name)
     cfg = reader.config(param_dtype=pdtype.name, **config_overrides)
     infos = reader.check_all(cfg)
-    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    variables = _variables(model)
+    model, variables = abstract_model(cfg)
     plan = quantization.plan(model) if quantization is not None else {}
-    place = placement_of_axes(mesh, rules, offload_experts)
     for leaf in tqdm(hf_names.leaves(cfg), desc=f"loading {os.path.basename(reader.folder)}", unit="param",
                      disable=len(reader.ckpt.names()) <= 2000):  # a bar for real checkpoints only
         keep = leaf.path in plan and quantization.fmt == "fp8" and all(
@@ -173,9 +134,7 @@ def _abstract_model(stored: ModelConfig, dtype, config_overrides: dict, place) -
     if dtype is not None:
         config_overrides = {"compute_dtype": jnp.dtype(dtype).name, **config_overrides,
                             "param_dtype": jnp.dtype(dtype).name}
-    cfg = stored.replace(**config_overrides)
-    model = nnx.eval_shape(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))
-    variables = _variables(model)
+    model, variables = abstract_model(stored.replace(**config_overrides))
     return model, variables, _init_missing_indexers(stored, model, variables, place)
 
 
@@ -245,13 +204,13 @@ def _restore_item(item: orbax_layout.ItemReader, variables: dict, keys: dict, pl
         quantization.build(entry, var, p, place, src, xp=jnp if as_restored else np)
 
 
-def load_orbax(path: str | os.PathLike, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
-               offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
-    """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`); with `quantization`,
-    the projections it covers are built quantized per shard (the `fp8` item kept as it is for `fp8`)."""
+def load_orbax(path: str | os.PathLike, dtype, place, quantization: Quantization | None = None,
+               **config_overrides) -> DeepSeekV3:
+    """Restores `DeepSeekV3` from our Orbax checkpoint (see `orbax_layout`) into `place`'s shardings;
+    with `quantization`, the projections it covers are built quantized per shard (the `fp8` item
+    kept as it is for `fp8`)."""
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
-    place = placement_of_axes(mesh, rules, offload_experts)
     model, variables, fresh = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides, place)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
@@ -331,12 +290,11 @@ def _fp8_item_window(reader: orbax_layout.ItemReader, p: tuple[str, ...], target
     return window
 
 
-def load_run(run: run_folder.RunStep, dtype=None, *, mesh=None, rules=None, quantization: Quantization | None = None,
-             offload_experts: bool = False, **config_overrides) -> DeepSeekV3:
+def load_run(run: run_folder.RunStep, dtype, place, quantization: Quantization | None = None,
+             **config_overrides) -> DeepSeekV3:
     """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
-    step's train state (`run_folder.StateParams`) like a converted checkpoint's `params`, the
-    projections `quantization` covers built quantized per shard."""
-    place = placement_of_axes(mesh, rules, offload_experts)
+    step's train state (`run_folder.StateParams`) like a converted checkpoint's `params` into
+    `place`'s shardings, the projections `quantization` covers built quantized per shard."""
     model, variables, fresh = _abstract_model(run.model_config(), dtype, config_overrides, place)
     state = run_folder.StateParams(run)
     plan = quantization.plan(model) if quantization is not None else {}
@@ -362,7 +320,7 @@ def load_lora_run(run: run_folder.RunStep, section: dict, dtype=None, *, mesh=No
               if k in section}
     cfg = lora.LoRAConfig(**fields)
     model = (_quantized_base(run, cfg, dtype, offload_experts, overrides) if cfg.quantized
-             else load_run(run, dtype, offload_experts=offload_experts, **overrides))
+             else load_run(run, dtype, placement_of_axes(None, None, offload_experts), **overrides))
     lora.apply(model, cfg)
     params = run_folder.StateParams(run)
     for var_path, var in nnx.iter_graph(model):
@@ -465,15 +423,14 @@ def _load_source(path: str, dtype, mesh, rules, quantization: Quantization | Non
         if (section := run.config().get("lora")) is not None:  # a LoRA run: its base with its adapters
             return load_lora_run(run, section, dtype, mesh=mesh, quantization=quantization,
                                  offload_experts=offload_experts, **config_overrides)
-        return load_run(run, dtype, mesh=mesh, rules=rules, quantization=quantization, offload_experts=offload_experts,
-                        **config_overrides)
-    if orbax_layout.is_orbax_checkpoint(path):
-        return load_orbax(path, dtype, mesh=mesh, rules=rules, quantization=quantization,
-                          offload_experts=offload_experts, **config_overrides)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
-        return load_hf(path, dtype, mesh=mesh, rules=rules, quantization=quantization, offload_experts=offload_experts,
-                       **config_overrides)
-    raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
-                          "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
-                          "config.json and model.safetensors or model.safetensors.index.json, a training run's "
-                          "folder (model_config.json, checkpoints/<step>) or a PEFT folder (adapter_config.json)")
+        loader, source = load_run, run
+    elif orbax_layout.is_orbax_checkpoint(path):
+        loader, source = load_orbax, path
+    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        loader, source = load_hf, path
+    else:
+        raise CheckpointError(f"{path} is not a checkpoint: expected an Orbax checkpoint written by "
+                              "`python -m dsv3_jax.convert` (config/metadata, params/) or an HF folder with "
+                              "config.json and model.safetensors or model.safetensors.index.json, a training run's "
+                              "folder (model_config.json, checkpoints/<step>) or a PEFT folder (adapter_config.json)")
+    return loader(source, dtype, placement_of_axes(mesh, rules, offload_experts), quantization, **config_overrides)

@@ -1,9 +1,9 @@
 """Quantized parameters built shard by shard as they load (`load_pretrained(weights=...)`).
 
 Each quantized projection becomes two arrays, q and scale (dsv3_jax/ops/quant.py), each made with
-`load.build_array`: a device's block of q or of the scales is quantized on the host from the
-source window that covers it, widened to whole scale groups (int) or 128x128 blocks (FP8), one
-stack element ([layer] or [layer, expert]) at a time. So no process holds more than one matrix's
+`build_array` (the loader's per-shard builder of every parameter): a device's block of q or of the
+scales is quantized on the host from the source window that covers it, widened to whole scale
+groups (int) or 128x128 blocks (FP8), one stack element ([layer] or [layer, expert]) at a time. So no process holds more than one matrix's
 window in float32, never a whole leaf, and nothing is dequantised on the devices. Stored FP8 (an HF
 FP8 folder, a `--keep-fp8` checkpoint) loaded as `fp8` is copied as it is: e4m3 windows and the
 scale blocks, never widened.
@@ -21,11 +21,13 @@ import itertools
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.checkpoint import fp8
 from dsv3_jax.checkpoint.hf_reader import index_bounds
+from dsv3_jax.model import quant as model_quant
 from dsv3_jax.model.params import logical_axes
 from dsv3_jax.model.quant import physical_axes, stack_dims
 from dsv3_jax.ops import quant
@@ -83,46 +85,84 @@ def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src:
     return s
 
 
-def build_quantized(var, contract: int, fmt: str, group: int, name: str, place, build_array, src: Source = None,
-                    raw: RawFp8 = None, xp=np, scale_fmt: str | None = None, stored=None) -> QArray:
-    """The QArray of parameter `var` (abstract: shape and logical axes), its q and scale each built
-    per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized with `xp`
-    (fp8 with `scale_fmt`: "ue8m0" makes power-of-two scales; `raw` ones are kept as stored).
-    `stored`: the (q, scale) arrays `convert --quantize` wrote (int formats), each device's shard
-    read from them as it is (tensorstore windows)."""
-    axes = logical_axes(var)
-    st = stack_dims(axes)
-    stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
-    k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
-    g = quant.FP8_BLOCK if fmt == "fp8" else quant.group_for(k, group, fmt, name)
-
-    def quantized_shard(part: str, shape):
-        def block(index):
-            bounds = index_bounds(index, shape)
-            rows, cols = bounds[st:]
-            out = None
-            for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:st])):
-                if fmt == "fp8":
-                    w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp, scale_fmt == "ue8m0")
-                else:
-                    w = _int_window(part, fmt, g, rows, cols, stack, src, xp)
-                if out is None:
-                    out = np.empty([b.stop - b.start for b in bounds[:st]] + list(w.shape), w.dtype)
-                out[tuple(i - b.start for i, b in zip(stack, bounds))] = w
-            return out
-        return block
-
+def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
+    """The global array `shape` with sharding `where`, each of this process's devices given
+    `shard(index)` (a numpy block of ours[index]): what `jax.make_array_from_callback` does, but one
+    block at a time, copied to the devices that hold it (replicas share one read) and dropped before
+    the next is made, so the host never holds more than one block of a parameter."""
+    by_index: dict = {}
+    for device, index in where.addressable_devices_indices_map(tuple(shape)).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        by_index.setdefault(key, (index, []))[1].append(device)
     arrays = []
-    shapes, part_axes = quant.physical_shapes(fmt, stack_shape, k, n, g), physical_axes(axes, fmt, contract)
-    for part, (shape, dtype), p_axes, store in zip(("q", "scale"), shapes, part_axes, stored or (None, None)):
-        if store is None:
-            shard = quantized_shard(part, shape)
-        elif tuple(store.shape) != tuple(shape):
-            raise ValueError(f"{name}.{part} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs {shape}")
-        else:
-            shard = lambda index, store=store: store[tuple(index)].read().result()  # noqa: E731
-        arrays.append(build_array(shape, np.dtype(dtype), place(p_axes, shape, f"{name}.{part}"), shard))
-    return QArray(*arrays, fmt, slice_shape, contract, g, scale_fmt if fmt == "fp8" else None)
+    for index, devices in by_index.values():
+        block = np.asarray(shard(index), dtype)
+        arrays += [jax.device_put(block, d) for d in devices]
+        del block
+    return jax.make_array_from_single_device_arrays(tuple(shape), where, arrays)
+
+
+class Quantization:
+    """What `load_pretrained(weights=...)` asks for: the format, the projections it covers (`targets`
+    of dsv3_jax/model/quant.py) and the int group; `plan(model)` maps each covered variable path to
+    (owning module, attribute, contracted axes), `build` puts one of them on its module quantized."""
+
+    def __init__(self, weights: str, targets: str | None = None, group: int = 128):
+        self.fmt = quant.check_format(weights)
+        self.targets = model_quant.check_targets(targets or model_quant.default_targets(self.fmt))
+        if group <= 0:
+            raise ValueError(f"quant_group={group} must be positive")
+        self.group = group
+        self.scale_fmt = None  # the model's FP8 scale format (V3.1: "ue8m0"), set by `plan`
+
+    def plan(self, model) -> dict:
+        self.scale_fmt = model.config.scale_fmt
+        return {path: (module, name, contract) for path, module, name, contract in
+                model_quant.targets(model, self.targets)}
+
+    def build(self, plan_entry, var, path: tuple[str, ...], place, src: Source = None, raw: RawFp8 = None, xp=np,
+              stored=None) -> None:
+        """`var` (abstract: shape and logical axes) set on its module as a QArray whose q and scale are
+        each built per shard in `place(axes, shape, name)`'s sharding from `src` / `raw`, quantized
+        with `xp` (fp8 with the model's `scale_fmt`: "ue8m0" makes power-of-two scales; `raw` ones
+        are kept as stored). `stored`: the (q, scale) arrays `convert --quantize` wrote (int
+        formats), each device's shard read from them as it is (tensorstore windows)."""
+        module, attr, contract = plan_entry
+        fmt, name, axes = self.fmt, ".".join(path), logical_axes(var)
+        st = stack_dims(axes)
+        stack_shape, slice_shape = tuple(var.shape[:st]), tuple(var.shape[st:])
+        k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
+        g = quant.FP8_BLOCK if fmt == "fp8" else quant.group_for(k, self.group, fmt, name)
+
+        def quantized_shard(part: str, shape):
+            def block(index):
+                bounds = index_bounds(index, shape)
+                rows, cols = bounds[st:]
+                out = None
+                for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:st])):
+                    if fmt == "fp8":
+                        w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp, self.scale_fmt == "ue8m0")
+                    else:
+                        w = _int_window(part, fmt, g, rows, cols, stack, src, xp)
+                    if out is None:
+                        out = np.empty([b.stop - b.start for b in bounds[:st]] + list(w.shape), w.dtype)
+                    out[tuple(i - b.start for i, b in zip(stack, bounds))] = w
+                return out
+            return block
+
+        arrays = []
+        shapes, part_axes = quant.physical_shapes(fmt, stack_shape, k, n, g), physical_axes(axes, fmt, contract)
+        for part, (shape, dtype), p_axes, store in zip(("q", "scale"), shapes, part_axes, stored or (None, None)):
+            if store is None:
+                shard = quantized_shard(part, shape)
+            elif tuple(store.shape) != tuple(shape):
+                raise ValueError(f"{name}.{part} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs "
+                                 f"{shape}")
+            else:
+                shard = lambda index, store=store: store[tuple(index)].read().result()  # noqa: E731
+            arrays.append(build_array(shape, np.dtype(dtype), place(p_axes, shape, f"{name}.{part}"), shard))
+        qa = QArray(*arrays, fmt, slice_shape, contract, g, self.scale_fmt if fmt == "fp8" else None)
+        setattr(module, attr, model_quant.QuantizedWeight(qa, logical_axes=logical_axes(var)))
 
 
 def ours_2d(read: Callable[[tuple], np.ndarray], slice_shape: tuple[int, ...], contract: int) -> Source:

@@ -11,7 +11,8 @@ import pytest
 
 from dsv3_jax.checkpoint import fp8, hf_names
 from dsv3_jax.checkpoint.hf_reader import HFReader, read_shard
-from dsv3_jax.checkpoint.hf_to_orbax import CHUNK_BYTES, LeafPlan, fp8_regions, model_variables, regions
+from dsv3_jax.checkpoint.hf_to_orbax import CHUNK_BYTES, LeafPlan, fp8_regions, regions
+from dsv3_jax.checkpoint.load import abstract_model
 from benchmarks.make_released_shapes import released_config
 
 
@@ -27,7 +28,7 @@ def _whole(reader: HFReader, leaf, shape) -> np.ndarray:
 def test_any_shard_equals_the_slice_of_the_whole(hf_folders, kind):
     reader = HFReader(hf_folders[kind])
     cfg = reader.config()
-    variables = model_variables(cfg)
+    variables = abstract_model(cfg)[1]
     rng = np.random.default_rng(0)
     for leaf in hf_names.leaves(cfg):
         shape = tuple(variables[leaf.path].shape)
@@ -71,7 +72,7 @@ def test_converter_blocks_tile_every_leaf_under_the_chunk_bound(dtype):
     """At the released shapes (embedding and head 129280 x 7168) every written block, and every
     kept-FP8 block, is at most CHUNK_BYTES, and the blocks cover each array exactly once."""
     cfg = released_config(16).replace(param_dtype=dtype)
-    variables = model_variables(cfg)
+    variables = abstract_model(cfg)[1]
     for leaf in hf_names.leaves(cfg):
         var = variables[leaf.path]
         p = LeafPlan(leaf, tuple(var.shape), np.dtype(jnp.dtype(var.dtype)), False, dtype, 0,
