@@ -27,6 +27,7 @@ quantized per block of whole groups. The config's `quant` section names the leav
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import itertools
 import json
@@ -34,6 +35,7 @@ import math
 import os
 import pathlib
 import shutil
+from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -122,124 +124,87 @@ def regions(p: LeafPlan) -> tuple[list[int], list[tuple[slice, ...]]]:
     contiguous run of HF rows, aligned with the Orbax chunks so no write touches another's chunk."""
     cut = _row_dim(p)
     per_unit = math.prod(p.shape[p.stacked:]) // p.shape[cut] * p.dtype.itemsize
-    step = min(p.shape[cut], max(1, CHUNK_BYTES // max(per_unit, 1)))
     chunks = [1] * p.stacked + list(p.shape[p.stacked:])
-    chunks[cut] = step
-    return chunks, _blocks(p.shape, p.stacked, cut, step)
+    chunks[cut] = min(p.shape[cut], max(1, CHUNK_BYTES // max(per_unit, 1)))
+    return chunks, _grid(p.shape, chunks)
 
 
-def _blocks(shape, stacked: int, cut: int, step: int) -> list[tuple[slice, ...]]:
-    out = []
-    for stack in itertools.product(*(range(n) for n in shape[:stacked])):
-        for r0 in range(0, shape[cut], step):
-            index = [slice(i, i + 1) for i in stack] + [slice(None)] * (len(shape) - stacked)
-            index[cut] = slice(r0, min(shape[cut], r0 + step))
-            out.append(tuple(index))
-    return out
+def _grid(shape: tuple[int, ...], chunks: list[int]) -> list[tuple[slice, ...]]:
+    """The blocks of an array of `shape` cut into `chunks`, in C order: one chunk file each."""
+    return [tuple(slice(i, min(n, i + c)) for i, n, c in zip(corner, shape, chunks))
+            for corner in itertools.product(*(range(0, n, c) for n, c in zip(shape, chunks)))]
 
 
 def fp8_regions(p: LeafPlan) -> tuple[list[int], list[tuple[slice, ...]]]:
     """Row blocks (multiples of the 128-row scale block) of the e4m3 tensors, HF orientation."""
     rows, cols = p.hf_shape
-    step = min(rows, max(fp8.BLOCK, CHUNK_BYTES // cols // fp8.BLOCK * fp8.BLOCK))
-    shape = p.shape[:p.stacked] + (rows, cols)
-    return [1] * p.stacked + [step, cols], _blocks(shape, p.stacked, p.stacked, step)
+    chunks = [1] * p.stacked + [min(rows, max(fp8.BLOCK, CHUNK_BYTES // cols // fp8.BLOCK * fp8.BLOCK)), cols]
+    return chunks, _grid(p.shape[:p.stacked] + p.hf_shape, chunks)
 
 
-def _scale_index(index: tuple[slice, ...]) -> tuple[slice, ...]:
-    rows = index[-2]
-    return index[:-2] + (slice(rows.start // fp8.BLOCK, -(-rows.stop // fp8.BLOCK)), slice(None))
+class _Array(NamedTuple):
+    item: str  # orbax_layout.PARAMS or FP8
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: list[int]
+    block: Callable[[tuple[slice, ...]], np.ndarray]  # index -> that block of the array
 
 
-def int_regions(p: LeafPlan) -> tuple[list[int], list[tuple]]:
-    """(K rows per block, blocks (stack index, K rows)) of an int-quantized leaf: whole groups of
-    the contraction, each block one window of every HF row (our N) at those columns (our K)."""
+def _arrays(reader: HFReader, p: LeafPlan) -> list[_Array]:
+    """What leaf `p` is stored as: its array in `params`, or the q and scale of its quantized form,
+    blocks of whole scale rows (`quantized.Blocks`, the loader's arithmetic): e4m3 [*stack, N, K]
+    and `scale_inv` in the `fp8` item (FP8 sources copied as stored), or int {"q", "scale"} in
+    `params` ([*stack, K(/2), N], [*stack, K/g, N])."""
+    if not p.fp8 and p.quant is None:
+        chunks, _ = regions(p)
+        window = reader.leaf_window(p.leaf, p.dtype)
+        return [_Array(orbax_layout.PARAMS, p.leaf.path, p.shape, p.dtype, chunks,
+                       lambda index: read_shard(p.leaf, p.shape, index, window, p.dtype))]
     n, k = p.hf_shape
-    step = min(k, max(p.group, CHUNK_BYTES // (4 * n) // p.group * p.group))
-    stacks = itertools.product(*(range(d) for d in p.shape[:p.stacked]))
-    return step, [(stack, slice(k0, min(k, k0 + step))) for stack in stacks for k0 in range(0, k, step)]
-
-
-def _write_int_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter, bar) -> None:
-    n, k = p.hf_shape
-    step, blocks = int_regions(p)
-    pack = 2 if p.quant == "int4" else 1
-    stack_shape, ones = p.shape[:p.stacked], [1] * p.stacked
-    q_arr = params.create(p.leaf.path + ("q",), stack_shape + (k // pack, n), np.uint8 if pack == 2 else np.int8,
-                          chunks=ones + [step // pack, n])
-    s_arr = params.create(p.leaf.path + ("scale",), stack_shape + (k // p.group, n), np.float32,
-                          chunks=ones + [step // p.group, n])
-    src = quantized.hf_2d(reader.leaf_window(p.leaf, np.float32))
-    for stack, rows in blocks:
-        before = reader.bytes_read
-        q, sc = quantized.quantize_int(p.quant, p.group, stack, rows, slice(0, n), src)
-        lead = tuple(slice(i, i + 1) for i in stack)  # kept: a write's checksum needs its global index
-        params.write(q_arr[lead + (slice(rows.start // pack, rows.stop // pack),)], q)
-        params.write(s_arr[lead + (slice(rows.start // p.group, rows.stop // p.group),)], sc)
-        bar.update(reader.bytes_read - before)
-
-
-def _write_leaf(reader: HFReader, p: LeafPlan, params: orbax_layout.ItemWriter,
-                fp8_item: orbax_layout.ItemWriter | None, bar) -> None:
-    if p.quant is not None:
-        return _write_int_leaf(reader, p, params, bar)
     if p.fp8:
-        chunks, blocks = fp8_regions(p)
-        stack = p.shape[:p.stacked]
-        q_arr = fp8_item.create(p.leaf.path + ("qvalue",), stack + p.hf_shape, fp8.E4M3, chunks=chunks)
-        s_arr = fp8_item.create(p.leaf.path + ("scale_inv",), stack + fp8.scale_shape(p.hf_shape), np.float32,
-                                chunks=chunks[:-2] + [-(-chunks[-2] // fp8.BLOCK), -(-chunks[-1] // fp8.BLOCK)])
-        for index in blocks:
-            q, s = _fp8_block(reader, p, index)
-            fp8_item.write(q_arr[index], q)
-            fp8_item.write(s_arr[_scale_index(index)], s)
-            bar.update(q.nbytes + s.nbytes)
-        return
-    chunks, blocks = regions(p)
-    arr = params.create(p.leaf.path, p.shape, p.dtype, chunks=chunks)
-    window = reader.leaf_window(p.leaf, p.dtype)
-    for index in blocks:
-        before = reader.bytes_read
-        params.write(arr[index], read_shard(p.leaf, p.shape, index, window, p.dtype))
-        bar.update(reader.bytes_read - before)
-
-
-def _fp8_block(reader: HFReader, p: LeafPlan, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """One row block (a multiple of 128 rows) of e4m3 and its scale rows, HF orientation: as stored
-    from an FP8 source, else quantized (`quantized.quantize_fp8`, the released recipe)."""
-    stack, rows, cols = tuple(s.start for s in index[:p.stacked]), index[-2], slice(0, p.hf_shape[1])
-    if p.fp8_stored:
-        raw = reader.raw_fp8(p.leaf)
-        q, s = raw(stack, "q", rows, cols), raw(stack, "scale", *fp8.scale_window(rows, cols))
+        fmt, g, item, names = "fp8", fp8.BLOCK, orbax_layout.FP8, ("qvalue", "scale_inv")
+        step = fp8_regions(p)[0][-2]  # N rows per block
+        rows = (step, -(-step // fp8.BLOCK))
     else:
-        q, s = quantized.quantize_fp8(stack, rows, cols, quantized.hf_2d(reader.leaf_window(p.leaf, np.float32)),
-                                      pow2=reader.scale_fmt == "ue8m0")
-    lead = (1,) * p.stacked
-    return q.reshape(lead + q.shape), s.reshape(lead + s.shape)
+        fmt, g, item, names = p.quant, p.group, orbax_layout.PARAMS, ("q", "scale")
+        step = min(k, max(g, CHUNK_BYTES // (4 * n) // g * g))  # K rows per block, whole groups
+        rows = (step // 2 if fmt == "int4" else step, step // g)
+    raw = reader.raw_fp8(p.leaf) if p.fp8 and p.fp8_stored else None
+    blocks = quantized.Blocks(fmt, g, p.stacked, k, n, quantized.hf_2d(reader.leaf_window(p.leaf, np.float32)), raw,
+                              pow2=reader.scale_fmt == "ue8m0")
+    shapes = quant.physical_shapes(fmt, p.shape[:p.stacked], k, n, g)
+    return [_Array(item, p.leaf.path + (name,), shape, np.dtype(dtype), [1] * p.stacked + [r, shape[-1]],
+                   functools.partial(blocks, part, shape))
+            for part, name, r, (shape, dtype) in zip(("q", "scale"), names, rows, shapes)]
+
+
+def _write_leaf(reader: HFReader, p: LeafPlan, items: dict[str, orbax_layout.ItemWriter], bar) -> None:
+    """Leaf `p` written chunk by chunk; a quantized leaf's q and scale blocks of the same rows together."""
+    arrays = _arrays(reader, p)
+    stores = [items[a.item].create(a.path, a.shape, a.dtype, chunks=a.chunks) for a in arrays]
+    for indices in zip(*(_grid(a.shape, a.chunks) for a in arrays)):
+        before = reader.bytes_read
+        for a, store, index in zip(arrays, stores, indices):
+            items[a.item].write(store[index], a.block(index))
+        bar.update(reader.bytes_read - before)
 
 
 def _verify(reader: HFReader, plans: list[LeafPlan], root: str, samples: int) -> int:
     """Re-reads `samples` blocks (first, last and random ones) from the written arrays and compares
     them bit for bit with a fresh conversion of the same block of the source: only those blocks
     are read, on both sides."""
-    tasks = [(p, index) for p in plans if p.quant is None for index in (fp8_regions(p) if p.fp8 else regions(p))[1]]
+    tasks = [(a, index) for p in plans for a in _arrays(reader, p) for index in _grid(a.shape, a.chunks)]
     rng = np.random.default_rng(0)
     pick = sorted({0, len(tasks) - 1, *rng.choice(len(tasks), min(samples, len(tasks)), replace=False).tolist()})
     pick = pick[:max(samples, 1)]
     readers = {item: orbax_layout.ItemReader(root, item) for item in (orbax_layout.PARAMS, orbax_layout.FP8)}
     for t in pick:
-        p, index = tasks[t]
-        if p.fp8:
-            got = [readers[orbax_layout.FP8].read(p.leaf.path + ("qvalue",), index),
-                   readers[orbax_layout.FP8].read(p.leaf.path + ("scale_inv",), _scale_index(index))]
-            want = list(_fp8_block(reader, p, index))
-        else:
-            got = [readers[orbax_layout.PARAMS].read(p.leaf.path, index)]
-            want = [read_shard(p.leaf, p.shape, index, reader.leaf_window(p.leaf, p.dtype), p.dtype)]
-        for g, w in zip(got, want):
-            if g.shape != w.shape or g.tobytes() != w.tobytes():
-                raise CheckpointError(f"--verify: {p.key}[{', '.join(f'{s.start}:{s.stop}' for s in index)}] in "
-                                      f"{root} differs from its source in {reader.folder}")
+        a, index = tasks[t]
+        got, want = readers[a.item].read(a.path, index), a.block(index)
+        if got.shape != want.shape or got.tobytes() != want.tobytes():
+            raise CheckpointError(f"--verify: {'.'.join(a.path)}[{', '.join(f'{s.start}:{s.stop}' for s in index)}] "
+                                  f"in {root} differs from its source in {reader.folder}")
     return len(pick)
 
 
@@ -292,7 +257,7 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
                   disable=not progress, smoothing=0.1) as bar:
             for p in plans:
                 bar.set_postfix_str(p.key, refresh=False)
-                _write_leaf(reader, p, params, fp8_item, bar)
+                _write_leaf(reader, p, {orbax_layout.PARAMS: params, orbax_layout.FP8: fp8_item}, bar)
             mtp_copies = reader.compare_mtp_copies(cfg, bar.update)
         items = [orbax_layout.PARAMS]
         params.finish()

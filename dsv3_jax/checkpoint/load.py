@@ -391,29 +391,29 @@ def load_pretrained(path: str | os.PathLike, dtype=None, mesh=None, *, rules=Non
       needs to run: it keeps a cache of them per layer on the device).
     config_overrides: ModelConfig fields to change (e.g. `moe_impl`, `num_mtp_layers=0`).
     """
-    if offload_experts and (expert_placement is not None or redundant_experts is not None):
+    placed = expert_placement is not None or redundant_experts is not None
+    if offload_experts and placed:
         raise ValueError("offload_experts does not combine with an expert placement: drop expert_placement and "
                          "redundant_experts")
-    if expert_placement is not None or redundant_experts is not None:
-        model = load_pretrained(path, dtype, mesh, rules=rules, weights=weights, quantize=quantize,
-                                quant_group=quant_group, base=base, **config_overrides)
-        cfg = model.config
-        devices = 1 if mesh is None else mesh.shape.get("expert", 1)
-        moe.place_experts(model.moe_layers.ffn, eplb.placement_for(
-            expert_placement, redundant_experts, num_layers=cfg.num_moe_layers, num_experts=cfg.num_routed_experts,
-            num_groups=cfg.num_expert_groups, num_devices=devices))
-        return model
     path = os.fspath(path)
     quantization = Quantization(weights, quantize, quant_group) if weights is not None else None
     if quantization is None and quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs weights='fp8', 'int8' or 'int4'")
     if lora_export.is_peft_folder(path):
-        return load_peft(path, base, dtype, mesh=mesh, rules=rules, quantization=quantization,
-                         offload_experts=offload_experts, **config_overrides)
-    if base is not None:
+        model = load_peft(path, base, dtype, mesh=mesh, rules=rules, quantization=quantization,
+                          offload_experts=offload_experts, **config_overrides)
+    elif base is not None:
         raise ValueError(f"base={os.fspath(base)!r} is the base model of a PEFT adapter folder; {path} is none "
                          "(it has no adapter_config.json)")
-    return _load_source(path, dtype, mesh, rules, quantization, offload_experts, config_overrides)
+    else:
+        model = _load_source(path, dtype, mesh, rules, quantization, offload_experts, config_overrides)
+    if placed:
+        cfg = model.config
+        devices = 1 if mesh is None else mesh.shape.get("expert", 1)
+        moe.place_experts(model.moe_layers.ffn, eplb.placement_for(
+            expert_placement, redundant_experts, num_layers=cfg.num_moe_layers, num_experts=cfg.num_routed_experts,
+            num_groups=cfg.num_expert_groups, num_devices=devices))
+    return model
 
 
 def _load_source(path: str, dtype, mesh, rules, quantization: Quantization | None, offload_experts: bool,

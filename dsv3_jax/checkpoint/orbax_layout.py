@@ -100,22 +100,15 @@ class ItemWriter:
         while sum(n for _, n in self._pending) > self.MAX_IN_FLIGHT:
             self._pending.pop(0)[0].result()
 
-    def flush(self) -> None:
+    def finish(self) -> None:
         while self._pending:
             self._pending.pop(0)[0].result()
-
-    def finish(self) -> None:
-        self.flush()
         tree = {str(k): {"key_metadata": [{"key": p, "key_type": 2} for p in k],
                          "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False}}
                 for k in self._keys}
-        _write_json(paths.join(self.dir, "_METADATA"),
-                    {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-                     "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
-
-
-def _write_json(path: str, obj) -> None:
-    paths.write_text(path, json.dumps(obj))
+        paths.write_text(paths.join(self.dir, "_METADATA"), json.dumps(
+            {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
+             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
 
 
 def write_config(root: str, meta: dict[str, Any], items: list[str],
@@ -124,17 +117,16 @@ def write_config(root: str, meta: dict[str, Any], items: list[str],
     `checksums`: {item: `ItemWriter.checksums`}, the `integrity` item. The JSON items are what
     Orbax's JsonCheckpointHandler writes (and reads back: `read_meta`, `integrity.read_manifest`)."""
     paths.makedirs(paths.join(root, CONFIG))
-    _write_json(paths.join(root, CONFIG, "metadata"), {"format": FORMAT, "version": VERSION, **meta})
+    paths.write_text(paths.join(root, CONFIG, "metadata"), json.dumps({"format": FORMAT, "version": VERSION, **meta}))
     if checksums is not None:
         items = [*items, integrity.ITEM]
         paths.makedirs(paths.join(root, integrity.ITEM))
-        _write_json(paths.join(root, integrity.ITEM, "metadata"), {"checksums": checksums})
+        paths.write_text(paths.join(root, integrity.ITEM, "metadata"), json.dumps({"checksums": checksums}))
     now = time.time_ns()
-    _write_json(paths.join(root, "_CHECKPOINT_METADATA"),
-                {"item_handlers": {k: f"{_HANDLERS[k].__module__}.{_HANDLERS[k].__qualname__}"
-                                   for k in [*items, CONFIG]}, "metrics": {},
-                 "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
-                 "custom_metadata": {}})
+    paths.write_text(paths.join(root, "_CHECKPOINT_METADATA"), json.dumps(
+        {"item_handlers": {k: f"{_HANDLERS[k].__module__}.{_HANDLERS[k].__qualname__}" for k in [*items, CONFIG]},
+         "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
+         "custom_metadata": {}}))
 
 
 def is_orbax_checkpoint(path: str) -> bool:

@@ -17,9 +17,11 @@ trained model in memory, which XLA rounds its scales' divisions differently from
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,46 +45,74 @@ def _widen(s: slice, unit: int, limit: int) -> slice:
     return slice(s.start // unit * unit, min(limit, -(-s.stop // unit) * unit))
 
 
-def quantize_int(fmt: str, g: int, stack, rows: slice, cols: slice, src: Source, xp=np):
-    """(q, scales) of K rows `rows` (whole groups of `g`) x N columns `cols` of one stack element's
-    [K, N] weight: the int arithmetic of the loader's shards and the converter's blocks alike."""
-    q, s = quant.quantize_int(xp.asarray(src(stack, rows, cols)), fmt, g, xp=xp)
-    return np.asarray(q), np.asarray(s)
+@dataclasses.dataclass
+class Blocks:
+    """`blocks(part, shape, index)`: the block `index` of the q (`part="q"`) or scale array (of
+    `shape`, `quant.physical_shapes`) of one weight whose stack elements are K x N matrices, each
+    element's window quantized from `src` (or, FP8 from `raw`, copied as stored), widened to whole
+    groups (int) or 128x128 blocks (fp8). The loader's shards and the converter's chunks alike; the
+    last window's (q, scale) is kept, so the converter's scale block after its q block costs nothing."""
 
+    fmt: str
+    group: int  # K rows per scale (fp8: the 128 block)
+    stacked: int  # leading stack dims: [layer] or [layer, expert]
+    k: int
+    n: int
+    src: Source = None
+    raw: RawFp8 = None
+    xp: Any = np  # np: the converter's arithmetic; jnp: `quantize_model`'s (a run's weights)
+    pow2: bool = False  # fp8 scales as powers of two (UE8M0)
+    _last: tuple = dataclasses.field(default=(None, None), init=False, repr=False)
 
-def quantize_fp8(stack, rows: slice, cols: slice, src: Source, xp=np,
-                 pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 [rows, cols], scales of its 128x128 blocks; `pow2`: UE8M0) of one stack element's
-    weight in HF orientation [N, K], for a window of whole blocks (edge blocks partial): the FP8
-    arithmetic of the loader's shards and the converter's blocks alike."""
-    w_NxK = np.ascontiguousarray(src(stack, cols, rows).T)
-    if xp is np:
-        return fp8.quantize(w_NxK, pow2=pow2)
-    return tuple(np.asarray(a) for a in quant.quantize_128x128(jnp.asarray(w_NxK), pow2_scale=pow2,
-                                                               min_amax=quant.FP8_MIN_AMAX))
+    def __call__(self, part: str, shape: tuple[int, ...], index) -> np.ndarray:
+        bounds = index_bounds(index, shape)
+        rows, cols = bounds[self.stacked:]
+        out = None
+        for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:self.stacked])):
+            window = self._fp8_window if self.fmt == "fp8" else self._int_window
+            w = window(part, rows, cols, stack)
+            if out is None:
+                out = np.empty([b.stop - b.start for b in bounds[:self.stacked]] + list(w.shape), w.dtype)
+            out[tuple(i - b.start for i, b in zip(stack, bounds))] = w
+        return out
 
+    def _quantized(self, stack, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray]:
+        """(q, scales) of one stack element's window: int of K rows `rows` (whole groups) x N columns
+        `cols` of the [K, N] matrix; fp8 of rows x cols (whole 128x128 blocks, edge blocks partial) of
+        its HF orientation [N, K]."""
+        key = (stack, rows.start, rows.stop, cols.start, cols.stop)
+        if self._last[0] == key:
+            return self._last[1]
+        if self.fmt != "fp8":
+            q, s = quant.quantize_int(self.xp.asarray(self.src(stack, rows, cols)), self.fmt, self.group, xp=self.xp)
+        elif self.xp is np:
+            q, s = fp8.quantize(np.ascontiguousarray(self.src(stack, cols, rows).T), pow2=self.pow2)
+        else:
+            q, s = quant.quantize_128x128(jnp.asarray(np.ascontiguousarray(self.src(stack, cols, rows).T)),
+                                          pow2_scale=self.pow2, min_amax=quant.FP8_MIN_AMAX)
+        self._last = (key, (np.asarray(q), np.asarray(s)))
+        return self._last[1]
 
-def _int_window(part: str, fmt: str, g: int, rows: slice, cols: slice, stack, src: Source, xp) -> np.ndarray:
-    """Rows `rows` x cols of q (int8 [K, N] or packed [K/2, N]) or of the scales [K/g, N]."""
-    per_group = g // 2 if (part == "q" and fmt == "int4") else (g if part == "q" else 1)
-    groups = slice(rows.start // per_group, -(-rows.stop // per_group))
-    q, s = quantize_int(fmt, g, stack, slice(groups.start * g, groups.stop * g), cols, src, xp)
-    first = groups.start * per_group
-    return (q if part == "q" else s)[rows.start - first:rows.stop - first]
+    def _int_window(self, part: str, rows: slice, cols: slice, stack) -> np.ndarray:
+        """Rows `rows` x cols of q (int8 [K, N] or packed [K/2, N]) or of the scales [K/g, N]."""
+        g = self.group
+        per_group = g // 2 if (part == "q" and self.fmt == "int4") else (g if part == "q" else 1)
+        groups = slice(rows.start // per_group, -(-rows.stop // per_group))
+        q, s = self._quantized(stack, slice(groups.start * g, groups.stop * g), cols)
+        first = groups.start * per_group
+        return (q if part == "q" else s)[rows.start - first:rows.stop - first]
 
-
-def _fp8_window(part: str, n: int, k: int, rows: slice, cols: slice, stack, src: Source, raw: RawFp8,
-                xp, pow2: bool = False) -> np.ndarray:
-    """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`; `pow2`: UE8M0)."""
-    if raw is not None:
-        return raw(stack, part, rows, cols)
-    b = fp8.BLOCK
-    nr, kc = (_widen(rows, b, n), _widen(cols, b, k)) if part == "q" else (
-        slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
-    q, s = quantize_fp8(stack, nr, kc, src, xp, pow2)
-    if part == "q":
-        return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
-    return s
+    def _fp8_window(self, part: str, rows: slice, cols: slice, stack) -> np.ndarray:
+        """rows x cols of the e4m3 [N, K] (`q`) or of its block scales [NB, KB] (`scale`)."""
+        if self.raw is not None:
+            return self.raw(stack, part, rows, cols)
+        b, n, k = fp8.BLOCK, self.n, self.k
+        nr, kc = (_widen(rows, b, n), _widen(cols, b, k)) if part == "q" else (
+            slice(rows.start * b, min(n, rows.stop * b)), slice(cols.start * b, min(k, cols.stop * b)))
+        q, s = self._quantized(stack, nr, kc)
+        if part == "q":
+            return q[rows.start - nr.start:rows.stop - nr.start, cols.start - kc.start:cols.stop - kc.start]
+        return s
 
 
 def build_array(shape: tuple[int, ...], dtype, where, shard) -> jax.Array:
@@ -134,27 +164,12 @@ class Quantization:
         k, n = math.prod(slice_shape[:contract]), math.prod(slice_shape[contract:])
         g = quant.FP8_BLOCK if fmt == "fp8" else quant.group_for(k, self.group, fmt, name)
 
-        def quantized_shard(part: str, shape):
-            def block(index):
-                bounds = index_bounds(index, shape)
-                rows, cols = bounds[st:]
-                out = None
-                for stack in itertools.product(*(range(b.start, b.stop) for b in bounds[:st])):
-                    if fmt == "fp8":
-                        w = _fp8_window(part, n, k, rows, cols, stack, src, raw, xp, self.scale_fmt == "ue8m0")
-                    else:
-                        w = _int_window(part, fmt, g, rows, cols, stack, src, xp)
-                    if out is None:
-                        out = np.empty([b.stop - b.start for b in bounds[:st]] + list(w.shape), w.dtype)
-                    out[tuple(i - b.start for i, b in zip(stack, bounds))] = w
-                return out
-            return block
-
+        blocks = Blocks(fmt, g, st, k, n, src, raw, xp, self.scale_fmt == "ue8m0")
         arrays = []
         shapes, part_axes = quant.physical_shapes(fmt, stack_shape, k, n, g), physical_axes(axes, fmt, contract)
         for part, (shape, dtype), p_axes, store in zip(("q", "scale"), shapes, part_axes, stored or (None, None)):
             if store is None:
-                shard = quantized_shard(part, shape)
+                shard = functools.partial(blocks, part, shape)
             elif tuple(store.shape) != tuple(shape):
                 raise ValueError(f"{name}.{part} is stored with shape {tuple(store.shape)}; {fmt} group {g} needs "
                                  f"{shape}")
