@@ -80,11 +80,11 @@ def plan(reader: HFReader, cfg: ModelConfig, keep_fp8: bool, quantize: str | Non
     """Matches every parameter with its HF tensors; raises on any mismatch. Also returns
     {hf name: dtype} for tensors whose dtype differs from the rest of their parameter."""
     model, variables = abstract_model(cfg)
-    targets = {}
+    targets = set()  # the paths stored quantized
     if quantize is not None:
         quant.check_format(quantize, "--quantize")
         which = model_quant.check_targets(quant_targets or model_quant.default_targets(quantize))
-        targets = {path: contract for path, _, _, contract in model_quant.targets(model, which)}
+        targets = {path for path, *_ in model_quant.targets(model, which)}
     infos = reader.check_all(cfg)
     plans, exceptions = [], {}
     for leaf in hf_names.leaves(cfg):
@@ -251,19 +251,16 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
     copies = reader.mtp_copies(cfg)
     total = sum(p.nbytes for p in plans) + 2 * sum(reader.ckpt.header(m)[2] for _, m in copies)
     try:
-        params = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.PARAMS))
-        fp8_item = orbax_layout.ItemWriter(os.path.join(tmp, orbax_layout.FP8)) if any(p.fp8 for p in plans) else None
+        items = [orbax_layout.PARAMS] + ([orbax_layout.FP8] if any(p.fp8 for p in plans) else [])
+        writers = {item: orbax_layout.ItemWriter(os.path.join(tmp, item)) for item in items}
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"{os.path.basename(hf_dir)} -> Orbax",
                   disable=not progress, smoothing=0.1) as bar:
             for p in plans:
                 bar.set_postfix_str(p.key, refresh=False)
-                _write_leaf(reader, p, {orbax_layout.PARAMS: params, orbax_layout.FP8: fp8_item}, bar)
+                _write_leaf(reader, p, writers, bar)
             mtp_copies = reader.compare_mtp_copies(cfg, bar.update)
-        items = [orbax_layout.PARAMS]
-        params.finish()
-        if fp8_item is not None:
-            fp8_item.finish()
-            items.append(orbax_layout.FP8)
+        for writer in writers.values():
+            writer.finish()
         verified = _verify(reader, plans, tmp, verify) if verify else 0
         os.sync()  # the chunk files were written without fsync
         source = {"hf_dir": os.path.abspath(hf_dir), "dtypes": {p.key: p.source_dtype for p in plans},
@@ -275,8 +272,8 @@ def convert_hf_to_orbax(hf_dir: str | os.PathLike, out: str | os.PathLike, *, dt
         if quantize is not None:
             meta["quant"] = {"format": quantize, "group": quant_group if quantize != "fp8" else fp8.BLOCK,
                              "leaves": [p.key for p in plans if p.quant is not None or (quantize == "fp8" and p.fp8)]}
-        orbax_layout.write_config(tmp, meta, items, {orbax_layout.PARAMS: params.checksums,
-                                                     orbax_layout.FP8: fp8_item.checksums if fp8_item else {}})
+        orbax_layout.write_config(tmp, meta, items, {item: writers[item].checksums if item in writers else {}
+                                                     for item in (orbax_layout.PARAMS, orbax_layout.FP8)})
         commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

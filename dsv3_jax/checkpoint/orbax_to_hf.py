@@ -41,10 +41,10 @@ class _Tensor:
     dtype: np.dtype
     shape: tuple[int, ...]
     make: Callable[[], np.ndarray]
-    layer: int  # for ordering: -1 before the layers, 10**9 after
 
 
 def _layer_of(name: str) -> int:
+    """For ordering: the HF layer of tensor `name`; -1 before the layers, 10**9 after."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
         return int(m.group(1))
@@ -92,10 +92,9 @@ def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.
         key, shape = ".".join(leaf.path), tuple(leaf.hf_shapes()[0])
         for index, (name,) in leaf_slices(leaf):  # one HF tensor a slice (routed experts: one expert)
             if want_fp8 and fp8.quantizable(name):
-                out += [_Tensor(name, fp8.E4M3, shape, lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[0],
-                                _layer_of(name)),
+                out += [_Tensor(name, fp8.E4M3, shape, lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[0]),
                         _Tensor(scale_name(name), np.dtype(np.float32), fp8.scale_shape(shape),
-                                lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[1], _layer_of(name))]
+                                lambda leaf=leaf, index=index: src.fp8_pair(leaf, index)[1])]
                 continue
             recorded = exceptions.get(name, dtypes.get(key))
             if dtype is not None:
@@ -104,11 +103,11 @@ def _plan(cfg: ModelConfig, meta: dict, src: _Source, want_fp8: bool, dtype: np.
                 dt = np.dtype(ml_dtypes.bfloat16)
             else:
                 dt = np.dtype(jnp.dtype(recorded)) if recorded else stored
-            out.append(_Tensor(name, dt, shape, lambda leaf=leaf, index=index, dt=dt: src.hf_float(leaf, index).astype(dt),
-                               _layer_of(name)))
+            out.append(_Tensor(name, dt, shape,
+                               lambda leaf=leaf, index=index, dt=dt: src.hf_float(leaf, index).astype(dt)))
     if source.get("mtp_shared_copies", True):  # each MTP layer's copies of the embedding and head
         by_name = {t.name: t for t in out}
-        out += [dataclasses.replace(by_name[m], name=c, layer=_layer_of(c))
+        out += [dataclasses.replace(by_name[m], name=c)
                 for c, m in hf_names.mtp_shared_copies(cfg) if m in by_name]
     return out
 
@@ -167,7 +166,7 @@ def write_hf(meta: dict, params, out: str | os.PathLike, *, fp8_reader: orbax_la
     cfg = ModelConfig.from_dict(meta["model"])
     want = np.dtype(jnp.dtype(dtype)) if dtype is not None else None
     src = _Source(params, fp8_reader, meta)
-    tensors = sorted(_plan(cfg, meta, src, fp8_out, want), key=lambda t: t.layer)  # stable: table order within a layer
+    tensors = sorted(_plan(cfg, meta, src, fp8_out, want), key=lambda t: _layer_of(t.name))  # stable sort
     source = meta.get("source", {})
     weight_map = _assign_shards(tensors, source.get("weight_map"), shard_bytes)
     by_shard: dict[str, list[_Tensor]] = {}

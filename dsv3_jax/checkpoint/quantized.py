@@ -1,12 +1,13 @@
-"""Quantized parameters built shard by shard as they load (`load_pretrained(weights=...)`).
+"""Quantized parameters built shard by shard as they load (`load_pretrained(weights=...)`), and
+the blocks `convert --quantize` writes, with the same arithmetic (`Blocks`).
 
 Each quantized projection becomes two arrays, q and scale (dsv3_jax/ops/quant.py), each made with
 `build_array` (the loader's per-shard builder of every parameter): a device's block of q or of the
 scales is quantized on the host from the source window that covers it, widened to whole scale
-groups (int) or 128x128 blocks (FP8), one stack element ([layer] or [layer, expert]) at a time. So no process holds more than one matrix's
-window in float32, never a whole leaf, and nothing is dequantised on the devices. Stored FP8 (an HF
-FP8 folder, a `--keep-fp8` checkpoint) loaded as `fp8` is copied as it is: e4m3 windows and the
-scale blocks, never widened.
+groups (int) or 128x128 blocks (FP8), one stack element ([layer] or [layer, expert]) at a time.
+So no process holds more than one matrix's window in float32, never a whole leaf, and nothing is
+dequantised on the devices. Stored FP8 (an HF FP8 folder, a `--keep-fp8` checkpoint) loaded as
+`fp8` is copied as it is: e4m3 windows and the scale blocks, never widened.
 
 Sources give one stack element's matrix in our orientation [K, N] (`src`, float32) and, where the
 source holds FP8, its e4m3 [N, K] and scale windows (`raw`). The windows are quantized with numpy
