@@ -127,7 +127,7 @@ def _build_leaf(leaf: hf_names.Leaf, var, window_of, raw, quantization: Quantiza
                               lambda index: read_shard(leaf, tuple(var.shape), index, window, target)))
 
 
-def _abstract_model(stored: ModelConfig, dtype, config_overrides: dict, place) -> tuple[DeepSeekV3, dict, set]:
+def _stored_model(stored: ModelConfig, dtype, config_overrides: dict, place) -> tuple[DeepSeekV3, dict, set]:
     """(abstract model, its variables, the fresh indexers' paths) of a stored config with the
     caller's dtype and overrides: `dtype` sets the parameters' dtype (the compute dtype follows
     unless overridden). An indexer the stored config lacks is drawn now (`_init_missing_indexers`)."""
@@ -211,7 +211,7 @@ def load_orbax(path: str | os.PathLike, dtype, place, quantization: Quantization
     kept as it is for `fp8`)."""
     path = paths.resolve(path)  # a local folder or a URL (dsv3_jax/paths.py)
     meta = orbax_layout.read_meta(path)
-    model, variables, fresh = _abstract_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides, place)
+    model, variables, fresh = _stored_model(ModelConfig.from_dict(meta["model"]), dtype, config_overrides, place)
     fp8_leaves = set(meta.get("fp8_leaves", []))
     stored = orbax_layout.ItemReader(path, orbax_layout.PARAMS)
     quantization, plan, int_leaves = _stored_quantization(path, meta, model, quantization)
@@ -295,7 +295,7 @@ def load_run(run: run_folder.RunStep, dtype, place, quantization: Quantization |
     """`DeepSeekV3` with a training run's step: its parameters and router biases, read from the
     step's train state (`run_folder.StateParams`) like a converted checkpoint's `params` into
     `place`'s shardings, the projections `quantization` covers built quantized per shard."""
-    model, variables, fresh = _abstract_model(run.model_config(), dtype, config_overrides, place)
+    model, variables, fresh = _stored_model(run.model_config(), dtype, config_overrides, place)
     state = run_folder.StateParams(run)
     plan = quantization.plan(model) if quantization is not None else {}
     _restore_item(state.reader, variables, {p: state.key(p) for p in variables if p not in fresh}, plan, quantization,
