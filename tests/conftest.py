@@ -15,6 +15,28 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+def _compile_cheaply_in_this_process():
+    """XLA:CPU's cheap code generation (tests.helpers.FAST_COMPILE) for the programs the pytest
+    process compiles: compiling, not running, dominates its tests (half the CPU time at these flags).
+    XLA reads XLA_FLAGS once, at its first compile, so the environment is restored after one:
+    subprocesses (CLI runs that hit the persistent cache, servers) keep the default code generation,
+    and fake-device ones set their own flags."""
+    from tests.helpers import FAST_COMPILE
+
+    before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{before or ''} {FAST_COMPILE}".strip()
+    try:
+        jax.jit(lambda x: x + 1)(1).block_until_ready()
+    finally:
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
+
+
+_compile_cheaply_in_this_process()
+
+
 def pytest_addoption(parser):
     parser.addoption("--reverse", action="store_true",
                      help="Run the tests in reverse collection order (a check that no test depends on another "
