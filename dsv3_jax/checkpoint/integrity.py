@@ -119,17 +119,18 @@ _READ_ERROR = re.compile(r"'path': '([^'/]+)/'")  # the array's folder in Tensor
 def from_read_error(step: int | None, item_dir: str, error: BaseException) -> CheckpointError | None:
     """A restore's TensorStore error on a damaged file (Orbax raises a bare `Exception` whose
     message is the array's spec) as a `CheckpointError` naming the array; None for other errors."""
-    _quiet_abandoned_reads()
     found = _READ_ERROR.search(str(error))
     return damaged(step, item_dir, found.group(1), first_line(error)) if found else None
 
 
-def _quiet_abandoned_reads() -> None:
-    """Drops the tracebacks of the reads a failed restore leaves behind, so its error stays one line.
+def quiet_abandoned_reads() -> None:
+    """Drops the tracebacks of the reads a failed restore leaves behind, so its error stays one line;
+    called before a restore starts.
 
     Orbax closes its event loop when one read fails. TensorStore's other reads of the step go on:
-    as each finishes, its callback meets the closed loop, and the read coroutines Orbax dropped are
-    collected later; Python reports both as unraisable. Other unraisable errors reach the previous hook."""
+    as each finishes (on TensorStore's threads, from the moment the loop closes), its callback meets
+    the closed loop, and the read coroutines Orbax dropped are collected later; Python reports both
+    as unraisable. Other unraisable errors reach the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "quiets_abandoned_reads", False):
         return

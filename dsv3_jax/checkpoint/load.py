@@ -167,6 +167,7 @@ def restore_variables(item: orbax_layout.ItemReader, variables: dict, keys: dict
     target = ocp.tree.from_flat_dict({key: jax.ShapeDtypeStruct(
         variables[p].shape, item.arrays[key].dtype if manifest is not None else variables[p].dtype,
         sharding=place(logical_axes(variables[p]), variables[p].shape, ".".join(p))) for p, key in keys.items()})
+    integrity.quiet_abandoned_reads()
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         try:
             restored = ckptr.restore(item.dir, ocp.args.PyTreeRestore(

@@ -71,6 +71,7 @@ class Checkpointer:
         manifest = integrity.read_manifest(step_dir)
         state_dir = paths.join(step_dir, "state")
         error = None
+        integrity.quiet_abandoned_reads()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)))
