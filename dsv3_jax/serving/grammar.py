@@ -37,11 +37,11 @@ HORIZON = 128  # budget beyond the shortest completion within which branches tha
 
 
 class GrammarError(ValueError):
-    """A structured-output field that does not make a grammar; `field` names it (the 400's param)."""
+    """A structured-output field that does not make a grammar; `param` names it (the 400's)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 def request_grammar(response_format: dict | None = None, guided_json: dict | str | None = None,
@@ -54,17 +54,14 @@ def request_grammar(response_format: dict | None = None, guided_json: dict | str
              if v is not None}
     if len(given) > 1:
         raise GrammarError(list(given)[1], f"give one of {', '.join(given)}, not several")
-    made = _grammar(response_format, guided_json, guided_regex, guided_choice)
-    if made is None:
-        return None
-    grammar, field = made
-    if grammars is not None:
+    grammar, field = _grammar(response_format, guided_json, guided_regex, guided_choice)
+    if grammar is not None and grammars is not None:
         grammars.check(grammar, field)
     return grammar
 
 
-def _grammar(response_format, guided_json, guided_regex, guided_choice) -> tuple[str, str] | None:
-    """(grammar, the field it comes from) of the one field given, or None."""
+def _grammar(response_format, guided_json, guided_regex, guided_choice) -> tuple[str | None, str | None]:
+    """(grammar, the field it comes from) of the one field given; (None, None) for free text."""
     if response_format is not None:
         return _response_format(response_format)
     if guided_json is not None:
@@ -81,13 +78,13 @@ def _grammar(response_format, guided_json, guided_regex, guided_choice) -> tuple
             raise GrammarError("guided_choice", "give at least one choice")
         choices = " | ".join(json.dumps(c) for c in guided_choice)
         return llguidance.LLMatcher.grammar_from_lark("start: " + choices), "guided_choice"
-    return None
+    return None, None
 
 
-def _response_format(fmt: dict) -> tuple[str, str] | None:
+def _response_format(fmt: dict) -> tuple[str | None, str | None]:
     kind = fmt.get("type")
     if kind == "text":
-        return None
+        return None, None
     if kind == "json_object":
         return _schema_grammar(ANY_JSON_OBJECT, "response_format"), "response_format"
     if kind == "json_schema":
@@ -147,11 +144,9 @@ class Matcher:
         self._tokens: list[int] = []  # consumed so far, drafts included until rolled back
         self._plan: tuple[tuple[int, ...], list[int] | None, int] | None = None  # (at tokens, completion, least length)
 
-    def fill(self, rows_xG: np.ndarray, index: int = 0, budget: int | None = None) -> None:
-        """Row `index` of rows_xG: the tokens that may come next with `budget` tokens left (None: no end)."""
+    def fill(self, rows_xG: np.ndarray, index: int, budget: int) -> None:
+        """Row `index` of rows_xG: the tokens that may come next with `budget` tokens left."""
         llguidance.numpy.fill_next_token_bitmask(self._m, rows_xG, index)
-        if budget is None:
-            return
         forced, length = self._forced(budget)
         if forced is not None:
             rows_xG[index] = 0
@@ -178,7 +173,7 @@ class Matcher:
         self._plan = (tuple(self._tokens), path, searched if path is not None else searched + 1)
         return (None, None) if path is None else (_due(path, budget), len(path))
 
-    def fill_drafts(self, drafts_M: np.ndarray, rows_KxG: np.ndarray, budget: int | None = None) -> int:
+    def fill_drafts(self, drafts_M: np.ndarray, rows_KxG: np.ndarray, budget: int) -> int:
         """Rows 0 .. of rows_KxG along the draft path: row i after drafts 0 .. i - 1, while the rows allow
         them (the row before a draft it refuses forbids that draft; later rows are left as they are).
         Returns the drafts taken: `rollback` them after the step."""
@@ -190,7 +185,7 @@ class Matcher:
                 break
             self._tokens.append(draft)
             taken += 1
-            self.fill(rows_KxG, taken, None if budget is None else budget - taken)
+            self.fill(rows_KxG, taken, budget - taken)
         return taken
 
     def rollback(self, tokens: int) -> None:

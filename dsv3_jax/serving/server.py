@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -58,7 +59,7 @@ _ERROR_KINDS = {404: "not_found_error", 429: "rate_limit_error", 500: "internal_
 class BadRequest(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.param = status, param
 
 
 def choice_seed(seed: int, j: int) -> int:
@@ -117,12 +118,9 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
         return error(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(BadRequest)
-    async def _bad(_, exc: BadRequest):
-        return error(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(GrammarError)  # a structured output or tool_choice that makes no grammar
-    async def _no_grammar(_, exc: GrammarError):
-        return error(400, str(exc), exc.field)
+    @app.exception_handler(GrammarError)  # a structured output or tool_choice that makes no grammar: a 400
+    async def _bad(_, exc: BadRequest | GrammarError):
+        return error(getattr(exc, "status", 400), str(exc), exc.param)
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
@@ -198,18 +196,6 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
                               grammar=request_grammar(*(getattr(req, k) for k in GRAMMAR_FIELDS),
                                                       grammars=engine.grammars))
 
-    def submit(choices: list[Choice], per_choice: list[SamplingParams], queue: asyncio.Queue) -> list[Request]:
-        loop, requests = asyncio.get_running_loop(), []
-        try:
-            for c, sp in zip(choices, per_choice):
-                sink = lambda ev, c=c: loop.call_soon_threadsafe(queue.put_nowait, (c, ev))  # noqa: E731
-                requests.append(engine.submit(Request(list(c.prompt), sp, sink)))
-        except Exception:  # the queue is full (or a grammar failed): none of them runs
-            for r in requests:
-                engine.cancel(r)
-            raise
-        return requests
-
     async def gather(http: fastapi.Request, queue: asyncio.Queue, requests: list[Request], n_choices: int) -> bool:
         """Feeds every event to its choice until all finish; False if the client went away."""
         finished = 0
@@ -231,13 +217,17 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
     async def run(http, choices: list[Choice], per_choice: list[SamplingParams], req, *, chat_api: bool,
                   top: int | None, echo: bool = False, keep: int | None = None):
         """Generates every choice; answers with the first `keep` per prompt by cumulative logprob (best_of)."""
-        queue = asyncio.Queue()
+        queue, loop, requests = asyncio.Queue(), asyncio.get_running_loop(), []
         try:
-            requests = submit(choices, per_choice, queue)
-        except QueueFull as e:
-            return error(429, str(e))
-        except EngineFailed as e:
-            return error(503, str(e))
+            for c, sp in zip(choices, per_choice):
+                sink = lambda ev, c=c: loop.call_soon_threadsafe(queue.put_nowait, (c, ev))  # noqa: E731
+                requests.append(engine.submit(Request(list(c.prompt), sp, sink)))
+        except Exception as e:  # the queue is full, the engine failed or a grammar failed: none of them runs
+            for r in requests:
+                engine.cancel(r)
+            if isinstance(e, (QueueFull, EngineFailed)):
+                return error(429 if isinstance(e, QueueFull) else 503, str(e))
+            raise
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in {id(c.prompt): c.prompt for c in choices}.values())
         name = responses.namer(tok, req.return_tokens_as_token_ids)
@@ -299,21 +289,17 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
             raise BadRequest(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         sp = params(body, check_prompt(ids, body.requested_max_tokens(), None), top)
-        if body.parses_tools():  # a tokenizer may hold the call markers as special tokens
-            sp = dataclasses.replace(sp, skip_special_tokens=False)
-        sp = dataclasses.replace(sp, grammar=tool_grammar(body, sp.grammar))
+        try:  # the answer's grammar: forced calls, else the structured output's
+            grammar = tools.answer_grammar(body.forced_functions(), body.parallel_tool_calls, sp.grammar, chat,
+                                           engine.grammars)
+        except ValueError as e:
+            raise BadRequest(400, str(e), "tool_choice") from e
+        sp = dataclasses.replace(sp, grammar=grammar,  # a tokenizer may hold the call markers as special tokens
+                                 skip_special_tokens=sp.skip_special_tokens and not body.parses_tools())
         choices = [Choice(j, ids, body.echoed(), tool_calls=tools.ToolCallStream() if body.parses_tools() else None)
                    for j in range(body.n)]
         per_choice = [dataclasses.replace(sp, seed=choice_seed(sp.seed, j)) for j in range(body.n)]
         return await run(http, choices, per_choice, body, chat_api=True, top=top)
-
-    def tool_grammar(body: schemas.ChatRequest, structured: str | None) -> str | None:
-        """The answer's grammar (`tools.answer_grammar`); a 400 naming tool_choice when it cannot be met."""
-        try:
-            return tools.answer_grammar(body.forced_functions(), body.parallel_tool_calls, structured, chat,
-                                        engine.grammars)
-        except ValueError as e:
-            raise BadRequest(400, str(e), "tool_choice") from e
 
     @app.get("/v1/models")
     async def models():
@@ -367,10 +353,8 @@ def make_app(engine: Engine, chat: ChatTokenizer, model_name: str,
 
 def _best(choices: list[Choice], keep: int) -> list[Choice]:
     """Per prompt (runs of equal prompt), the `keep` choices of highest cumulative logprob, renumbered."""
-    out, groups = [], {}
-    for c in choices:
-        groups.setdefault(id(c.prompt), []).append(c)
-    for i, group in enumerate(groups.values()):
+    out = []
+    for i, (_, group) in enumerate(itertools.groupby(choices, key=lambda c: id(c.prompt))):
         best = sorted(group, key=lambda c: -c.cumulative_logprob())[:keep]
         out += [dataclasses.replace(c, index=i * keep + j) for j, c in enumerate(best)]
     return out
