@@ -86,8 +86,7 @@ class Event(NamedTuple):
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None
-    prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # generated so far
     logprobs: list[Logprob] | None = None  # one per token_ids entry, when the request asked for logprobs
     prompt_logprobs: list[Logprob | None] | None = None  # echo: one per prompt token (the first None), first event
 
@@ -296,12 +295,11 @@ class Engine:
 
     def _prefill(self, slot: int, request: Request, sampling: RowSampling) -> None:
         start, valid, _ = request.chunks[0]
-        bitmask_1xG = None
+        bitmask_G = None
         if request.matcher is not None:  # its first token follows the grammar
-            bitmask_1xG = self.runner.free_bitmask[0, :1].copy()
-            request.matcher.fill(bitmask_1xG, 0, self._budget(request))
-        out = self.runner.prefill_chunk(slot, request.prompt + request.generated, start, sampling,
-                                        None if bitmask_1xG is None else bitmask_1xG[0])
+            bitmask_G = self.runner.free_bitmask[0, 0].copy()
+            request.matcher.fill(bitmask_G[None], 0, self._budget(request))
+        out = self.runner.prefill_chunk(slot, request.prompt + request.generated, start, sampling, bitmask_G)
         with self.cond:
             if self.slots[slot] is not request:  # cancelled meanwhile
                 return
@@ -334,8 +332,7 @@ class Engine:
             if reason is not None:
                 self._free(slot)
             logprobs = None if logprobs is None else logprobs[:len(kept)]
-            request.sink(Event(text, kept, reason, len(request.prompt), len(request.generated), logprobs,
-                               prompt_logprobs))
+            request.sink(Event(text, kept, reason, len(request.generated), logprobs, prompt_logprobs))
             if reason is not None:
                 self._finish(request, reason, emit=False)
 
@@ -380,7 +377,7 @@ class Engine:
         request.done = True
         self.metrics.finished(reason)
         if emit:
-            request.sink(Event("", [], reason, len(request.prompt), len(request.generated)))
+            request.sink(Event("", [], reason, len(request.generated)))
 
 
 def _logprobs(lp: TokenLogprobs, top: int | None, stop: int, first: int = 0) -> list[Logprob] | None:

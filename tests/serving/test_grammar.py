@@ -51,7 +51,7 @@ def test_bitmask_layout_is_llguidance_s():
 def test_malformed_fields_are_named(fields, field):
     with pytest.raises(GrammarError) as e:
         request_grammar(**fields)
-    assert e.value.field == field
+    assert e.value.param == field
 
 
 PAIR = ([1, 400, 77, 1200, 9], [1, 31, 1500])  # prompts (token ids) of a constrained and a free request
