@@ -12,7 +12,7 @@ from flax import nnx
 
 from dsv3_jax import DeepSeekV3
 from dsv3_jax.data import load_tokenizer
-from dsv3_jax.inference import generate
+from dsv3_jax.inference import generate, steps
 from dsv3_jax.serving import Engine, QueueFull, Request, Runner, SamplingParams
 from dsv3_jax.serving.engine import EngineFailed
 from tests.helpers import TokenSink, app_in_thread, http_json
@@ -28,8 +28,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
+    # Runners of one graph share their jitted steps (`steps.compiled`): a fresh set here, so what
+    # warm-up compiled is this runner's alone, whichever tests ran before in this process.
+    steps.compiled.cache_clear()
     runner = Runner(model, max_batch=MAX_BATCH, max_seq_len=64, chunk=CHUNK)
     runner.warm_up()
+    # one program per prefill width and per decode bucket (1, 2, 4, 8 rows), whatever the lengths
+    assert runner.steps.prefill._cache_size() == 1
+    assert runner.steps.decode._cache_size() == len(runner.decode_buckets) == 4
     eng = Engine(runner, load_tokenizer(), max_queue=4)
     eng.start()
     yield eng
@@ -63,9 +69,6 @@ def test_sixteen_staggered_greedy_requests_equal_generate_alone(model, engine):
     assert compiles == [], "warm-up must compile every shape a request meets"
     health = engine.health()
     assert health["slots_in_use"] == 0 and health["queue_length"] == 0
-    runner = engine.runner  # compiled once per prefill width and decode bucket (at warm-up), whatever the lengths
-    assert runner.steps.prefill._cache_size() == 1
-    assert runner.steps.decode._cache_size() == len(runner.decode_buckets) == 4  # 1, 2, 4, 8 rows
     for i, (prompt, n, sink) in enumerate(zip(prompts, max_tokens, sinks)):
         alone = np.asarray(generate(model, np.array([prompt], np.int32), n))[0, len(prompt):]
         assert sink.tokens == alone.tolist(), f"request {i} (prompt {len(prompt)}, max_tokens {n})"
