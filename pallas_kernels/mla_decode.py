@@ -64,8 +64,9 @@ def check_splits_and_heads(num_splits: int | None, block_h: int | None) -> None:
 
 def _online_step(carry, q_lat, q_pe, kv, kp, visible, scale):
     """One KV block of the online softmax over carry (m [H,1], l [H,1], acc [H,R]); `visible` [1,bk]
-    says which of the block's rows count."""
-    s = (dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp, "NT")) * scale
+    says which of the block's rows count. The rope key is widened to q_pe's type (fp32 from the model):
+    Triton's dot takes operands of one type."""
+    s = (dot_f32(q_lat, kv, "NT") + dot_f32(q_pe, kp.astype(q_pe.dtype), "NT")) * scale
     return _backend.online_softmax_step(carry, s, visible, lambda p: _pv_dot(p, kv))
 
 

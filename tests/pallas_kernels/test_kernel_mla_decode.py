@@ -86,7 +86,10 @@ def test_mla_decode_default_path_and_errors():
 
 @pytest.mark.parametrize("style_,platform", LOWERINGS)
 def test_mla_decode_lowers(style_, platform):
-    args = _inputs(2, 128, 512, 64, 1000, jnp.bfloat16) + [jnp.array([1, 999], jnp.int32)]  # the 671B's heads
+    """The 671B's heads; q_pe in fp32 beside a bf16 rope key, as the model hands them
+    (`latent_attention._decode_operands`)."""
+    args = _inputs(2, 128, 512, 64, 1000, jnp.bfloat16) + [jnp.array([1, 999], jnp.int32)]
+    args[1] = args[1].astype(jnp.float32)
     f = functools.partial(mla_decode, softmax_scale=0.1, backend=style_, interpret=False)
     lowers(f, args, platform)
 

@@ -96,11 +96,12 @@ def test_errors_name_the_input():
 @pytest.mark.parametrize("style_,platform", LOWERINGS)
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8])
 def test_lowers_at_the_671b_shapes(style_, platform, cache_dtype):
-    """128 heads, kv_lora 512, rope 64, pages of 128 tokens, rows of 128K tokens (traced, not allocated)."""
+    """128 heads, kv_lora 512, rope 64, pages of 128 tokens, rows of 128K tokens (traced, not allocated);
+    q_pe in fp32 beside a bf16 rope key, as the model hands them (`latent_attention._decode_operands`)."""
     b, h, r, p, k = 2, 128, 512, 64, 128
     m = 128 * 1024 // k
     sds = jax.ShapeDtypeStruct
-    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.bfloat16), sds((b * m, k, r), cache_dtype),
+    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.float32), sds((b * m, k, r), cache_dtype),
             sds((b * m, k, p), jnp.bfloat16), sds((b,), jnp.int32), sds((b, m), jnp.int32)]
     if cache_dtype != jnp.bfloat16:
         args.append(sds((b * m, k, r // 128), jnp.float32))

@@ -149,11 +149,12 @@ def test_errors_name_the_input():
                                                (jnp.float8_e4m3fn, True)])
 def test_lowers_at_the_671b_shapes(style_, platform, cache_dtype, paged):
     """128 heads, kv_lora 512, rope 64, index_topk 2048 over a 128K-token cache (traced, not
-    allocated); `paged`: a pool of 2 x 128K tokens in pages of 64."""
+    allocated); `paged`: a pool of 2 x 128K tokens in pages of 64. q_pe in fp32 beside a bf16 rope key,
+    as the model hands them (`latent_attention._decode_operands`)."""
     b, h, r, p, s, k = 2, 128, 512, 64, 128 * 1024, 2048
     rows, slots = (b * s // 64, 64) if paged else (b, s)
     sds = jax.ShapeDtypeStruct
-    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.bfloat16), sds((rows, slots, r), cache_dtype),
+    args = [sds((b, h, r), jnp.bfloat16), sds((b, h, p), jnp.float32), sds((rows, slots, r), cache_dtype),
             sds((rows, slots, p), jnp.bfloat16), sds((b, k), jnp.int32)]
     if cache_dtype == jnp.float8_e4m3fn:
         args.append(sds((rows, slots, r // 128), jnp.float32))
