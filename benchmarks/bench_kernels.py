@@ -17,24 +17,9 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from benchmarks.peaks import achieved, device_peak
 from dsv3_jax import cli
 import pallas_kernels as pk
-
-# device_kind substring -> (bf16 dense TFLOP/s, fp8 dense TFLOP/s or None, HBM TB/s)
-PEAKS = {
-    "H100": (989.0, 1979.0, 3.35), "H800": (989.0, 1979.0, 3.35), "H200": (989.0, 1979.0, 4.8),
-    "TPU v4": (275.0, None, 1.2), "TPU v5 lite": (197.0, None, 0.82), "TPU v5e": (197.0, None, 0.82),
-    "TPU v5p": (459.0, None, 2.76), "TPU v5": (459.0, None, 2.76), "TPU v6": (918.0, 1836.0, 1.64),
-}
-
-
-def device_peak():
-    kind = jax.devices()[0].device_kind
-    for key, peak in PEAKS.items():
-        if key.lower() in kind.lower():
-            return kind, peak
-    return kind, None
-
 
 def timeit(fn, args, iters):
     jax.block_until_ready(fn(*args))  # compile + warm up
@@ -60,15 +45,14 @@ def compare(name, f, r, args, a, bytes_, flops, fp8, peak):
 
 
 def report(name, t_kernel, t_ref, bytes_, flops, fp8, peak):
-    gbs, tfs = bytes_ / t_kernel / 1e9, flops / t_kernel / 1e12
+    rates = achieved(t_kernel, flops, bytes_, peak, fp8)
     if peak is None:
         frac = "n/a"
     else:
-        bf16, f8, hbm = peak
-        compute = (f8 or bf16) if fp8 else bf16
-        frac = f"{max(tfs / compute, gbs / 1e3 / hbm):.1%} (compute {tfs / compute:.1%}, hbm {gbs / 1e3 / hbm:.1%})"
+        compute, hbm = rates["frac_compute"], rates["frac_hbm"]
+        frac = f"{max(compute, hbm):.1%} (compute {compute:.1%}, hbm {hbm:.1%})"
     print(f"kernel {t_kernel * 1e3:10.2f} ms   ref {t_ref * 1e3:10.2f} ms   "
-          f"{gbs:9.2f} GB/s   {tfs:8.4f} TFLOP/s   peak {frac}")
+          f"{rates['gbs']:9.2f} GB/s   {rates['tflops']:8.4f} TFLOP/s   peak {frac}")
 
 
 def bench_fp8(a, peak):
