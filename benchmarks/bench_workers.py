@@ -79,15 +79,7 @@ def _cpu_s() -> float:
 
 
 def jax_train_parts(name, experts, batch, seq, donate: bool = True):
-    """(jitted train step, initial train state, a fixed random batch) of a bench config. The step
-    donates its state as `python -m experiments.train` runs it (`donate`: False for a caller that
-    calls the step again on the same state)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dsv3_jax import DeepSeekV3
-    from dsv3_jax.train import optimizer as optimizer_lib, state as state_lib, step as step_lib
+    """`train_parts` of a bench config with the base config's optimizer, as the trainer runs it."""
     from experiments.configs.base import base_config
 
     cfg = model_config(name, experts)
@@ -97,8 +89,22 @@ def jax_train_parts(name, experts, batch, seq, donate: bool = True):
         cfg = host.tune_model(cfg)
     except ImportError:
         pass
+    return train_parts(cfg, base_config().optimizer, batch, seq, donate)
+
+
+def train_parts(cfg, opt, batch, seq, donate: bool = True):
+    """(jitted train step, initial train state, a fixed random batch [batch, seq + 1]) of a
+    ModelConfig with the optimizer section `opt` (its schedule over 1000 steps). The step donates
+    its state as `python -m experiments.train` runs it (`donate`: False for a caller that calls the
+    step again on the same state)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv3_jax import DeepSeekV3
+    from dsv3_jax.train import optimizer as optimizer_lib, state as state_lib, step as step_lib
+
     model = DeepSeekV3(cfg, rngs=nnx.Rngs(0))
-    opt = base_config().optimizer
     _, params, _ = state_lib.split_model(model)
     tx = optimizer_lib.make_optimizer(opt, 1000, optimizer_lib.decay_mask(params))
     graphdef, state = state_lib.init_train_state(model, tx, 0)
