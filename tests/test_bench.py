@@ -1,13 +1,24 @@
 """`python -m benchmarks.bench` end to end through its command line: the sweep over config
 variants on a tiny grid (worker processes of both frameworks, the summary, the ratio table, the
 prefill through a paged cache), the JSON and the report written between the markers of an existing
-file, and a bad flag; the parts `benchmarks.profile_step` groups a step's ops into."""
+file, and a bad flag; the parts `benchmarks.profile_step` groups a step's ops into; `benchmarks.device_report`'s
+CPU smoke run in this process (its rows, the defaults it names, the markdown) and its budget."""
 
+import ast
+import dataclasses
 import json
+import math
+import pathlib
 
 import pytest
 
 from tests.helpers import run_module
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# benchmarks.device_report's rows the smoke test runs: all but train_fp8, which is train_bf16's code
+# with fp8_matmul=True (the FP8 train step has its own tests) and would add a third to the test's time.
+SMOKE_ROWS = ("fp8_gemm", "fp8_grouped", "mla_decode_bf16", "mla_decode_fp8", "mla_prefill", "mla_prefill_bwd",
+              "train_bf16", "int8_grouped", "int4_grouped", "inference")
 
 
 def test_sweep_writes_the_json_and_the_ratio_table_between_the_markers(tmp_path):
@@ -61,3 +72,68 @@ def test_profile_groups_name_each_part_of_the_step():
         expected[part] = expected.get(part, 0.0) + us / 100.0
     assert shares == pytest.approx(expected)
     assert list(dict(group_shares({"a": 1.0, "fwd slice": 3.0}))) == ["layer stack slices + gradient concatenation", OTHER]
+
+
+def _defined(path: str, name: str) -> bool:
+    """Whether `path` (repository-relative) defines `name` (a function, class or assigned name) or
+    `Class.method` at its top level."""
+    tree = ast.parse((REPO_ROOT / path).read_text())
+    top, _, method = name.partition(".")
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and not method and any(getattr(t, "id", None) == top for t in node.targets):
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == top:
+            return not method or any(getattr(item, "name", None) == method for item in node.body)
+    return False
+
+
+def test_device_report_smoke_writes_every_row_and_defaults_that_name_config_fields(tmp_path):
+    from benchmarks import device_report
+    from benchmarks.device_report_kernels import SMOKE_SHAPES as sh
+    from dsv3_jax import ModelConfig
+
+    assert device_report.main(["--smoke", "--out", str(tmp_path), f"--only={','.join(SMOKE_ROWS)}"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = report["rows"]
+    assert list(rows) == list(SMOKE_ROWS)
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row)  # the smoke shapes run on CPU
+        if row["kind"] == "kernel":
+            for side in ("pallas", "xla"):
+                assert math.isfinite(row[side]["s"]) and row[side]["s"] > 0, (name, side, row[side])
+            # each kernel against an independent XLA form; fp8_grouped's is bf16, the rest share numerics
+            assert row["rel_err"] < (0.1 if name == "fp8_grouped" else 1e-2), (name, row["rel_err"])
+    # bytes of one decode step: the cache as FlashMLA lays it out, read once
+    b, s, _ = sh.decode_BxSxH
+    c, r = sh.latent_CxR
+    assert rows["mla_decode_bf16"]["pallas"]["bytes"] == b * s * (2 * c + 2 * r)
+    assert rows["mla_decode_fp8"]["xla"]["bytes"] == b * s * (c + 4 * (c // 128) + 2 * r)
+    m, k, n = sh.gemm_MxKxN
+    assert rows["fp8_gemm"]["flops"] == 2 * m * k * n
+    train = rows["train_bf16"]
+    assert train["tokens_per_s"] > 0 and train["config"]["params"] == ModelConfig.tiny(
+        num_mtp_layers=0).param_counts()["total"]
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for op, d in report["defaults"].items():
+        assert d["config_field"] is None or d["config_field"] in fields, (op, d)
+        path, name = d["choice_point"].split(":")
+        assert _defined(path, name), (op, d["choice_point"])
+    measured = {d["row"] for d in report["defaults"].values() if d["faster"]}
+    assert measured >= set(SMOKE_ROWS) & {d["row"] for d in report["defaults"].values()}
+
+    text = (tmp_path / "report.md").read_text()
+    table_rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    assert set(SMOKE_ROWS) <= set(table_rows), text
+
+
+def test_device_report_skips_the_rows_past_its_budget_and_rejects_an_unknown_row(tmp_path):
+    from benchmarks import device_report
+
+    assert device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,train_fp8", "--budget_s=1e-9"]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [row["status"] for row in rows.values()] == ["skipped", "skipped"], rows
+    assert "| train_fp8 | skipped: budget of" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,nope"])
+    assert exit_.value.code == 2
