@@ -41,7 +41,7 @@ from benchmarks import device_report_kernels as kernels
 from benchmarks import device_report_model as model
 from benchmarks.bench_kernels import rel_err, timeit
 from benchmarks.device_report_md import markdown
-from benchmarks.peaks import PEAKS, achieved, device_peak
+from benchmarks.peaks import PEAKS, Peak, achieved, device_peak
 from dsv3_jax import cli
 
 
@@ -54,7 +54,7 @@ class Row(NamedTuple):
 class Context(NamedTuple):
     kernel_shapes: kernels.KernelShapes
     model_shapes: model.ModelShapes
-    peak: object  # peaks.Peak | None
+    peak: Peak | None
     iters: int
     rows: dict  # the report's rows so far, by name
 
@@ -76,7 +76,12 @@ def kernel_row(what: str, build: Callable) -> Row:
         timed = [side for side in ("pallas", "xla") if "s" in out[side]]
         if not timed:
             raise RuntimeError(f"both sides failed; pallas: {out['pallas']['error']}")
-        out["rel_err"] = rel_err(case.pallas.fn, case.xla.fn, case.args) if len(timed) == 2 else None
+        out["rel_err"] = None
+        if len(timed) == 2:
+            try:
+                out["rel_err"] = rel_err(case.pallas.fn, case.xla.fn, case.args)
+            except Exception as e:  # noqa: BLE001 (e.g. out of memory holding both outputs: the times stand)
+                out["rel_err_error"] = one_line(e)
         out["faster"] = min(timed, key=lambda side: out[side]["s"])
         return out
 
@@ -137,9 +142,12 @@ def defaults(rows: dict) -> dict:
     train recipe by tokens/s of the two train rows."""
     out = {}
     for op, d in DEFAULTS.items():
-        won = rows.get(d.row, {}).get("faster")
+        row = rows.get(d.row, {})
+        won = row.get("faster")
         out[op] = {"row": d.row, "faster": won, "config_field": d.config_field,
                    "set_to": d.values[won] if won else None, "choice_point": d.choice_point}
+        if "error" in row.get("pallas", {}):  # "xla faster" because the kernel failed here
+            out[op]["pallas_error"] = row["pallas"]["error"]
     rates = {recipe: rows.get(f"train_{recipe}", {}).get("tokens_per_s") for recipe in ("bf16", "fp8")}
     won = max((r for r in rates if rates[r]), key=rates.get, default=None)
     out["train_recipe"] = {"row": "train_bf16, train_fp8", "faster": won, "config_field": "fp8_matmul",

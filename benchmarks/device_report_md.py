@@ -29,8 +29,9 @@ def markdown(report: dict) -> str:
     lines += ["Defaults measured here (report.json `defaults`):", ""]
     for op, d in report.get("defaults", {}).items():
         setting = (f"ModelConfig.{d['config_field']} = {d['set_to']!r}" if d["config_field"] else str(d["set_to"]))
-        lines.append(f"- {op}: " + (f"{d['faster']} faster ({d['row']}): {setting}; chosen in {d['choice_point']}"
-                                    if d["faster"] else f"not measured ({d['row']})"))
+        failed = f" (the kernel failed: {d['pallas_error'][:120]})" if "pallas_error" in d else ""
+        lines.append(f"- {op}: " + (f"{d['faster']} faster{failed} ({d['row']}): {setting}; chosen in "
+                                    f"{d['choice_point']}" if d["faster"] else f"not measured ({d['row']})"))
     lines += ["", "| device kind | bf16 TFLOP/s | fp8 TFLOP/s | HBM TB/s | source |", "|---|---|---|---|---|"]
     for key, p in report["peaks"].items():
         mark = " (this device)" if p == peak else ""

@@ -137,3 +137,31 @@ def test_device_report_skips_the_rows_past_its_budget_and_rejects_an_unknown_row
     with pytest.raises(SystemExit) as exit_:
         device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,nope"])
     assert exit_.value.code == 2
+
+
+def test_device_report_records_a_failing_kernel_and_a_failing_row_and_goes_on(tmp_path, monkeypatch):
+    from benchmarks import device_report
+    from benchmarks.device_report_kernels import fp8_gemm
+
+    def kernel_fails(sh):
+        def fail(*args):
+            raise ValueError("does not lower here\nthe rest of the message")
+
+        case = fp8_gemm(sh)
+        return case._replace(pallas=case.pallas._replace(fn=fail))
+
+    def row_fails(ctx):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setitem(device_report.ROWS, "fp8_gemm", device_report.kernel_row("FP8 GEMM", kernel_fails))
+    monkeypatch.setitem(device_report.ROWS, "inference", device_report.Row("generate", "inference", row_fails))
+    assert device_report.main(["--smoke", f"--out={tmp_path}", "--only=inference,fp8_gemm"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    gemm, inference = report["rows"]["fp8_gemm"], report["rows"]["inference"]
+    assert inference["status"] == "error" and inference["error"] == "MemoryError: out of memory"
+    assert gemm["status"] == "ok" and gemm["pallas"] == {"error": "ValueError: does not lower here"}
+    assert gemm["xla"]["s"] > 0 and gemm["faster"] == "xla" and gemm["rel_err"] is None
+    assert report["defaults"]["fp8_gemm"]["pallas_error"] == "ValueError: does not lower here"
+    text = (tmp_path / "report.md").read_text()
+    assert "| inference | error: MemoryError: out of memory |" in text
+    assert "failed: ValueError: does not lower here" in text
