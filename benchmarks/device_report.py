@@ -139,7 +139,7 @@ DEFAULTS = {
 
 def defaults(rows: dict) -> dict:
     """Per op: the faster implementation measured (None: not measured) and what selects it; the
-    train recipe by tokens/s of the two train rows."""
+    train recipe by tokens/s of the two train rows (None unless both ran)."""
     out = {}
     for op, d in DEFAULTS.items():
         row = rows.get(d.row, {})
@@ -149,7 +149,7 @@ def defaults(rows: dict) -> dict:
         if "error" in row.get("pallas", {}):  # "xla faster" because the kernel failed here
             out[op]["pallas_error"] = row["pallas"]["error"]
     rates = {recipe: rows.get(f"train_{recipe}", {}).get("tokens_per_s") for recipe in ("bf16", "fp8")}
-    won = max((r for r in rates if rates[r]), key=rates.get, default=None)
+    won = max(rates, key=rates.get) if all(rates.values()) else None
     out["train_recipe"] = {"row": "train_bf16, train_fp8", "faster": won, "config_field": "fp8_matmul",
                            "set_to": {"bf16": False, "fp8": True}.get(won),
                            "choice_point": "dsv3_jax/config.py:ModelConfig"}
@@ -181,19 +181,28 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def main(argv=None) -> int:
     args = cli.parse(define_flags, argv, __doc__)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     names = args.only or list(ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         cli.usage(f"--only: unknown rows {unknown}; known: {','.join(ROWS)}")
     if args.budget_s <= 0 or args.iters < 1:
         cli.usage(f"--budget_s={args.budget_s} and --iters={args.iters} must be positive")
+    try:
+        return run(args, names)
+    except OSError as e:  # --out cannot be written
+        return cli.fail(e, args.out)
+
+
+def run(args, names: list[str]) -> int:
+    """The rows `names` in order within the budget, the report rewritten after each; prints the markdown."""
     os.makedirs(args.out, exist_ok=True)
     kind, peak = device_peak()
     ctx = Context(kernels.SMOKE_SHAPES if args.smoke else kernels.KernelShapes(),
                   model.SMOKE_MODEL if args.smoke else model.ModelShapes(), peak, 1 if args.smoke else args.iters, {})
     report = {"meta": {"device_kind": kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
                        "peak": peak._asdict() if peak else None, "smoke": args.smoke, "budget_s": args.budget_s,
-                       "command": "python -m benchmarks.device_report " + " ".join(argv or sys.argv[1:])},
+                       "command": "python -m benchmarks.device_report " + " ".join(args.argv)},
               "peaks": {key: p._asdict() for key, p in PEAKS.items()},
               "rows": {name: {"what": ROWS[name].what, "kind": ROWS[name].kind, "status": "pending"} for name in names}}
     start = time.perf_counter()

@@ -64,7 +64,7 @@ SMOKE_MODEL = ModelShapes(seq=32, batch=2, steps=1, infer_batch=2, infer_prompt=
 def scaled_config(sh: ModelShapes, layers: int, **fields) -> ModelConfig:
     """The 671B with `layers` layers (the first dense) and `sh.routed_experts` experts, no MTP."""
     if sh.smoke:
-        return ModelConfig.tiny(num_mtp_layers=0, **fields)
+        return ModelConfig.tiny(num_layers=2, num_mtp_layers=0, **fields)
     return ModelConfig.deepseek_v3(num_layers=layers, num_dense_layers=1, num_routed_experts=sh.routed_experts,
                                    num_mtp_layers=0, **fields)
 

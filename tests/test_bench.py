@@ -112,7 +112,7 @@ def test_device_report_smoke_writes_every_row_and_defaults_that_name_config_fiel
     assert rows["fp8_gemm"]["flops"] == 2 * m * k * n
     train = rows["train_bf16"]
     assert train["tokens_per_s"] > 0 and train["config"]["params"] == ModelConfig.tiny(
-        num_mtp_layers=0).param_counts()["total"]
+        num_layers=2, num_mtp_layers=0).param_counts()["total"]
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for op, d in report["defaults"].items():
@@ -120,14 +120,15 @@ def test_device_report_smoke_writes_every_row_and_defaults_that_name_config_fiel
         path, name = d["choice_point"].split(":")
         assert _defined(path, name), (op, d["choice_point"])
     measured = {d["row"] for d in report["defaults"].values() if d["faster"]}
-    assert measured >= set(SMOKE_ROWS) & {d["row"] for d in report["defaults"].values()}
+    assert measured == set(SMOKE_ROWS) & {d["row"] for d in report["defaults"].values()}
+    assert report["defaults"]["train_recipe"]["faster"] is None  # train_fp8 did not run
 
     text = (tmp_path / "report.md").read_text()
     table_rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
     assert set(SMOKE_ROWS) <= set(table_rows), text
 
 
-def test_device_report_skips_the_rows_past_its_budget_and_rejects_an_unknown_row(tmp_path):
+def test_device_report_skips_the_rows_past_its_budget_and_rejects_bad_flags(tmp_path, capsys):
     from benchmarks import device_report
 
     assert device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,train_fp8", "--budget_s=1e-9"]) == 0
@@ -137,6 +138,9 @@ def test_device_report_skips_the_rows_past_its_budget_and_rejects_an_unknown_row
     with pytest.raises(SystemExit) as exit_:
         device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,nope"])
     assert exit_.value.code == 2
+    (tmp_path / "a_file").write_text("")
+    assert device_report.main(["--smoke", f"--out={tmp_path / 'a_file' / 'report'}", "--only=fp8_gemm"]) == 2
+    assert "a_file" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_device_report_records_a_failing_kernel_and_a_failing_row_and_goes_on(tmp_path, monkeypatch):
