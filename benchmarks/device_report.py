@@ -20,8 +20,8 @@ DIR/report.json and DIR/report.md are rewritten after every row, so a run cut sh
 measured (rows not reached read "pending"). report.json's "defaults" say, per op, which
 implementation was faster here and the ModelConfig field or the code that chooses it.
 `--smoke`: tiny shapes, the kernels through the Pallas interpreter on CPU; it shows that the
-script works, its figures are not performance. Exit codes: 0 whatever the rows' results; 2 for a
-bad flag.
+script works, its figures are not performance; without it a CPU-only host is refused. Exit codes:
+0 whatever the rows' results; 2 for a bad flag or a CPU-only host without --smoke.
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ def main(argv=None) -> int:
         cli.usage(f"--only: unknown rows {unknown}; known: {','.join(ROWS)}")
     if args.budget_s <= 0 or args.iters < 1:
         cli.usage(f"--budget_s={args.budget_s} and --iters={args.iters} must be positive")
+    if not args.smoke and jax.default_backend() == "cpu":  # the 671B's shapes through the Pallas interpreter: hours
+        cli.usage("the report measures an accelerator at the 671B's shapes and this host has only CPU devices; "
+                  "run it on a GPU or TPU, or pass --smoke to check the script here")
     try:
         return run(args, names)
     except OSError as e:  # --out cannot be written

@@ -138,6 +138,10 @@ def test_device_report_skips_the_rows_past_its_budget_and_rejects_bad_flags(tmp_
     with pytest.raises(SystemExit) as exit_:
         device_report.main(["--smoke", f"--out={tmp_path}", "--only=fp8_gemm,nope"])
     assert exit_.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # the 671B's shapes on this CPU-only host
+        device_report.main([f"--out={tmp_path}", "--only=fp8_gemm"])
+    assert exit_.value.code == 2 and "--smoke" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("")
     assert device_report.main(["--smoke", f"--out={tmp_path / 'a_file' / 'report'}", "--only=fp8_gemm"]) == 2
     assert "a_file" in capsys.readouterr().err.strip().splitlines()[-1]
