@@ -42,7 +42,7 @@ from benchmarks import device_report_model as model
 from benchmarks.bench_kernels import rel_err, timeit
 from benchmarks.device_report_md import markdown
 from benchmarks.peaks import PEAKS, Peak, achieved, device_peak
-from dsv3_jax import cli
+from dsv3_jax import cli, host
 
 
 class Row(NamedTuple):
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         cli.usage(f"--only: unknown rows {unknown}; known: {','.join(ROWS)}")
     if args.budget_s <= 0 or args.iters < 1:
         cli.usage(f"--budget_s={args.budget_s} and --iters={args.iters} must be positive")
-    if not args.smoke and jax.default_backend() == "cpu":  # the 671B's shapes through the Pallas interpreter: hours
+    if not args.smoke and host.on_cpu():  # the 671B's shapes through the Pallas interpreter: hours
         cli.usage("the report measures an accelerator at the 671B's shapes and this host has only CPU devices; "
                   "run it on a GPU or TPU, or pass --smoke to check the script here")
     try:
