@@ -42,7 +42,7 @@ from benchmarks import device_report_model as model
 from benchmarks.bench_kernels import rel_err, timeit
 from benchmarks.device_report_md import markdown
 from benchmarks.peaks import PEAKS, Peak, achieved, device_peak
-from dsv3_jax import cli, host
+from dsv3_jax import cli, host, paths
 
 
 class Row(NamedTuple):
@@ -164,11 +164,8 @@ def one_line(e: BaseException) -> str:
 def write(out_dir: str, report: dict) -> None:
     """report.json and report.md, each replaced whole (a reader never sees half a file)."""
     report["defaults"] = defaults(report["rows"])
-    for name, text in (("report.json", json.dumps(report, indent=1)), ("report.md", markdown(report))):
-        tmp = os.path.join(out_dir, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out_dir, name))
+    paths.write_text(os.path.join(out_dir, "report.json"), json.dumps(report, indent=1))
+    paths.write_text(os.path.join(out_dir, "report.md"), markdown(report))
 
 
 def define_flags(fv: flags.FlagValues) -> None:
