@@ -65,8 +65,10 @@ def serving(chat):
     engine is a stand-in with the sizes the app reads."""
     from dsv3_jax.serving import make_app
 
-    runner = types.SimpleNamespace(context=4096, config=types.SimpleNamespace(vocab_size=chat.tokenizer.vocab_size))
-    engine = types.SimpleNamespace(runner=runner, metrics=types.SimpleNamespace(response=lambda status: None))
+    runner = types.SimpleNamespace(context=4096, drafts=0,
+                                   config=types.SimpleNamespace(vocab_size=chat.tokenizer.vocab_size))
+    engine = types.SimpleNamespace(runner=runner, eos_ids=(), grammars=None,
+                                   metrics=types.SimpleNamespace(response=lambda status: None))
     return app_in_thread(make_app(engine, chat, "m"))
 
 
