@@ -186,76 +186,31 @@ def train(config) -> list[dict]:
     if config.loss.get("indexer_weight", 0.0) and not cfg.has_indexer:
         raise ConfigError(f"config.loss.indexer_weight={config.loss.indexer_weight} trains the lightning indexer, "
                           "which this model has none of: set config.model.index_n_heads, index_head_dim, index_topk")
-    if lead:  # what runs: the resolved model (architecture of the run or checkpoint, run fields asked for)
-        record = json.loads(config.to_json_best_effort())
-        record["model"] = cfg.to_dict()
-        paths.write_text(paths.join(workdir, "config.json"), json.dumps(record, indent=2))
-        paths.write_text(paths.join(workdir, "model_config.json"), json.dumps(cfg.to_dict(), indent=2))
+    if lead:
+        _write_run_files(workdir, config, cfg)
     train_iter, eval_sets = make_data(config, cfg.vocab_size)
-    schedule = optimizer_lib.make_schedule(config.optimizer, tc.steps)
     graphdef, tx, state, on_mesh, trainable = start_state(config, cfg, model, ckpt if resume else None, train_iter)
     del model  # its weights now live in the state (donated)
     start = int(state.step)
-
-    # The state is donated on every platform: this loop reads nothing from a state once the next step
-    # has it (on CPU saves are synchronous: an async save's host views would keep the buffers alive).
-    step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
-                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True,
-                       indexer_weight=config.loss.get("indexer_weight", 0.0))
-    first_batch = None  # a batch drawn before the loop (to compile the step with), the first step's
-    eval_step = step_lib.make_eval_step(graphdef)
-    if on_mesh is None:
-        train_step = step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs)
-    else:
-        mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
-                                                    on_mesh.rules, **step_kwargs)
-        train_step, eval_step = on_mesh.placing(mesh_step), on_mesh.placing(eval_step)
-        if jax.process_count() > 1 and host.on_cpu() and start < tc.steps:
-            # XLA:CPU's collectives (gloo) give a process 30 s to join the first one, and processes
-            # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
-            first_batch = next(train_iter)
-            mesh_step.compile(state, on_mesh.place_batch(first_batch))
-            host.trim_heap()  # the compiler's freed heap, before the step's buffers
-            multihost.barrier("train_step_compiled")
-    tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
-    flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * tokens_per_step
-    peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
-    peak *= jax.device_count()
-    counts = cfg.param_counts()
-    logging.info("model: %.2fM parameters (%.2fM activated, MTP %.2fM); %d tokens/step; peak %.3g FLOP/s (%s)",
-                 counts["total"] / 1e6, counts["activated"] / 1e6, counts["mtp"] / 1e6, tokens_per_step,
-                 peak, peak_source)
-
+    train_step, eval_step, first_batch = _make_steps(config, graphdef, tx, on_mesh, trainable, state, train_iter,
+                                                     start)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start) if lead else _NoWriter()
-    progress = metrics_lib.Progress(tc.steps)
-    records, window_start = [], start
+    log = _StepLog(config, cfg, start, writer, lambda st: evaluate(eval_step, st, eval_sets, tc.eval_batches))
     try:
         # The starting model, before a fine-tune: the baseline of what it forgets of its pretraining.
         if start == 0 and "pretrain_eval_loss" in eval_sets and tc.eval_every:
-            records.append({"step": 0, **evaluate(eval_step, state, eval_sets, tc.eval_batches)})
-            logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", records[0]["eval_loss"],
-                         records[0]["pretrain_eval_loss"])
-            writer.write(records[0])
-        t_window = time.perf_counter()
+            log.baseline(state)
         with checkpointing.preemption() as preempted:
             previous = None  # (the step before, its metrics), checked once this step is queued
             for step in range(start + 1, tc.steps + 1):
                 batch, first_batch = (next(train_iter) if first_batch is None else first_batch), None
-                state, m = train_step(state, batch)
+                state, m = train_step(state, batch)  # the only reference: the step donates its input
                 if resume and step == start + 1:
                     _check_restored(start, m)
                 if previous is not None:  # reading a value waits for its step: one step late keeps one in flight
                     _check_skips(*previous, tc.max_consecutive_skips)
                 previous = (step, m)  # the metrics, not the state: the next step donates the state's buffers
-                if step % tc.log_every == 0 or step == tc.steps:
-                    record = _record(step, m, state, window_start, t_window, tokens_per_step, flops_per_step, peak)
-                    if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
-                        record |= evaluate(eval_step, state, eval_sets, tc.eval_batches)
-                    steps_per_sec, eta = progress.tick(step)
-                    _console(record, tc.steps, steps_per_sec, eta)
-                    writer.write(record)
-                    records.append(record)
-                    window_start, t_window = step, time.perf_counter()
+                log.step(step, m, state)
                 stop = preempted(step)  # the same step on every process
                 saved = _save(ckpt, step, state, train_iter, m, force=step == tc.steps or stop)
                 if stop:
@@ -267,7 +222,82 @@ def train(config) -> list[dict]:
     finally:
         ckpt.close()
         writer.close()
-    return records
+    return log.records
+
+
+def _write_run_files(workdir: str, config, cfg: ModelConfig) -> None:
+    """config.json and model_config.json: what runs, the resolved model (the architecture of the run or
+    checkpoint, the run fields asked for)."""
+    record = json.loads(config.to_json_best_effort())
+    record["model"] = cfg.to_dict()
+    paths.write_text(paths.join(workdir, "config.json"), json.dumps(record, indent=2))
+    paths.write_text(paths.join(workdir, "model_config.json"), json.dumps(cfg.to_dict(), indent=2))
+
+
+def _make_steps(config, graphdef, tx, on_mesh, trainable, state, train_iter, start: int):
+    """(train step, eval step, a batch drawn before the loop or None). The state is donated on every
+    platform: the loop reads nothing from a state once the next step has it (on CPU saves are
+    synchronous: an async save's host views would keep the buffers alive)."""
+    schedule = optimizer_lib.make_schedule(config.optimizer, config.train.steps)
+    step_kwargs = dict(mtp_weight=config.loss.mtp_weight, balance_weight=config.loss.balance_weight,
+                       bias_update_speed=config.balancing.bias_update_speed, trainable=trainable, donate=True,
+                       indexer_weight=config.loss.get("indexer_weight", 0.0))
+    eval_step = step_lib.make_eval_step(graphdef)
+    if on_mesh is None:
+        return step_lib.make_train_step(graphdef, tx, schedule, **step_kwargs), eval_step, None
+    mesh_step = sharded.make_sharded_train_step(graphdef, tx, schedule, on_mesh.shardings, on_mesh.mesh,
+                                                on_mesh.rules, **step_kwargs)
+    first_batch = None
+    if jax.process_count() > 1 and host.on_cpu() and start < config.train.steps:
+        # XLA:CPU's collectives (gloo) give a process 30 s to join the first one, and processes
+        # sharing a machine's cores finish compiling the step minutes apart: compile, then meet.
+        first_batch = next(train_iter)
+        mesh_step.compile(state, on_mesh.place_batch(first_batch))
+        host.trim_heap()  # the compiler's freed heap, before the step's buffers
+        multihost.barrier("train_step_compiled")
+    return on_mesh.placing(mesh_step), on_mesh.placing(eval_step), first_batch
+
+
+class _StepLog:
+    """Logs every train.log_every steps (and the last): the metrics, throughput and MFU over the window
+    since the last record, held-out losses every train.eval_every, a console line with rate and ETA."""
+
+    def __init__(self, config, cfg: ModelConfig, start: int, writer, evaluate_state):
+        tc = config.train
+        self.tc, self.writer, self.evaluate_state, self.records = tc, writer, evaluate_state, []
+        self.tokens_per_step = config.data.batch_size * config.data.seq_len * jax.process_count()
+        self.flops_per_step = metrics_lib.flops_per_token(cfg, config.data.seq_len) * self.tokens_per_step
+        peak, peak_source = metrics_lib.peak_flops_per_device(tc.peak_flops_per_device)
+        self.peak = peak * jax.device_count()
+        counts = cfg.param_counts()
+        logging.info("model: %.2fM parameters (%.2fM activated, MTP %.2fM); %d tokens/step; peak %.3g FLOP/s (%s)",
+                     counts["total"] / 1e6, counts["activated"] / 1e6, counts["mtp"] / 1e6, self.tokens_per_step,
+                     self.peak, peak_source)
+        self.progress = metrics_lib.Progress(tc.steps)
+        self.window_start, self.t_window = start, time.perf_counter()
+
+    def baseline(self, state) -> None:
+        """Step 0's held-out losses, before the first step (the window's clock starts after them)."""
+        record = {"step": 0, **self.evaluate_state(state)}
+        logging.info("step 0 (before training) | eval %.4f | pretrain-eval %.4f", record["eval_loss"],
+                     record["pretrain_eval_loss"])
+        self.writer.write(record)
+        self.records.append(record)
+        self.t_window = time.perf_counter()
+
+    def step(self, step: int, m, state) -> None:
+        tc = self.tc
+        if step % tc.log_every and step != tc.steps:
+            return
+        record = _record(step, m, state, self.window_start, self.t_window, self.tokens_per_step, self.flops_per_step,
+                         self.peak)
+        if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
+            record |= self.evaluate_state(state)
+        steps_per_sec, eta = self.progress.tick(step)
+        _console(record, tc.steps, steps_per_sec, eta)
+        self.writer.write(record)
+        self.records.append(record)
+        self.window_start, self.t_window = step, time.perf_counter()
 
 
 def _save(ckpt: checkpointing.Checkpointer, step: int, state, train_iter, m, *, force: bool) -> bool:
