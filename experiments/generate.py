@@ -134,44 +134,40 @@ def _pick(flag, from_file, default):
     return flag if flag is not None else from_file if from_file is not None else default
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    multihost.initialize()
-    try:
-        cli.check_offload_flags(args)  # before the model loads
-        run = run_folder.find(args.checkpoint)
-        mesh = sharding.make_mesh(args.mesh) if args.mesh else None
-        model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
-                                quantize=args.quantize, quant_group=args.quant_group,
-                                expert_placement=args.expert_placement, redundant_experts=args.redundant_experts,
-                                offload_experts=args.offload_experts)
-        offload = (ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy)
-                   if args.offload_experts else None)
-        own = os.path.join(args.checkpoint, "tokenizer.json")
-        tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
-        defaults = read_generation_config(args.checkpoint)
-        prompts, lengths = pad_rows(*encode_prompts(tokenizer, args.prompt, bos=not args.no_bos), token_shards(mesh))
-        stop = tuple(dict.fromkeys((tokenizer.eos_id, *defaults.eos_ids)))
-        gen = Generation(model, prompts, _pick(args.max_new_tokens, defaults.max_new_tokens, 64),
-                         temperature=_pick(args.temperature, defaults.temperature, 0.0),
-                         top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
-                         seed=args.seed, lengths=lengths, stop_tokens=stop,
-                         use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
-                         prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
-                         rows=len(args.prompt), offload=offload, page_size=args.page_size)
-    except (ValueError, OSError) as e:
-        return cli.fail(e)
-    if run:
-        print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
-    if note := cli.expert_slots_note(offload, "--prefill_chunk"):
-        print(note, file=sys.stderr)
-    stream = len(args.prompt) == 1
-    generated: list[list[int]] = [[] for _ in args.prompt]
+def build(args):
+    """(run folder or None, mesh or None, model, expert offload or None, tokenizer, Generation) for the flags."""
+    cli.check_offload_flags(args)  # before the model loads
+    run = run_folder.find(args.checkpoint)
+    mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    model = load_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh, rules=args.rules, weights=args.weights,
+                            quantize=args.quantize, quant_group=args.quant_group,
+                            expert_placement=args.expert_placement, redundant_experts=args.redundant_experts,
+                            offload_experts=args.offload_experts)
+    offload = ExpertOffload(model, args.expert_cache, policy=args.expert_cache_policy) if args.offload_experts else None
+    own = os.path.join(args.checkpoint, "tokenizer.json")
+    tokenizer = load_tokenizer(args.tokenizer or (own if os.path.isfile(own) else run.tokenizer if run else None))
+    defaults = read_generation_config(args.checkpoint)
+    prompts, lengths = pad_rows(*encode_prompts(tokenizer, args.prompt, bos=not args.no_bos), token_shards(mesh))
+    stop = tuple(dict.fromkeys((tokenizer.eos_id, *defaults.eos_ids)))
+    gen = Generation(model, prompts, _pick(args.max_new_tokens, defaults.max_new_tokens, 64),
+                     temperature=_pick(args.temperature, defaults.temperature, 0.0),
+                     top_k=_pick(args.top_k, defaults.top_k, None), top_p=_pick(args.top_p, defaults.top_p, None),
+                     seed=args.seed, lengths=lengths, stop_tokens=stop,
+                     use_mtp=args.use_mtp, pad_id=tokenizer.pad_id, cache_dtype=args.cache_dtype,
+                     prefill_chunk=args.prefill_chunk, cache_sharding=cache_sharding(mesh, len(prompts), args.rules),
+                     rows=len(args.prompt), offload=offload, page_size=args.page_size)
+    return run, mesh, model, offload, tokenizer, gen
+
+
+def print_generation(gen, mesh, tokenizer, prompts: list[str]) -> None:
+    """One prompt: its continuation streamed as decoded; several: each printed whole at the end."""
+    stream = len(prompts) == 1
+    generated: list[list[int]] = [[] for _ in prompts]
     if stream:
-        print(args.prompt[0], end="", flush=True)
+        print(prompts[0], end="", flush=True)
     shown = ""
     for step in _on_mesh(gen, mesh):
-        for row, n in enumerate(step.counts[:len(args.prompt)]):  # not the padding rows
+        for row, n in enumerate(step.counts[:len(prompts)]):  # not the padding rows
             generated[row].extend(int(t) for t in step.tokens[row, :n])
         if stream:  # decode the whole continuation: byte-level pieces only become text together
             text = tokenizer.decode(generated[0], skip_special_tokens=True)
@@ -180,8 +176,12 @@ def main(argv=None) -> int:
     if stream:
         print()
     else:
-        for prompt, ids in zip(args.prompt, generated):
+        for prompt, ids in zip(prompts, generated):
             print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(ids, skip_special_tokens=True)}")
+
+
+def print_stats(args, gen, model, offload) -> None:
+    """Prefill and decode speed; MTP acceptance, the expert cache and expert frequencies when asked."""
     st = gen.stats
     print(f"prefill {st.prefill_seconds:.3f}s, first decode step {st.first_step_seconds:.3f}s (both compile) | "
           f"then {st.timed_tokens} tokens in {st.decode_seconds:.3f}s: {st.tokens_per_second:.1f} tokens/s")
@@ -197,6 +197,21 @@ def main(argv=None) -> int:
                                  model.config.num_experts_per_token)
     if args.record_expert_load and st.prompt_expert_counts is not None:
         eplb.write_load(args.record_expert_load, st.prompt_expert_counts, model.config.num_dense_layers)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    multihost.initialize()
+    try:
+        run, mesh, model, offload, tokenizer, gen = build(args)
+    except (ValueError, OSError) as e:
+        return cli.fail(e)
+    if run:
+        print(f"[{run.run_dir} at step {run.step}]", file=sys.stderr)
+    if note := cli.expert_slots_note(offload, "--prefill_chunk"):
+        print(note, file=sys.stderr)
+    print_generation(gen, mesh, tokenizer, args.prompt)
+    print_stats(args, gen, model, offload)
     return 0
 
 
