@@ -145,6 +145,42 @@ def plan(config, opts: Options = Options()) -> dict:
     bias_b = per_device_bytes(state.router_bias, shardings.router_bias)
     opt_b = per_device_bytes(state.opt_state, shardings.opt_state)
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    layout = _activations(cfg, state, shardings, mesh, rules, batch, seq, opts)
+    moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
+                            if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
+    rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
+            ("gradients", params_b), (f"AdamW moments (2 x {'/'.join(moment_dtypes)})", opt_b)]
+    rows += [(f"activations: {k} (est.)", v) for k, v in layout.acts.items()]
+    slot_b = _slot_copy_bytes(cfg, state, shardings, mesh, layout.stack)
+    if slot_b:
+        rows.append(("stage slot copy of the stack: weights + gradients", slot_b))
+    total = sum(v for _, v in rows)
+
+    _print_plan(cfg, mesh, n, config, batch, seq, layout.tokens_per_device, total_params, rows, total, layout.micro,
+                layout.stack_tokens // layout.micro, layout.outer, layout.stack)
+    init_compiled = report_init(cfg, tx, config.train.seed, shardings, mesh, n, opts)
+    lowered_s, compiled, memory = None, None, None
+    if opts.lower:
+        lower = functools.partial(lower_train_step, graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq,
+                                  config, opts)
+        lowered_s, compiled, memory = _report_lowering(lower, n, total, opts)
+    return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
+            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled, "compiled_memory": memory,
+            "state_bytes": params_b + bias_b + opt_b, "init_compiled_bytes": init_compiled}
+
+
+class _Layout(NamedTuple):
+    acts: dict  # {activation kind: bytes per device}
+    tokens_per_device: int
+    micro: int  # pipeline microbatches
+    stack_tokens: int  # tokens a stage's MoE stack sees per step
+    outer: int  # microbatches of the layers outside the stack
+    stack: object  # the pipeline schedule's in-flight counts, or None without pipeline
+
+
+def _activations(cfg: ModelConfig, state, shardings, mesh, rules, batch: int, seq: int, opts: Options) -> _Layout:
+    """The activations the step holds per device (plan_memory.py), from how the batch splits over the
+    mesh, the pipeline's microbatches and schedule, and the outer layers' microbatches."""
     batch_shards = sharding.shards_of(sharded.batch_sharding(mesh, rules).spec, mesh)
     tokens_per_device = batch * seq // batch_shards
     stages, experts_axis = mesh.shape["pipeline"], mesh.shape["expert"]
@@ -163,43 +199,34 @@ def plan(config, opts: Options = Options()) -> dict:
                    else stack.slots, in_flight, stack_tokens // micro, True)],
         program=program, experts_axis=experts_axis, stages=stages, logit_tokens=outer_tokens, stack=stack,
         stack_tokens=stack_tokens, gathers_experts=experts_axis == 1 and _experts_split(state, shardings, mesh))
-    moment_dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(state.opt_state)
-                            if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim})
-    rows = [("parameters (%s)" % jnp.dtype(cfg.param_dtype).name, params_b + bias_b),
-            ("gradients", params_b), (f"AdamW moments (2 x {'/'.join(moment_dtypes)})", opt_b)]
-    rows += [(f"activations: {k} (est.)", v) for k, v in acts.items()]
-    slot_b = _slot_copy_bytes(cfg, state, shardings, mesh, stack)
-    if slot_b:
-        rows.append(("stage slot copy of the stack: weights + gradients", slot_b))
-    total = sum(v for _, v in rows)
+    return _Layout(acts, tokens_per_device, micro, stack_tokens, outer, stack)
 
-    _print_plan(cfg, mesh, n, config, batch, seq, tokens_per_device, total_params, rows, total, micro,
-                stack_tokens // micro, outer, stack)
-    init_compiled = report_init(cfg, tx, config.train.seed, shardings, mesh, n, opts)
-    lowered_s, compiled, memory = None, None, None
-    if opts.lower:
-        t0 = time.perf_counter()
-        lowered = lower_train_step(graphdef, tx, schedule, state, shardings, mesh, rules, batch, seq, config, opts)
-        lowered_s = time.perf_counter() - t0
-        text = lowered.as_text()
-        ragged = text.count("ragged_all_to_all")
-        print(f"train step traced and lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}{n}-device "
-              f"mesh in {lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')} "
-              f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
-              f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
-        if opts.check_compiled:
-            m = lowered.compile().memory_analysis()
-            memory = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
-            compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-            # Per device: memory_analysis() of the SPMD executable. The donated state is both an
-            # argument and an (aliased) output, counted once; gradients and activations are temporaries.
-            print(f"compiled on this host, memory_analysis() per device: {compiled / GiB:.3f} GiB = arguments "
-                  f"{m.argument_size_in_bytes / GiB:.3f} + outputs {m.output_size_in_bytes / GiB:.3f} - aliased "
-                  f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
-                  f"plan total / compiled = {total / compiled:.3f}")
-    return {"devices": n, "mesh": dict(mesh.shape), "total_params": total_params, "rows": dict(rows),
-            "total_bytes": total, "lowered_s": lowered_s, "compiled_bytes": compiled, "compiled_memory": memory,
-            "state_bytes": params_b + bias_b + opt_b, "init_compiled_bytes": init_compiled}
+
+def _report_lowering(lower, n: int, total: int, opts: Options):
+    """Lowers the train step (`lower()`), prints what the program holds (expert exchanges, grouped
+    matmuls, pipeline hand-offs) and, with --check_compiled, XLA's memory_analysis() per device beside
+    the plan's total. Returns (seconds to lower, compiled bytes or None, its parts or None)."""
+    t0 = time.perf_counter()
+    lowered = lower()
+    lowered_s = time.perf_counter() - t0
+    text = lowered.as_text()
+    ragged = text.count("ragged_all_to_all")
+    print(f"train step traced and lowered ({opts.lowering_platform}) for the {'' if opts.check_compiled else 'abstract '}{n}-device "
+          f"mesh in {lowered_s:.1f}s; expert all-to-alls in the program: {text.count('all_to_all')} "
+          f"({ragged} ragged_all_to_all), grouped matmuls (ragged_dot): {text.count('ragged_dot')}, "
+          f"pipeline hand-offs (collective_permute): {text.count('collective_permute')}")
+    if not opts.check_compiled:
+        return lowered_s, None, None
+    m = lowered.compile().memory_analysis()
+    memory = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    # Per device: memory_analysis() of the SPMD executable. The donated state is both an
+    # argument and an (aliased) output, counted once; gradients and activations are temporaries.
+    print(f"compiled on this host, memory_analysis() per device: {compiled / GiB:.3f} GiB = arguments "
+          f"{m.argument_size_in_bytes / GiB:.3f} + outputs {m.output_size_in_bytes / GiB:.3f} - aliased "
+          f"(donated state) {m.alias_size_in_bytes / GiB:.3f} + temporaries {m.temp_size_in_bytes / GiB:.3f}; "
+          f"plan total / compiled = {total / compiled:.3f}")
+    return lowered_s, compiled, memory
 
 
 def _slot_copy_bytes(cfg: ModelConfig, state, shardings, mesh, stack) -> int:
