@@ -5,7 +5,7 @@
     python -m benchmarks.bench --baseline=/tmp/base    # adds a "before" column: dsv3-jax from that tree
     python -m benchmarks.bench --only=sweep --repeats=1 # the grid of config variants (bench_workers.GRID)
 
-Measures (the issue-11 config: vocab 4096, hidden 256, 4 layers of which 1 dense, 4 heads, q/kv
+Measures (the bench config, `bench_workers.BENCH_CONFIG`: vocab 4096, hidden 256, 4 layers of which 1 dense, 4 heads, q/kv
 LoRA 128/64, nope/rope/v 32/16/32, 16 routed experts top-2 in 4 groups keeping 2, 1 shared,
 expert width 128, dense width 512, fp32, no MTP, random init; batch 8 x 256):
 - train: fwd + bwd + clipped AdamW tokens/s and MFU against the fp32 matmul peak measured in this

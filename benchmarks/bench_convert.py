@@ -3,7 +3,7 @@ of about 1 GB and 4 GB (same widths, more layers), each conversion in its own su
 
     python -m benchmarks.bench_convert [--workdir /tmp/dsv3_bench] [--sizes 1,4] [--fp8] [--to-hf]
 
-Pass criteria (issue 3): peak RSS of the largest within 25% of the smallest, and under 2 GB.
+Pass criteria: peak RSS of the largest within 25% of the smallest, and under 2 GB.
 """
 
 from __future__ import annotations

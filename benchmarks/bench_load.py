@@ -7,7 +7,7 @@ logits with the unsharded load.
 
     python -m benchmarks.bench_load [--workdir /tmp/dsv3_load] [--size-gb 1] [--fp8] [--keep]
 
-Pass criteria (issue 12): each process of the two-process load peaks below 0.6 x the unsharded
+Pass criteria: each process of the two-process load peaks below 0.6 x the unsharded
 load (peak RSS against peak RSS); the 8-device load below 1.3 x the model's bytes, where:
 - "the model's bytes" are the parameters' bytes (each parameter once, in its loaded dtype: bf16
   for an FP8 folder, so twice the folder's expert bytes);

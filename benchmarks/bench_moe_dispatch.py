@@ -7,7 +7,7 @@ side by side in one run (the machine is shared and noisy), median of several rep
 
 With --grad the forward and backward (of sum(y^2)) are timed, as a train step runs them; with
 --headroom=H1,H2,... the `padded` groups are timed at each C / mean rows per expert
-(dsv3_jax/ops/padded_groups.py HEADROOM), e.g. the issue-27 bench variant's MoE layer:
+(dsv3_jax/ops/padded_groups.py HEADROOM), e.g. the e32_top4 bench variant's MoE layer:
 
     python -m benchmarks.bench_moe_dispatch --tokens 2048 --top_k 4 --dim 320 --hidden 128 --experts 32,64 \
         --impls padded,tiled --grad --headroom 1.0,1.25

@@ -2,7 +2,7 @@
 
 Run one at a time in fresh processes by the driver (benchmarks/bench.py), which loads this file by
 path, so that a --baseline tree's dsv3_jax is measured with today's workloads. Config of both
-frameworks (the issue-11 config) in ISSUE_CONFIG; `small` from experiments/configs/small.py.
+frameworks in BENCH_CONFIG; `small` from experiments/configs/small.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+BENCH_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                     num_layers=4, num_dense_layers=1, num_heads=4, q_lora_rank=128, kv_lora_rank=64,
                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_routed_experts=16,
                     num_shared_experts=1, num_experts_per_token=2, num_expert_groups=4, num_groups_per_token=2,
@@ -21,13 +21,14 @@ ISSUE_CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe
                     compute_dtype="float32", initializer_range=0.02)
 
 
-# The sweep's grid (`python -m benchmarks.bench --only=sweep`): each variant is ISSUE_CONFIG with
-# these fields changed, so that no single tuned shape carries the figures. "issue27" is the variant
-# of issue 27; "tiny" is for the bench's CLI test only.
+# The sweep's grid (`python -m benchmarks.bench --only=sweep`): each variant is BENCH_CONFIG with
+# these fields changed, so that no single tuned shape carries the figures. "tiny" is for the bench's
+# CLI test only.
 VARIANTS = {
-    "bench": {},  # the issue-11 config itself: D 256, 4 heads, top-2 of 16 in 4 groups keeping 2, V 4096
-    "issue27": dict(vocab_size=8192, hidden_size=320, num_heads=5, num_layers=5, num_routed_experts=32,
-                    num_experts_per_token=4, num_expert_groups=8, num_groups_per_token=4),
+    "bench": {},  # BENCH_CONFIG itself: D 256, 4 heads, top-2 of 16 in 4 groups keeping 2, V 4096
+    # D 320, 5 heads, 5 layers, top-4 of 32 experts in 8 groups keeping 4, V 8192
+    "e32_top4": dict(vocab_size=8192, hidden_size=320, num_heads=5, num_layers=5, num_routed_experts=32,
+                     num_experts_per_token=4, num_expert_groups=8, num_groups_per_token=4),
     "odd": dict(vocab_size=6000, hidden_size=192, num_heads=3, num_routed_experts=24, num_experts_per_token=3,
                 num_expert_groups=1, num_groups_per_token=1),  # no group limit, top-3, a vocab of no power of 2
     "wide": dict(vocab_size=12000, hidden_size=448, num_heads=7, num_routed_experts=16, num_experts_per_token=6,
@@ -40,14 +41,14 @@ VARIANTS = {
                  v_head_dim=8, num_routed_experts=8, num_experts_per_token=3, num_expert_groups=2,
                  num_groups_per_token=1, max_position_embeddings=1024),
 }
-GRID = ("bench", "issue27", "odd", "wide", "small_heads")  # the sweep's default variants
+GRID = ("bench", "e32_top4", "odd", "wide", "small_heads")  # the sweep's default variants
 
 
 def model_config(name: str, experts: int | None = None):
     from dsv3_jax import ModelConfig
 
     if name == "issue" or name in VARIANTS:
-        fields = dict(ISSUE_CONFIG, **VARIANTS.get(name, {}))
+        fields = dict(BENCH_CONFIG, **VARIANTS.get(name, {}))
         if experts:
             fields["num_routed_experts"] = experts
         return ModelConfig(**fields)
@@ -292,7 +293,7 @@ def jax_trainer(steps):
 
     config = tiny.get_config()
     with config.unlocked():
-        config.model.update({k: v for k, v in ISSUE_CONFIG.items() if k != "yarn"})
+        config.model.update({k: v for k, v in BENCH_CONFIG.items() if k != "yarn"})
         config.model.yarn = None
         config.data.seq_len, config.data.batch_size = 256, 8
         config.train.update(steps=3 * steps, log_every=steps, eval_every=0, checkpoint_every=10**9, compilation_cache="",

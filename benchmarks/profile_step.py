@@ -1,6 +1,6 @@
 """Top operations of the bench's train step (or one decode step) by time, from a jax.profiler trace.
 
-    python -m benchmarks.profile_step [--what=train|decode|prefill] [--variant=issue27] [--steps=3] [--top=25]
+    python -m benchmarks.profile_step [--what=train|decode|prefill] [--variant=e32_top4] [--steps=3] [--top=25]
                                       [--page_size=64]
 
 Traces a few steps of benchmarks.bench's issue config or one of its sweep's --variant configs

@@ -1,4 +1,4 @@
-"""Peak memory of a multi-process start and resume (issue 22, acceptance 1): N processes x K fake CPU
+"""Peak memory of a multi-process start and resume: N processes x K fake CPU
 devices run `python -m experiments.train` on a model whose train state (fp32 parameters + two AdamW
 moments) is ~1.85 GB, on a mesh that splits it over all devices; each process's peak RSS
 (`/usr/bin/time -v`) is compared with the same run of the tiny default, on a fresh start and on a

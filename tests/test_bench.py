@@ -52,7 +52,7 @@ def test_unknown_variant_exits_2_naming_the_flag():
 def test_profile_groups_name_each_part_of_the_step():
     from benchmarks.profile_step import OTHER, group_shares
 
-    # Labels as benchmarks.profile_step writes them for the issue27 train step, each with the
+    # Labels as benchmarks.profile_step writes them for the e32_top4 train step, each with the
     # part it belongs to by reading the model: batched expert matmuls and the transposes of their
     # backward, the chunked head, attention, a 2-D projection, AdamW's guard, the stack's gradient
     # concatenation, an activation.

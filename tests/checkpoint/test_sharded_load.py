@@ -1,4 +1,4 @@
-"""load_pretrained across processes (issue 12, acceptance 3, at test size): two processes x 4 fake
+"""load_pretrained across processes, at test size: two processes x 4 fake
 CPU devices (jax.distributed on 127.0.0.1) load an HF folder, bf16 and FP8 with block scales, onto
 an fsdp=2 x expert=4 mesh. Every parameter has the sharding of the rules table training uses, the
 logits equal the unsharded load, and each process reads (counted at the reader) well under the

@@ -133,7 +133,7 @@ def test_receive_side_gives_padding_to_no_expert(impl, monkeypatch):
 
 
 def test_tensor_ranks_share_the_expert_work(ep_rows):
-    """Issue 22, acceptance 5: tensor=2 x expert=4 (8 devices) against expert=4 (4 devices) at one
+    """tensor=2 x expert=4 (8 devices) against expert=4 (4 devices) at one
     global batch; the compiled MoE forward and backward costs each device about half (each tensor
     rank takes half the tokens), not the same again (each rank repeating its peer's rows)."""
     rows = {r["flops_mesh"]: r for r in ep_rows if "flops_mesh" in r}

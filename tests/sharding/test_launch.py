@@ -1,4 +1,4 @@
-"""Launcher dry runs (issue 12, acceptance 7): a 64-host TPU pod, a 2 x 32 multi-slice pod and a
+"""Launcher dry runs: a 64-host TPU pod, a 2 x 32 multi-slice pod and a
 2-node SLURM job print, per host, the process id, the coordinator and the same training command
 with its mesh flags. The SLURM coordinator and ids are checked against jax's own SLURM detection."""
 

@@ -31,7 +31,7 @@ def train_losses(workdir, devices: int, *mesh_flags) -> list[float]:
 
 
 # Every axis through the command line at least once, pipeline=4 under DualPipeV (the schedule chosen
-# on the command line, issue 23 acceptance 1); each mesh's step, and fsdp=8 and the pipeline x
+# on the command line); each mesh's step, and fsdp=8 and the pipeline x
 # expert mesh, are held per array against one device in tests/sharding/test_parity.py.
 MESHES = {"ep": {"data": 2, "expert": 4}, "fsdp_tp_ep": {"fsdp": 2, "tensor": 2, "expert": 2},
           "pp4_dualpipev": {"pipeline": 4, "data": 2}}

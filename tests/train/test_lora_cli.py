@@ -63,7 +63,7 @@ def dropout_run(pretrained, tmp_path_factory, compile_cache):
 
 
 def test_lora_lowers_the_held_out_sft_loss_and_trains_the_adapters_only(pretrained, lora_run):
-    """Issue 26, acceptance 2: the held-out SFT loss (assistant tokens of the held-out bundled
+    """The held-out SFT loss (assistant tokens of the held-out bundled
     conversations) after 8 steps is below the pretrained model's (the step-0 record), the
     pretraining held-out loss reported beside it. The checkpoint: base weights and router biases
     bit-equal to the pretrained run's, every adapter's B moved off its zero start."""

@@ -1,5 +1,5 @@
-"""A run whose work directory is `gs://bucket/run`, against a local GCS emulator (issue 22,
-acceptance 4): `experiments.train` trains into the bucket, is SIGKILLed, resumes from the bucket
+"""A run whose work directory is `gs://bucket/run`, against a local GCS emulator:
+`experiments.train` trains into the bucket, is SIGKILLed, resumes from the bucket
 with the loss curve of an uninterrupted run, and `experiments.generate --checkpoint=gs://bucket/run`
 answers from it, through the command lines. The test process reads the bucket over the emulator's
 JSON API only.

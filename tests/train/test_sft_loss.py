@@ -1,4 +1,4 @@
-"""The assistant-only loss on packed multi-turn chat rows (issue 26, acceptance 1): the loss (main and
+"""The assistant-only loss on packed multi-turn chat rows: the loss (main and
 MTP) equals numpy on HF transformers' own assistant mask, and no target outside the assistant turns
 reaches a gradient."""
 
