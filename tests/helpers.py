@@ -36,9 +36,25 @@ _COLLECTIVE_TIMEOUTS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900
                         "--xla_cpu_collective_timeout_seconds=900")
 # Fake-device programs are compiled afresh (see `fake_device_env`); cheaper codegen halves that, and
 # XLA:CPU's classic fusion emitters cut another third of the compile (the MLIR ones build and
-# canonicalize an MLIR module per fusion). Every comparison runs both sides with these flags.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+# canonicalize an MLIR module per fusion) where XLA still has them: newer XLA (jax 0.12) has only the
+# MLIR ones and aborts on the unknown flag, so it is kept only if a child process accepts it. Every
+# comparison runs both sides with these flags.
+_CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_CLASSIC_FUSION = "--xla_cpu_use_fusion_emitters=false"
+_FAST_COMPILE_ENV = "DSV3_TESTS_FAST_COMPILE"  # the probe's answer, inherited by workers and children
+
+
+def _fast_compile_flags() -> str:
+    if _FAST_COMPILE_ENV not in os.environ:
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1).block_until_ready()"],
+                               env={**os.environ, "XLA_FLAGS": _CLASSIC_FUSION, "JAX_PLATFORMS": "cpu"},
+                               capture_output=True, timeout=120)
+        classic = _CLASSIC_FUSION if probe.returncode == 0 else ""
+        os.environ[_FAST_COMPILE_ENV] = f"{_CHEAP_CODEGEN} {classic}".strip()
+    return os.environ[_FAST_COMPILE_ENV]
+
+
+FAST_COMPILE = _fast_compile_flags()
 STALL_S = 180.0
 
 
