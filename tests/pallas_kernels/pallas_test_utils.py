@@ -10,9 +10,21 @@ from pallas_kernels import quantize_1x128
 LOWERINGS = [("tpu", "tpu"), ("triton", "cuda")]
 
 
+# The GPU a CUDA lowering targets from this CPU host: Triton lowers per compute capability, which
+# newer jax (0.12) reads from the abstract mesh's device when no GPU is attached.
+_CUDA_TARGET = jax.sharding.AbstractMesh((1,), ("gpu",), axis_types=(jax.sharding.AxisType.Auto,),
+                                         abstract_device=jax.sharding.AbstractDevice(
+                                             device_kind="NVIDIA H100", num_cores=132, platform="gpu"))
+
+
 def lowers(fn, args, platform):
-    """`jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))`; raises on failure."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+    """`jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))` (for "cuda": an H100's); raises
+    on failure."""
+    lower = lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))  # noqa: E731
+    if platform != "cuda":
+        return lower()
+    with jax.sharding.use_abstract_mesh(_CUDA_TARGET):
+        return lower()
 
 
 def numpy_promoted_matmul(x_q, x_s, w_q, w_s):
