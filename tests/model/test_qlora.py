@@ -76,8 +76,11 @@ def test_qlora_logits_equal_dequantized_base_plus_numpy_update(qlora):
     adapters = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)]
     assert len(adapters) == 2 * 19 and all(v.dtype == jnp.float32 for v in adapters)  # fp32 over an int4 base
     got, want = _logits(model, tokens), _logits(_dense_reference(model, merged=True), tokens)
-    assert helpers.rel_err(_logits(_dense_reference(model, merged=False), tokens), want) < 1e-5
-    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    # Both comparisons differ by fp32 rounding only: merged x (W + BA) against unmerged xW + xAB, and
+    # the int4 tile loop against the dense merged model (under 2e-5 with jax 0.10's XLA:CPU, up to
+    # 2.1e-5 with 0.12's); adapters scaled 10% wrong move them by 0.7.
+    assert helpers.rel_err(_logits(_dense_reference(model, merged=False), tokens), want) < 5e-5
+    np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_qlora_adapter_gradients_equal_dense_reference(qlora):

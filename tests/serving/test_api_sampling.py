@@ -135,7 +135,9 @@ def test_chat_n_and_logprobs_stream_what_they_answer(client, model):
         assert "".join(m.delta.content or "" for m in mine) == c.message.content
         streamed = [t for m in mine if m.logprobs for t in m.logprobs.content]
         assert [t.token for t in streamed] == [t.token for t in c.logprobs.content]
-        np.testing.assert_allclose([t.logprob for t in streamed], [t.logprob for t in c.logprobs.content], atol=1e-6)
+        # the same draws; log-probabilities equal up to rounding (the two requests decode beside others,
+        # in batches whose matmuls round differently: 1.9e-6 apart under jax 0.12's XLA:CPU)
+        np.testing.assert_allclose([t.logprob for t in streamed], [t.logprob for t in c.logprobs.content], atol=TOL)
 
 
 @pytest.mark.parametrize("extra", [

@@ -86,7 +86,7 @@ def test_dense_warmup_trains_the_indexer_alone(warm):
                                     balance_weight=1e-4, bias_update_speed=0.0, trainable=trainable,
                                     indexer_weight=1.0)
     batch, kls = _batch(warm.config.vocab_size), []
-    for _ in range(10):
+    for _ in range(20):  # the KL's descent is slow, then steep: 10 steps sat on the slope under jax 0.12
         state, metrics = step(state, batch)
         kls.append(float(metrics["indexer_loss"]))
     assert kls[-1] < 0.7 * kls[0], kls
